@@ -1,0 +1,4 @@
+from ds_trainer.cli import main
+
+if __name__ == "__main__":
+    main()

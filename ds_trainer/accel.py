@@ -1,0 +1,81 @@
+"""Accelerate wiring: the only module that imports `accelerate`, and only inside functions.
+
+Every DeepSpeedPlugin field is passed explicitly, so `ACCELERATE_*` environment variables and a stale
+`~/.cache/huggingface/accelerate/default_config.yaml` cannot leak into a run.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+# precision group -> Accelerate's mixed_precision
+MIXED_PRECISION = {"bf16": "bf16", "fp16": "fp16", "fp32": "no"}
+
+
+def mixed_precision(cfg: DictConfig) -> str:
+    return MIXED_PRECISION[cfg.precision.name.value]
+
+
+def config_file(cfg: DictConfig, ds_json: Path | None, world_size: int) -> dict[str, Any]:
+    """The content of `accelerate_config.yaml`: usable as is with `accelerate launch --config_file`.
+
+    DeepSpeed runs point at the written `ds_config.json` and carry none of the fields Accelerate
+    refuses next to a config file (stage, offload, accumulation, clipping).
+    """
+    on_cpu = cfg.resolved.platform == "cpu"
+    deepspeed = cfg.resolved.backend == "deepspeed"
+    if deepspeed:
+        distributed_type = "DEEPSPEED"
+    elif world_size > 1:
+        distributed_type = "MULTI_CPU" if on_cpu else "MULTI_GPU"
+    else:
+        distributed_type = "NO"
+    out: dict[str, Any] = {
+        "compute_environment": "LOCAL_MACHINE",
+        "distributed_type": distributed_type,
+        "mixed_precision": mixed_precision(cfg),
+        "num_machines": 1,
+        "num_processes": int(world_size),
+        "machine_rank": 0,
+        "main_training_function": "main",
+        "rdzv_backend": "static",
+        "same_network": True,
+        "use_cpu": on_cpu,
+        "downcast_bf16": "no",
+        "debug": False,
+    }
+    if deepspeed:
+        assert ds_json is not None
+        out["deepspeed_config"] = {
+            "deepspeed_config_file": str(ds_json.resolve()),
+            "zero3_init_flag": int(cfg.zero.stage) == 3,
+        }
+    return out
+
+
+def deepspeed_plugin(cfg: DictConfig, ds: dict[str, Any]) -> Any:
+    """A DeepSpeedPlugin for `ds` with every field explicit (nothing read from the environment)."""
+    from accelerate.utils import DeepSpeedPlugin
+
+    zero = ds["zero_optimization"]
+    offload_optimizer = zero.get("offload_optimizer", {})
+    offload_param = zero.get("offload_param", {})
+    return DeepSpeedPlugin(
+        hf_ds_config=ds,
+        gradient_accumulation_steps=ds["gradient_accumulation_steps"],
+        gradient_clipping=ds["gradient_clipping"],
+        zero_stage=zero["stage"],
+        is_train_batch_min=True,
+        offload_optimizer_device=offload_optimizer.get("device", "none"),
+        offload_param_device=offload_param.get("device", "none"),
+        offload_optimizer_nvme_path=offload_optimizer.get("nvme_path", "none"),
+        offload_param_nvme_path=offload_param.get("nvme_path", "none"),
+        zero3_init_flag=zero["stage"] == 3,
+        zero3_save_16bit_model=bool(zero.get("stage3_gather_16bit_weights_on_model_save", False)),
+        transformer_moe_cls_names="",
+        enable_msamp=False,
+        msamp_opt_level="O1",
+    )

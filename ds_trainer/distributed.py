@@ -1,0 +1,33 @@
+"""Where this process sits in a run: rank and world size from torchrun, Accelerate, SLURM or submitit.
+
+Torch-free: it only reads environment variables, so Hydra resolvers can use it before anything loads.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def rank() -> int:
+    """Global rank: torchrun/Accelerate's RANK, else SLURM's task id, else 0."""
+    for var in ("RANK", "SLURM_PROCID"):
+        value = os.environ.get(var)
+        if value is not None and value.isdigit():
+            return int(value)
+    return 0
+
+
+def is_main() -> bool:
+    return rank() == 0
+
+
+def export_submitit_env() -> None:
+    """Inside a submitit task, set RANK, WORLD_SIZE, LOCAL_RANK and MASTER_ADDR/PORT for torch.distributed.
+
+    One task per GPU, started by srun: each task is one DeepSpeed rank.
+    """
+    if "RANK" in os.environ or "SUBMITIT_EXECUTOR" not in os.environ:
+        return
+    import submitit
+
+    submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)

@@ -1,0 +1,97 @@
+"""Optimizer names: normalization, fallbacks, and what the installed DeepSpeed supports. Torch-free."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+from functools import cache
+from pathlib import Path
+
+# Read from DeepSpeed 0.19.8's runtime/config.py; used only when DeepSpeed is not installed.
+FALLBACK_DEEPSPEED_OPTIMIZERS = (
+    "adagrad", "adam", "adamw", "lamb", "muadam", "muadamw", "musgd", "lion", "muon",
+)
+
+# Names users bring from older docs and other trainers, and what they become.
+SUBSTITUTES = {
+    "cpuadam": "adamw",
+    "deepspeedcpuadam": "adamw",
+    "fusedadam": "adamw",
+}
+
+# Which fields of the `optimizer` group each DeepSpeed optimizer takes.
+PARAMS: dict[str, tuple[str, ...]] = {
+    "adam": ("lr", "betas", "eps", "weight_decay"),
+    "adamw": ("lr", "betas", "eps", "weight_decay"),
+    "adagrad": ("lr", "eps", "weight_decay"),
+    "lamb": ("lr", "betas", "eps", "weight_decay"),
+    "lion": ("lr", "betas", "weight_decay"),
+    "muadam": ("lr", "betas", "eps", "weight_decay"),
+    "muadamw": ("lr", "betas", "eps", "weight_decay"),
+    "musgd": ("lr", "momentum", "weight_decay"),
+    "muon": ("lr", "momentum", "betas", "eps", "weight_decay"),
+}
+
+# DeepSpeed's `type` spelling for each name (its matching is case-insensitive; these read well).
+DEEPSPEED_TYPE = {
+    "adam": "Adam", "adamw": "AdamW", "adagrad": "Adagrad", "lamb": "Lamb", "lion": "Lion",
+    "muadam": "MuAdam", "muadamw": "MuAdamW", "musgd": "MuSGD", "muon": "Muon",
+}
+
+# Optimizers that run where ZeRO offload puts the state: DeepSpeed's CPU Adam/Adagrad/Lion kernels,
+# and Muon (torch ops on the CPU partitions). Measured on DeepSpeed 0.19.8.
+CPU_OFFLOAD_CAPABLE = frozenset({"adam", "adamw", "adagrad", "lion", "muon"})
+# Optimizers whose DeepSpeed kernel exists only on CUDA when the state is not offloaded
+# (FusedLamb always; FusedLion unless offload gives DeepSpeedCPULion instead).
+CUDA_KERNEL = frozenset({"lamb", "lion"})
+# muP optimizers: they need mup's `set_base_shapes` on a width-scaled model family, which SDXL's
+# UNet is not; DeepSpeed fails on them without it.
+MUP = frozenset({"muadam", "muadamw", "musgd"})
+
+
+def normalize(name: str) -> str:
+    """Case, `-` and `_` do not matter: `AdamW`, `adam_w`, `Adam-W` are all `adamw`."""
+    return name.strip().lower().replace("-", "").replace("_", "")
+
+
+@cache
+def deepspeed_optimizers() -> tuple[str, ...]:
+    """Optimizer names the installed DeepSpeed knows, read from its source without importing it.
+
+    Importing DeepSpeed imports torch (seconds); the dry run must not, so the list literal
+    `DEEPSPEED_OPTIMIZERS` in `deepspeed/runtime/config.py` is parsed instead.
+    """
+    spec = importlib.util.find_spec("deepspeed")
+    if spec is None or not spec.submodule_search_locations:
+        return FALLBACK_DEEPSPEED_OPTIMIZERS
+    source = Path(next(iter(spec.submodule_search_locations))) / "runtime" / "config.py"
+    try:
+        tree = ast.parse(source.read_text())
+    except (OSError, SyntaxError):
+        return FALLBACK_DEEPSPEED_OPTIMIZERS
+    constants: dict[str, str] = {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            target, value = node.targets[0].id, node.value
+            if isinstance(value, ast.Constant) and isinstance(value.value, str):
+                constants[target] = value.value
+            elif target == "DEEPSPEED_OPTIMIZERS" and isinstance(value, ast.List):
+                names = [constants.get(e.id) if isinstance(e, ast.Name) else getattr(e, "value", None)
+                         for e in value.elts]
+                return tuple(n for n in names if isinstance(n, str))
+    return FALLBACK_DEEPSPEED_OPTIMIZERS
+
+
+def resolve(name: str) -> tuple[str | None, str | None]:
+    """Map a user's optimizer name to a supported one.
+
+    Returns (name, warning): name is None when the installed DeepSpeed does not know it.
+    """
+    key = normalize(name)
+    if key in SUBSTITUTES:
+        new = SUBSTITUTES[key]
+        return new, (f"optimizer.name={name} is not a DeepSpeed optimizer type; using {new} "
+                     f"(DeepSpeed picks its CPU or fused kernel itself)")
+    if key in deepspeed_optimizers():
+        return key, None
+    return None, None

@@ -1,0 +1,100 @@
+"""Run directories: names shared by all ranks of a run, distinct between runs, and the files written there.
+
+Under torchrun every rank runs `@hydra.main` and would compute its own `${now:}` directory; the stamp
+here is derived from the launcher process instead, so the ranks of one run agree. Two runs started
+in the same second still differ by a random suffix.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import secrets
+import socket
+import time
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import yaml
+from omegaconf import DictConfig, OmegaConf
+
+from ds_trainer import ASSETS_DIR, distributed
+
+
+def _process_start(pid: int) -> float | None:
+    """Start time of `pid` in seconds since the epoch (Linux), or None."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        ticks = int(fields[19])
+        boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                    if line.startswith("btime"))
+    except (OSError, IndexError, ValueError, StopIteration):
+        return None
+    return boot + ticks / os.sysconf("SC_CLK_TCK")
+
+
+@cache
+def stamp() -> str:
+    """`YYYY-MM-DD/HH-MM-SS-xxxxxx`, the same on all local ranks of one launch, unique per run."""
+    if os.environ.get("DS_TRAINER_RUN_STAMP"):
+        return os.environ["DS_TRAINER_RUN_STAMP"]
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        # Ranks started by torchrun (or accelerate launch) share their parent, the elastic agent.
+        parent = os.getppid()
+        started = _process_start(parent) or time.time()
+        key = f"{socket.gethostname()}:{parent}:{started}:{os.environ['TORCHELASTIC_RUN_ID']}"
+        suffix = hashlib.sha1(key.encode()).hexdigest()[:6]
+    else:
+        started, suffix = time.time(), secrets.token_hex(3)
+    return time.strftime("%Y-%m-%d/%H-%M-%S", time.localtime(started)) + f"-{suffix}"
+
+
+def rank_zero_only(value: Any) -> Any:
+    """`value` on rank 0, None elsewhere (so only rank 0 writes Hydra's `.hydra/` folder)."""
+    return value if distributed.is_main() else None
+
+
+def log_file(path: str) -> str:
+    """`path` on rank 0; other ranks log to the console only."""
+    return path if distributed.is_main() else os.devnull
+
+
+def asset(name: str) -> str:
+    """Absolute path of a folder in `ds_trainer/assets` (model architectures kept in the repo)."""
+    return str(ASSETS_DIR / name)
+
+
+def register_resolvers() -> None:
+    """Resolvers used by `conf/`: run and sweep directories, rank-0-only files, asset paths."""
+    for name, fn in (("ds_trainer_run_stamp", stamp), ("ds_trainer_rank_zero_only", rank_zero_only),
+                     ("ds_trainer_log_file", log_file), ("ds_trainer_asset", asset)):
+        if not OmegaConf.has_resolver(name):
+            OmegaConf.register_new_resolver(name, fn)
+
+
+def write_json(path: Path, data: Any) -> None:
+    """Write atomically: a reader never sees half a file."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    tmp.replace(path)
+
+
+def write_yaml(path: Path, data: Any) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(data if isinstance(data, str) else yaml.safe_dump(data, sort_keys=False))
+    tmp.replace(path)
+
+
+def write_run_files(run_dir: Path, cfg: DictConfig, ds: dict[str, Any] | None,
+                    accelerate: dict[str, Any]) -> dict[str, Path]:
+    """Write `config.yaml`, `ds_config.json` (DeepSpeed runs) and `accelerate_config.yaml`."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    files = {"config": run_dir / "config.yaml", "accelerate": run_dir / "accelerate_config.yaml"}
+    write_yaml(files["config"], OmegaConf.to_yaml(cfg))
+    if ds is not None:
+        files["ds_config"] = run_dir / "ds_config.json"
+        write_json(files["ds_config"], ds)
+    write_yaml(files["accelerate"], accelerate)
+    return files

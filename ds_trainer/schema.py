@@ -1,0 +1,263 @@
+"""Typed schemas of every config group, registered in Hydra's ConfigStore.
+
+The root schema (`ds_trainer_schema`) types every group, so a typo or a wrong type in any option file
+or override fails at composition with Hydra's own message. Torch-free.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+
+class Backend(str, Enum):
+    ddp = "ddp"
+    deepspeed = "deepspeed"
+
+
+class OffloadDevice(str, Enum):
+    none = "none"
+    cpu = "cpu"
+    nvme = "nvme"
+
+
+class SchedulerName(str, Enum):
+    warmup = "warmup"
+    warmup_decay = "warmup_decay"
+    warmup_cosine = "warmup_cosine"
+    one_cycle = "one_cycle"
+    constant = "constant"
+
+
+class Precision(str, Enum):
+    bf16 = "bf16"
+    fp16 = "fp16"
+    fp32 = "fp32"
+
+
+class DataSource(str, Enum):
+    synthetic = "synthetic"
+    folder = "folder"
+
+
+class LoggerName(str, Enum):
+    wandb = "wandb"
+    none = "none"
+
+
+class LoggerMode(str, Enum):
+    offline = "offline"
+    online = "online"
+    disabled = "disabled"
+
+
+class Platform(str, Enum):
+    auto = "auto"
+    cuda = "cuda"
+    cpu = "cpu"
+    mps = "mps"
+    rocm = "rocm"
+
+
+@dataclass
+class ZeroConfig:
+    """`zero` group: the ZeRO stage (or plain DDP) and its knobs. Bucket sizes are elements."""
+
+    backend: Backend = Backend.deepspeed
+    stage: int = 2
+    overlap_comm: bool = True
+    contiguous_gradients: bool = True
+    reduce_scatter: bool = True
+    allgather_partitions: bool = True
+    reduce_bucket_size: int = 200_000_000
+    allgather_bucket_size: int = 200_000_000
+    round_robin_gradients: bool = False
+    stage3_prefetch_bucket_size: int = 50_000_000
+    stage3_param_persistence_threshold: int = 100_000
+    stage3_max_live_parameters: int = 1_000_000_000
+    stage3_max_reuse_distance: int = 1_000_000_000
+    stage3_gather_16bit_weights_on_model_save: bool = True
+    sub_group_size: int = 1_000_000_000
+
+
+@dataclass
+class OffloadConfig:
+    """`offload` group: where optimizer state (stages 1-3) and parameters (stage 3) live."""
+
+    device: OffloadDevice = OffloadDevice.none
+    # None: parameters follow the stage (offloaded on stage 3 only); false keeps them on the GPU.
+    params: bool | None = None
+    pin_memory: bool = True
+    nvme_path: str = "${paths.outputs}/nvme_swap"
+    # None: chosen from the model size by the DeepSpeed config builder.
+    buffer_count: int | None = None
+    buffer_size: int | None = None
+    # Free space required on nvme_path over the estimated swap size.
+    free_space_margin: float = 1.2
+
+
+@dataclass
+class OptimizerConfig:
+    """`optimizer` group: written as DeepSpeed's `optimizer` block (one owner: nothing else builds one).
+
+    Fields an optimizer does not take are left out of its block (see `optimizers.PARAMS`).
+    """
+
+    name: str = "adamw"
+    lr: float = 1e-4
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    weight_decay: float = 1e-2
+    momentum: float = 0.95
+
+
+@dataclass
+class SchedulerConfig:
+    """`scheduler` group: DeepSpeed's LR schedulers; totals come from `train.max_steps`."""
+
+    name: SchedulerName = SchedulerName.warmup
+    # None: 10% of train.max_steps, at most 500.
+    warmup_steps: int | None = None
+    warmup_min_lr: float = 0.0
+    warmup_type: str = "linear"
+    warmup_min_ratio: float = 0.0
+    cos_min_ratio: float = 0.01
+    # one_cycle: the LR moves between min_lr_ratio * optimizer.lr and optimizer.lr.
+    min_lr_ratio: float = 0.1
+
+
+@dataclass
+class ResolutionConfig:
+    """`resolution` group: training image size in pixels."""
+
+    width: int = 1024
+    height: int = 1024
+
+
+@dataclass
+class PrecisionConfig:
+    """`precision` group: bf16, fp16 with dynamic loss scaling, or fp32."""
+
+    name: Precision = Precision.bf16
+    initial_scale_power: int = 16
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    min_loss_scale: float = 1.0
+
+
+@dataclass
+class ModelConfig:
+    """`model` group: which SDXL to train.
+
+    `param_count`, `max_param_numel` and `downsample_factor` describe the UNet so the torch-free
+    validation can size NVMe buffers and swap and check resolutions; a test checks them against
+    the built model.
+    """
+
+    name: str = MISSING
+    # A local diffusers folder or a hub id; None builds the architecture in `architecture`.
+    pretrained: str | None = None
+    revision: str | None = None
+    variant: str | None = None
+    # Folder of diffusers/transformers configs kept in the repo (ds_trainer/assets/<name>).
+    architecture: str = MISSING
+    param_count: int = MISSING
+    max_param_numel: int = MISSING
+    downsample_factor: int = MISSING
+
+
+@dataclass
+class DataConfig:
+    """`data` group: where images and captions come from."""
+
+    source: DataSource = DataSource.synthetic
+    path: str | None = None
+    num_samples: int = 64
+    caption_ext: str = "txt"
+    center_crop: bool = True
+    random_flip: bool = False
+    cache: bool = True
+    cache_dir: str = "${paths.outputs}/cache"
+    num_workers: int = 0
+
+
+@dataclass
+class LoggerConfig:
+    """`logger` group: experiment tracking."""
+
+    name: LoggerName = LoggerName.wandb
+    mode: LoggerMode = LoggerMode.offline
+    project: str = "ds_trainer"
+    entity: str | None = None
+    group: str | None = None
+    tags: list[str] = field(default_factory=list)
+
+
+@dataclass
+class TrainConfig:
+    """Top-level training knobs."""
+
+    max_steps: int = 40
+    micro_batch_size: int = 1
+    gradient_accumulation_steps: int = 1
+    gradient_clipping: float = 1.0
+    seed: int = 0
+    gradient_checkpointing: bool = False
+    # 0: save only at the end.
+    checkpoint_every: int = 0
+    checkpoints_to_keep: int = 2
+    ema: bool = False
+    ema_decay: float = 0.9999
+    ema_device: str = "cpu"
+    log_every: int = 1
+    min_snr_gamma: float | None = None
+    noise_offset: float = 0.0
+
+
+@dataclass
+class PathsConfig:
+    outputs: str = "outputs"
+
+
+@dataclass
+class ResolvedConfig:
+    """Decisions validation made; written to `config.yaml` so a run says what really ran."""
+
+    platform: str | None = None
+    backend: str | None = None
+    world_size: int | None = None
+    optimizer: str | None = None
+    optimizer_state_on: str | None = None
+    params_on: str | None = None
+    nvme_swap_bytes: int | None = None
+    warnings: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Config:
+    zero: ZeroConfig = field(default_factory=ZeroConfig)
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    resolution: ResolutionConfig = field(default_factory=ResolutionConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    paths: PathsConfig = field(default_factory=PathsConfig)
+    resolved: ResolvedConfig = field(default_factory=ResolvedConfig)
+    # Processes of the run; None: from the launcher (WORLD_SIZE), else 1.
+    world_size: int | None = None
+    platform: Platform = Platform.auto
+    dry_run: bool = False
+    # None, "latest", or a checkpoint folder.
+    resume: str | None = None
+
+
+def register() -> None:
+    """Register the root schema; `conf/config.yaml` names it first in its defaults."""
+    ConfigStore.instance().store(name="ds_trainer_schema", node=Config)

@@ -1,0 +1,261 @@
+"""Cross-group rules, checked before anything heavy runs. Torch-free.
+
+`check` collects every problem at once; each names the key, the value, why, and the override that
+fixes it. Fallbacks (a substituted optimizer, DDP on a platform without DeepSpeed, the real place
+of an NVMe offload below stage 3) are applied to a copy of the config and recorded in `resolved`.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from ds_trainer import ds_config, hardware, nvme, optimizers, schema
+
+# Top-level keys that may hold anything (added by launchers and sweeps).
+_FREE_FORM = frozenset({"hydra"})
+
+
+@dataclass
+class Problem:
+    """One thing wrong with the configuration, as a user should read it."""
+
+    key: str
+    value: object
+    why: str
+    fix: str
+
+    def render(self) -> str:
+        return f"  - {self.key}={self.value}\n      why: {self.why}\n      fix: {self.fix}"
+
+
+@dataclass
+class Report:
+    """The outcome of `check`: the config to run (fallbacks applied), warnings, problems."""
+
+    cfg: DictConfig
+    problems: list[Problem] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def render(self) -> str:
+        n = len(self.problems)
+        head = f"ds_trainer: {n} problem{'s' if n != 1 else ''} in the configuration, nothing was run:"
+        return "\n".join([head, *(p.render() for p in self.problems)])
+
+
+class ConfigError(Exception):
+    """A user mistake found before training; its message is the whole report."""
+
+
+def world_size_of(cfg: DictConfig) -> int:
+    """The run's process count: `world_size` if set, else the launcher's WORLD_SIZE, else 1."""
+    if cfg.world_size is not None:
+        return int(cfg.world_size)
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _unknown_keys(cfg: DictConfig, out: list[Problem]) -> None:
+    """Keys force-added with `+` that no schema knows: they would be silently ignored."""
+    def walk(node: DictConfig, ref: DictConfig, prefix: str) -> None:
+        known = list(ref.keys())
+        for key in map(str, node.keys()):
+            path = prefix + key
+            if key not in known:
+                if prefix.split(".")[0] not in _FREE_FORM:
+                    close = difflib.get_close_matches(str(key), [str(k) for k in known], n=1)
+                    hint = f"did you mean {prefix}{close[0]}?" if close else "remove it"
+                    out.append(Problem(path, node[key], "is not a ds_trainer setting", hint))
+            elif OmegaConf.is_dict(node._get_node(key)) and OmegaConf.is_dict(ref._get_node(key)):
+                walk(node[key], ref[key], path + ".")
+    walk(cfg, OmegaConf.structured(schema.Config), "")
+
+
+def _numbers(cfg: DictConfig, out: list[Problem]) -> None:
+    t = cfg.train
+    for key, low in (("max_steps", 1), ("micro_batch_size", 1), ("gradient_accumulation_steps", 1),
+                     ("log_every", 1), ("checkpoints_to_keep", 1), ("checkpoint_every", 0)):
+        if t[key] < low:
+            out.append(Problem(f"train.{key}", t[key], f"must be at least {low}", f"train.{key}={max(low, 1)}"))
+    if t.gradient_clipping < 0:
+        out.append(Problem("train.gradient_clipping", t.gradient_clipping, "must be >= 0 (0 turns clipping off)",
+                           "train.gradient_clipping=1.0"))
+    if not 0.0 < t.ema_decay < 1.0:
+        out.append(Problem("train.ema_decay", t.ema_decay, "must lie strictly between 0 and 1",
+                           "train.ema_decay=0.9999"))
+    if t.ema_device not in ("cpu", "gpu"):
+        out.append(Problem("train.ema_device", t.ema_device, "must be cpu or gpu", "train.ema_device=cpu"))
+    if t.min_snr_gamma is not None and t.min_snr_gamma <= 0:
+        out.append(Problem("train.min_snr_gamma", t.min_snr_gamma, "must be > 0, or null to turn it off",
+                           "train.min_snr_gamma=5.0"))
+    if cfg.world_size is not None and cfg.world_size < 1:
+        out.append(Problem("world_size", cfg.world_size, "must be at least 1", "world_size=1"))
+    launched = os.environ.get("WORLD_SIZE")
+    if cfg.world_size is not None and launched is not None and int(launched) != cfg.world_size:
+        out.append(Problem("world_size", cfg.world_size, f"the launcher started {launched} processes",
+                           f"world_size={launched} (or leave it unset)"))
+    o = cfg.optimizer
+    if o.lr <= 0:
+        out.append(Problem("optimizer.lr", o.lr, "must be > 0", "optimizer.lr=1e-4"))
+    if o.eps <= 0:
+        out.append(Problem("optimizer.eps", o.eps, "must be > 0", "optimizer.eps=1e-8"))
+    if o.weight_decay < 0:
+        out.append(Problem("optimizer.weight_decay", o.weight_decay, "must be >= 0", "optimizer.weight_decay=0.01"))
+    if len(o.betas) != 2 or not all(0.0 <= b < 1.0 for b in o.betas):
+        out.append(Problem("optimizer.betas", list(o.betas), "must be two numbers in [0, 1)",
+                           "optimizer.betas=[0.9,0.999]"))
+    s = cfg.scheduler
+    if s.warmup_steps is not None and not 0 <= s.warmup_steps <= t.max_steps:
+        out.append(Problem("scheduler.warmup_steps", s.warmup_steps,
+                           f"must lie between 0 and train.max_steps={t.max_steps}",
+                           f"scheduler.warmup_steps={max(0, min(s.warmup_steps, t.max_steps))}"))
+    for key in ("cos_min_ratio", "warmup_min_ratio", "min_lr_ratio"):
+        if not 0.0 <= s[key] <= 1.0:
+            out.append(Problem(f"scheduler.{key}", s[key], "must lie between 0 and 1", f"scheduler.{key}=0.1"))
+
+
+def _resolution(cfg: DictConfig, out: list[Problem]) -> None:
+    factor = int(cfg.model.downsample_factor)
+    for side in ("width", "height"):
+        value = int(cfg.resolution[side])
+        if value < factor or value % factor:
+            nearest = max(factor, round(value / factor) * factor)
+            out.append(Problem(f"resolution.{side}", value,
+                               f"{cfg.model.name} needs a positive multiple of {factor} "
+                               f"(VAE x UNet downsampling)", f"resolution.{side}={nearest}"))
+
+
+def _optimizer(cfg: DictConfig, info: hardware.PlatformInfo, out: list[Problem], warnings: list[str]) -> str | None:
+    name, warning = optimizers.resolve(cfg.optimizer.name)
+    if warning:
+        warnings.append(warning)
+    if name is None:
+        known = ", ".join(optimizers.deepspeed_optimizers())
+        out.append(Problem("optimizer.name", cfg.optimizer.name, "the installed DeepSpeed has no such optimizer "
+                           f"(it knows: {known}; the 1-bit optimizers of older docs are gone)",
+                           "optimizer=adamw (or optimizer.name=<one of the above>)"))
+        return None
+    backend = cfg.zero.backend.value
+    if backend == "ddp" and name not in ("adam", "adamw", "adagrad"):
+        out.append(Problem("optimizer.name", name, "zero=ddp runs torch.optim, which has adam, adamw and adagrad",
+                           "optimizer=adamw, or a DeepSpeed stage such as zero=stage2"))
+        return name
+    optimizer_on, _ = ds_config.placement(cfg)
+    if backend == "deepspeed" and optimizer_on != "gpu" and name not in optimizers.CPU_OFFLOAD_CAPABLE:
+        capable = ", ".join(sorted(optimizers.CPU_OFFLOAD_CAPABLE))
+        out.append(Problem("optimizer.name", name, f"DeepSpeed has no CPU implementation of {name}, needed to "
+                           f"offload its state (it has: {capable})", "optimizer=adamw, or offload=none"))
+    if name in optimizers.CUDA_KERNEL and info.kind != "cuda" and (name == "lamb" or optimizer_on == "gpu"):
+        fix = "optimizer=adamw" if name == "lamb" else "offload=cpu (DeepSpeed's CPU Lion), or optimizer=adamw"
+        out.append(Problem("optimizer.name", name, f"DeepSpeed's fused {name} kernel runs on CUDA only; this machine "
+                           f"is {info.kind}", fix))
+    if name in optimizers.MUP:
+        out.append(Problem("optimizer.name", name, "muP optimizers need mup's set_base_shapes on a width-scaled "
+                           "model family; SDXL's UNet is not one", "optimizer=adamw"))
+    return name
+
+
+def _offload(cfg: DictConfig, out: list[Problem], warnings: list[str]) -> None:
+    device, backend, stage = cfg.offload.device.value, cfg.zero.backend.value, int(cfg.zero.stage)
+    if backend == "deepspeed" and stage not in (0, 1, 2, 3):
+        out.append(Problem("zero.stage", stage, "ZeRO stages are 0, 1, 2 and 3", "zero=stage2"))
+        return
+    if device != "none" and (backend == "ddp" or stage == 0):
+        which = "zero=ddp" if backend == "ddp" else "zero=stage0"
+        out.append(Problem("offload", device, f"{which} has nothing to offload: offload is a ZeRO stage 1-3 feature",
+                           f"zero=stage2 offload={device} (or offload=none)"))
+        return
+    if cfg.offload.params is True and device != "none" and stage != 3:
+        out.append(Problem("offload.params", True, f"parameter offload needs zero=stage3 (got zero=stage{stage})",
+                           "zero=stage3, or offload.params=false"))
+    if device == "nvme" and stage in (1, 2):
+        warnings.append(f"offload=nvme with zero=stage{stage}: DeepSpeed swaps to disk only on stage 3; below it "
+                        "the optimizer state stays in host memory. Running as offload=cpu (nothing is written "
+                        "to offload.nvme_path). For real NVMe swap use zero=stage3.")
+
+
+def _nvme(cfg: DictConfig, optimizer: str | None, out: list[Problem]) -> int:
+    optimizer_on, params_on = ds_config.placement(cfg)
+    if "nvme" not in (optimizer_on, params_on):
+        return 0
+    path = str(cfg.offload.nvme_path)
+    param_bytes = 4 if cfg.precision.name.value == "fp32" else 2
+    need = nvme.swap_bytes(int(cfg.model.param_count), optimizer or "adamw", params_on == "nvme", param_bytes)
+    why = nvme.check_path(path, int(need * float(cfg.offload.free_space_margin)))
+    if why:
+        out.append(Problem("offload.nvme_path", path, why, "offload.nvme_path=<a writable folder on a fast disk>"))
+    why = nvme.aio_prerequisites()
+    if why:
+        out.append(Problem("offload", "nvme", why, "apt-get install libaio-dev, or offload=cpu"))
+    return need
+
+
+def _platform(cfg: DictConfig, info: hardware.PlatformInfo, out: list[Problem], warnings: list[str]) -> None:
+    if cfg.zero.backend.value == "deepspeed" and not info.deepspeed:
+        warnings.append(f"DeepSpeed does not run on {info.kind}: falling back to zero=ddp"
+                        + (f" and dropping offload={cfg.offload.device.value}" if cfg.offload.device.value != "none"
+                           else ""))
+        cfg.zero.backend, cfg.zero.stage, cfg.offload.device = "ddp", 0, "none"
+    precision = cfg.precision.name.value
+    if precision == "bf16" and not info.bf16:
+        out.append(Problem("precision", "bf16", f"this {info.gpu_name or info.kind} has no bf16 support",
+                           "precision=fp16"))
+    if precision == "fp16" and not info.fp16:
+        out.append(Problem("precision", "fp16", f"{info.kind} has no fp16 kernels here (DeepSpeed's CPU accelerator "
+                           "needs AVX512-FP16 or AMX-FP16)", "precision=bf16 (or precision=fp32)"))
+
+
+def _paths(cfg: DictConfig, out: list[Problem]) -> None:
+    if cfg.data.source.value == "folder":
+        if OmegaConf.is_missing(cfg.data, "path") or not cfg.data.path:
+            out.append(Problem("data.path", "???", "data=folder reads images from a folder",
+                               "data.path=/path/to/images"))
+        elif not Path(cfg.data.path).is_dir():
+            out.append(Problem("data.path", cfg.data.path, "is not a folder", "data.path=/path/to/images"))
+    pretrained = cfg.model.pretrained
+    if pretrained and not Path(pretrained).exists() and not re.fullmatch(r"[\w.-]+/[\w.-]+", pretrained):
+        out.append(Problem("model.pretrained", pretrained, "is neither a local folder nor a hub id (org/name)",
+                           "model.pretrained=/path/to/diffusers/folder (or stabilityai/stable-diffusion-xl-base-1.0)"))
+    resume = cfg.resume
+    if resume not in (None, "latest") and not Path(resume).is_dir():
+        out.append(Problem("resume", resume, "is neither `latest` nor a checkpoint folder",
+                           "resume=latest (or resume=<run dir>/checkpoints/step_N)"))
+
+
+def check(cfg: DictConfig, info: hardware.PlatformInfo | None = None) -> Report:
+    """Validate `cfg` as a whole; the report holds a resolved copy, warnings and all problems."""
+    cfg = copy.deepcopy(cfg)
+    # Absolute paths: ds_config.json and accelerate_config.yaml must work from any directory.
+    cfg.paths.outputs = os.path.abspath(cfg.paths.outputs)
+    OmegaConf.resolve(cfg)
+    cfg.offload.nvme_path = os.path.abspath(cfg.offload.nvme_path)
+    info = info or hardware.detect(cfg.platform.value)
+    problems: list[Problem] = []
+    warnings: list[str] = []
+    _unknown_keys(cfg, problems)
+    _numbers(cfg, problems)
+    _resolution(cfg, problems)
+    _platform(cfg, info, problems, warnings)
+    _offload(cfg, problems, warnings)
+    optimizer = _optimizer(cfg, info, problems, warnings)
+    swap = _nvme(cfg, optimizer, problems) if not problems else 0
+    _paths(cfg, problems)
+    optimizer_on, params_on = ds_config.placement(cfg)
+    cfg.resolved.platform = info.kind
+    cfg.resolved.backend = cfg.zero.backend.value
+    cfg.resolved.world_size = world_size_of(cfg)
+    cfg.resolved.optimizer = optimizer
+    cfg.resolved.optimizer_state_on = optimizer_on
+    cfg.resolved.params_on = params_on
+    cfg.resolved.nvme_swap_bytes = swap
+    cfg.resolved.warnings = warnings
+    return Report(cfg, problems, warnings)

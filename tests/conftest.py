@@ -1,0 +1,60 @@
+"""Shared test helpers: composing configs from the repo's conf/, and CI strictness."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig
+
+from ds_trainer import CONF_DIR, rundir, schema
+
+REPO = Path(__file__).resolve().parent.parent
+IN_CI = os.environ.get("CI", "").lower() == "true"
+
+schema.register()
+rundir.register_resolvers()
+
+
+def group_options() -> list[tuple[str, str]]:
+    """(group, option) for every option file on disk, so a new YAML is tested without anyone listing it."""
+    return sorted((d.name, f.stem) for d in CONF_DIR.iterdir() if d.is_dir() and d.name != "hydra"
+                  for f in d.glob("*.yaml"))
+
+
+def make_cfg(*overrides: str) -> DictConfig:
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+def require(ok: bool, reason: str) -> None:
+    """Skip when a system dependency is missing; under CI=true that is a failure, not a skip."""
+    if ok:
+        return
+    if IN_CI:
+        pytest.fail(f"CI=true and a test dependency is missing: {reason}")
+    pytest.skip(reason)
+
+
+def run_cli(*args: str, cwd: Path, env: dict[str, str] | None = None, timeout: int = 600,
+            module: str = "ds_trainer") -> subprocess.CompletedProcess[str]:
+    """Run `python -m ds_trainer ARGS` as a user would, from `cwd`."""
+    full_env = {**os.environ, **(env or {})}
+    full_env.pop("HYDRA_FULL_ERROR", None)
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=full_env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def run_dirs(root: Path) -> list[Path]:
+    return sorted(p.parent for p in (root / "outputs" / "runs").glob("*/*/config.yaml"))
+
+
+@pytest.fixture
+def workdir(tmp_path: Path) -> Iterator[Path]:
+    """An empty working directory for a CLI run (outputs/ lands in it)."""
+    yield tmp_path
