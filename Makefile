@@ -1,0 +1,35 @@
+# The two commands of the README:
+#   make run    set up, then train the built-in default (tiny SDXL, synthetic data, ZeRO-2)
+#   make test   set up, then run the test suite
+# PYTHON selects the interpreter (a venv's python, for example); setup installs into it.
+PYTHON ?= python3
+TORCH_VERSION ?= 2.13.0
+
+.PHONY: setup system-deps run test lint
+
+# torch first, and only when missing: a torch the user already has (CUDA build, nightly) is kept,
+# and nothing below pulls a second one. DeepSpeed builds against that torch (no build isolation).
+setup: system-deps
+	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install "torch==$(TORCH_VERSION)"
+	@$(PYTHON) -c "import deepspeed" 2>/dev/null || \
+		DS_BUILD_OPS=0 $(PYTHON) -m pip install --no-build-isolation "deepspeed==0.19.8"
+	$(PYTHON) -m pip install -e ".[test]"
+
+# libaio-dev for DeepSpeed's async_io op (NVMe offload). Installed when running as root; otherwise listed.
+SYSTEM_PACKAGES = libaio-dev
+system-deps:
+	@missing=$$(for p in $(SYSTEM_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	if [ -z "$$missing" ]; then exit 0; fi; \
+	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; \
+	else echo "system packages missing (install them for NVMe offload and SLURM tests): $$missing"; fi
+
+run: setup
+	$(PYTHON) -m ds_trainer
+
+test: setup
+	$(PYTHON) -m pytest
+
+lint:
+	$(PYTHON) -m ruff check ds_trainer tests
+	$(PYTHON) -m mypy

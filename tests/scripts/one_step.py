@@ -1,0 +1,46 @@
+"""Run by `accelerate launch --config_file <run>/accelerate_config.yaml`: one training step.
+
+Accelerator() is built with no arguments, so everything comes from the config file: this checks
+that the file written by the dry run drives Accelerate (and DeepSpeed) on its own.
+"""
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DummyOptim, DummyScheduler, InitProcessGroupKwargs
+
+# Without CUDA, Accelerate leaves the process-group backend unset and then counts one process, and
+# runs plain DDP over CPU only when asked for the CPU: ds_trainer's training does both, and so does this.
+distributed_cpu = not torch.cuda.is_available() and "LOCAL_RANK" in os.environ
+deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false") == "true"
+handlers = [InitProcessGroupKwargs(backend="gloo")] if distributed_cpu else []
+accelerator = Accelerator(cpu=distributed_cpu and not deepspeed, kwargs_handlers=handlers)
+model = torch.nn.Sequential(torch.nn.Linear(16, 256), torch.nn.ReLU(), torch.nn.Linear(256, 4))
+plugin = accelerator.state.deepspeed_plugin
+if plugin is not None:
+    ds = plugin.deepspeed_config
+    optimizer = DummyOptim(model.parameters()) if "optimizer" in ds else torch.optim.AdamW(model.parameters())
+    scheduler = DummyScheduler(optimizer) if "scheduler" in ds else None
+else:
+    optimizer, scheduler = torch.optim.AdamW(model.parameters(), lr=1e-3), None
+if scheduler is None:
+    model, optimizer = accelerator.prepare(model, optimizer)
+else:
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+x = torch.randn(2, 16, device=accelerator.device)
+with accelerator.autocast():
+    loss = model(x.to(next(model.parameters()).dtype)).float().pow(2).mean()
+accelerator.backward(loss)
+optimizer.step()
+if scheduler is not None:
+    scheduler.step()
+optimizer.zero_grad()
+result = {"rank": accelerator.process_index, "world": accelerator.num_processes,
+          "distributed_type": str(accelerator.distributed_type), "mixed_precision": accelerator.mixed_precision,
+          "zero_stage": plugin.zero_stage if plugin else None, "loss": loss.item()}
+Path(os.environ["ONE_STEP_OUT"], f"rank{accelerator.process_index}.json").write_text(json.dumps(result))
+accelerator.wait_for_everyone()
+accelerator.end_training()  # destroys the process group: gloo threads left alive abort the exit

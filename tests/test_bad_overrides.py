@@ -1,0 +1,136 @@
+"""Bad overrides, run as a user runs them: exit non-zero, one screen naming the key, no traceback."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from conftest import make_cfg, run_cli
+
+from ds_trainer import hardware, nvme, validation
+
+# (overrides, text the message must contain: the key or the value at fault, and the fix)
+BAD = [
+    (["train.max_stepz=3"], ["max_stepz"]),
+    (["train.max_steps=abc"], ["max_steps", "abc"]),
+    (["train.max_steps=0"], ["train.max_steps=0", "train.max_steps=1"]),
+    (["train.micro_batch_size=-2"], ["train.micro_batch_size=-2", "at least 1"]),
+    (["train.gradient_accumulation_steps=0"], ["train.gradient_accumulation_steps"]),
+    (["zero=stage4"], ["zero", "stage4"]),
+    (["offload=tape"], ["offload", "tape"]),
+    (["zero=ddp", "offload=cpu"], ["offload=cpu", "zero=ddp", "zero=stage2 offload=cpu"]),
+    (["zero=stage0", "offload=nvme"], ["offload=nvme", "zero=stage0"]),
+    (["zero=stage2", "offload=cpu", "offload.params=true"], ["offload.params=True", "zero=stage3"]),
+    (["optimizer.name=onebitadam"], ["optimizer.name=onebitadam", "adamw", "1-bit"]),
+    (["optimizer.name=muadam"], ["optimizer.name=muadam", "set_base_shapes"]),
+    (["optimizer=lamb", "offload=cpu"], ["optimizer.name=lamb", "CPU"]),
+    (["zero=ddp", "optimizer=lion"], ["optimizer.name=lion", "torch.optim"]),
+    (["optimizer.lr=-1"], ["optimizer.lr=-1.0"]),
+    (["optimizer.betas=[0.9,1.5]"], ["optimizer.betas"]),
+    (["resolution.width=1000"], ["resolution.width=1000", "multiple of 32", "resolution.width=992"]),
+    (["resolution.height=16"], ["resolution.height=16", "resolution.height=32"]),
+    (["scheduler.warmup_steps=100", "train.max_steps=10"], ["scheduler.warmup_steps=100"]),
+    (["data=folder"], ["data.path"]),
+    (["data=folder", "data.path=/nonexistent/images"], ["data.path=/nonexistent/images", "not a folder"]),
+    (["model.pretrained=not a model"], ["model.pretrained=not a model"]),
+    (["resume=/nonexistent/ckpt"], ["resume=/nonexistent/ckpt", "resume=latest"]),
+    (["+train.lr=3"], ["train.lr", "not a ds_trainer setting"]),
+    (["platform=gpu"], ["platform", "gpu"]),
+    (["precision=fp8"], ["precision", "fp8"]),
+    (["world_size=0"], ["world_size=0"]),
+]
+
+
+@pytest.mark.parametrize(("overrides", "expected"), BAD, ids=[" ".join(o) for o, _ in BAD])
+def test_bad_override_exits_with_one_screen_message(workdir: Path, overrides: list[str], expected: list[str]) -> None:
+    result = run_cli(*overrides, "dry_run=true", cwd=workdir)
+    assert result.returncode != 0
+    output = result.stdout + result.stderr
+    assert "Traceback" not in output
+    assert len(output.splitlines()) <= 25, output
+    for text in expected:
+        assert text in output, output
+    assert not list((workdir / "outputs" / "runs").glob("*/*/ds_config.json"))
+
+
+def test_all_problems_are_reported_at_once(workdir: Path) -> None:
+    result = run_cli("zero=ddp", "offload=cpu", "train.max_steps=0", "resolution.width=100", "optimizer.name=sgdx",
+                     "dry_run=true", cwd=workdir)
+    assert result.returncode == 2
+    assert "4 problems" in result.stderr
+    for key in ("offload=cpu", "train.max_steps=0", "resolution.width=100", "optimizer.name=sgdx"):
+        assert key in result.stderr
+
+
+@pytest.mark.parametrize(("given", "expected"), [("AdamW", "adamw"), ("adam_w", "adamw"), ("Adam-W", "adamw"),
+                                                 ("ADAGRAD", "adagrad"), ("Lion", "lion")])
+def test_optimizer_names_are_normalized(given: str, expected: str) -> None:
+    report = validation.check(make_cfg(f"optimizer.name={given}", "offload=cpu"))
+    assert report.ok, report.render()
+    assert report.cfg.resolved.optimizer == expected
+
+
+@pytest.mark.parametrize("given", ["cpuadam", "FusedAdam", "fused_adam"])
+def test_cpuadam_and_fusedadam_become_adamw_with_a_warning(workdir: Path, given: str) -> None:
+    result = run_cli(f"optimizer.name={given}", "dry_run=true", cwd=workdir)
+    assert result.returncode == 0, result.stderr
+    assert f"optimizer.name={given} is not a DeepSpeed optimizer type; using adamw" in result.stderr
+    assert '"type": "AdamW"' in result.stdout
+
+
+@pytest.mark.parametrize("platform", ["mps", "rocm"])
+def test_platform_without_deepspeed_falls_back_to_ddp(platform: str) -> None:
+    report = validation.check(make_cfg("zero=stage3", "offload=cpu"), hardware.PlatformInfo(platform, True, True))
+    assert report.ok, report.render()
+    assert report.cfg.resolved.backend == "ddp"
+    assert report.cfg.resolved.optimizer_state_on == "gpu"
+    assert any(f"DeepSpeed does not run on {platform}" in w for w in report.cfg.resolved.warnings)
+
+
+def test_precision_follows_the_device() -> None:
+    no_bf16 = hardware.PlatformInfo("cuda", bf16=False, fp16=True, gpu_name="Tesla V100")
+    report = validation.check(make_cfg("precision=bf16"), no_bf16)
+    assert [(p.key, p.fix) for p in report.problems] == [("precision", "precision=fp16")]
+    assert "V100" in report.problems[0].why
+    cpu_without_fp16 = hardware.PlatformInfo("cpu", bf16=True, fp16=False)
+    report = validation.check(make_cfg("precision=fp16"), cpu_without_fp16)
+    assert [p.key for p in report.problems] == ["precision"]
+
+
+def test_nvme_path_must_be_writable(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    report = validation.check(make_cfg("zero=stage3", "offload=nvme", f"offload.nvme_path={blocker}/swap"))
+    assert [p.key for p in report.problems] == ["offload.nvme_path"]
+    assert "cannot be created" in report.problems[0].why
+
+
+def test_nvme_path_read_only() -> None:
+    # /proc exists and nobody, root included, can create a file in it.
+    report = validation.check(make_cfg("zero=stage3", "offload=nvme", "offload.nvme_path=/proc"))
+    assert [p.key for p in report.problems] == ["offload.nvme_path"]
+    assert "not writable" in report.problems[0].why
+
+
+def test_nvme_free_space_is_checked_against_the_swap_estimate(tmp_path: Path) -> None:
+    # sdxl_base at stage 3 with params on NVMe needs ~46 GB of swap; demand it 10^6 times over to be sure.
+    report = validation.check(make_cfg("zero=stage3", "offload=nvme", "model=sdxl_base",
+                                       f"offload.nvme_path={tmp_path}", "offload.free_space_margin=1e6"))
+    assert [p.key for p in report.problems] == ["offload.nvme_path"]
+    assert "GiB free" in report.problems[0].why
+    assert report.cfg.resolved.nvme_swap_bytes == 2567463684 * 18
+
+
+def test_stale_swap_folders_are_removed(tmp_path: Path) -> None:
+    (tmp_path / "zero_stage_3" / "optimizer" / "rank0").mkdir(parents=True)
+    (tmp_path / "zero_stage_3" / "optimizer" / "rank0" / "0.tensor.swp").write_bytes(b"x" * 10)
+    (tmp_path / "keep_me").mkdir()
+    removed = nvme.remove_stale_swap(str(tmp_path))
+    assert [p.name for p in removed] == ["zero_stage_3"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["keep_me"]
+
+
+def test_nvme_buffers_hold_the_largest_parameter() -> None:
+    count, size = nvme.buffers(max_param_numel=29_491_200, prefetch_bucket=50_000_000)
+    assert size >= 29_491_200 and count * size >= 50_000_000 + 29_491_200
+    assert count * size * 2 < 2**30  # pinned host memory stays under 1 GiB for SDXL
