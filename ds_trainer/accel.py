@@ -80,7 +80,31 @@ def deepspeed_plugin(cfg: DictConfig, ds: dict[str, Any]) -> Any:
         offload_param_nvme_path=offload_param.get("nvme_path", "none"),
         zero3_init_flag=zero["stage"] == 3,
         zero3_save_16bit_model=bool(zero.get("stage3_gather_16bit_weights_on_model_save", False)),
-        transformer_moe_cls_names="",
+        # None, not "": Accelerate would look for a layer class named "" (a UNet has no MoE layers).
+        transformer_moe_cls_names=None,
         enable_msamp=False,
         msamp_opt_level="O1",
     )
+
+
+def make_accelerator(cfg: DictConfig, ds: dict[str, Any] | None, platform_kind: str, run_dir: Path) -> Any:
+    """The Accelerator of a training run: DeepSpeed from `ds`, or plain DDP when `ds` is None.
+
+    Without CUDA, Accelerate leaves the process-group backend unset and then counts a single
+    process; DeepSpeed's CPU accelerator and CPU DDP both communicate over gloo, so it is set here.
+    """
+    from accelerate import Accelerator
+    from accelerate.utils import InitProcessGroupKwargs, ProjectConfiguration
+
+    handlers = [InitProcessGroupKwargs(backend="gloo")] if platform_kind == "cpu" else []
+    kwargs: dict[str, Any] = {}
+    if ds is not None:
+        kwargs["deepspeed_plugin"] = deepspeed_plugin(cfg, ds)
+    else:
+        kwargs["gradient_accumulation_steps"] = int(cfg.train.gradient_accumulation_steps)
+        kwargs["cpu"] = platform_kind == "cpu"
+    wandb = cfg.logger.name.value == "wandb" and cfg.logger.mode.value != "disabled"
+    return Accelerator(mixed_precision=mixed_precision(cfg), kwargs_handlers=handlers,
+                       log_with="wandb" if wandb else None,
+                       project_config=ProjectConfiguration(project_dir=str(run_dir)),
+                       step_scheduler_with_optimizer=False, **kwargs)

@@ -48,6 +48,11 @@ def main(cfg: DictConfig) -> None:
             print(f"zero=ddp: plain Accelerate data parallel, no DeepSpeed config ({cfg.resolved.platform})")
         print(f"run files written to {run_dir}", file=sys.stderr)
         return
-    from ds_trainer import train
+    from ds_trainer import data, metrics, train
 
-    train.run(cfg, ds, run_dir)
+    name = metrics.run_name(list(HydraConfig.get().overrides.task))
+    try:
+        train.run(cfg, ds, run_dir, name)
+    except (train.TrainingError, data.DataError) as exc:
+        print(f"ds_trainer: {exc}", file=sys.stderr)
+        raise SystemExit(1) from None

@@ -37,7 +37,8 @@ def warmup_steps(cfg: DictConfig) -> int:
     return min(500, max(1, int(cfg.train.max_steps) // 10))
 
 
-def _optimizer_block(cfg: DictConfig) -> dict[str, Any]:
+def optimizer_block(cfg: DictConfig) -> dict[str, Any]:
+    """DeepSpeed's `optimizer` block (DDP builds the same torch optimizer from it)."""
     name, _ = optimizers.resolve(cfg.optimizer.name)
     if name is None:
         raise ValueError(f"unknown optimizer {cfg.optimizer.name!r}: run validation first")
@@ -152,7 +153,7 @@ def build(cfg: DictConfig, world_size: int) -> dict[str, Any]:
         "steps_per_print": _STEPS_PER_PRINT,
         "wall_clock_breakdown": False,
         "zero_allow_untested_optimizer": True,
-        "optimizer": _optimizer_block(cfg),
+        "optimizer": optimizer_block(cfg),
     }
     scheduler = scheduler_block(cfg)
     if scheduler is not None:

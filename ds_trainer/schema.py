@@ -200,7 +200,7 @@ class LoggerConfig:
 class TrainConfig:
     """Top-level training knobs."""
 
-    max_steps: int = 40
+    max_steps: int = 200
     micro_batch_size: int = 1
     gradient_accumulation_steps: int = 1
     gradient_clipping: float = 1.0

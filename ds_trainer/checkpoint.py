@@ -1,0 +1,124 @@
+"""Checkpoints: collective saves that never look complete before they are, keep-last-K, and finding
+the checkpoint to resume from.
+
+A save goes into `checkpoints/.step_N.partial/` (every rank writes its DeepSpeed shards there); after
+a barrier rank 0 writes `COMPLETE` with the trainer state and renames the folder to `step_N`. A crash
+at any moment leaves either the previous checkpoints untouched or a `.partial` folder nobody resumes from.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+log = logging.getLogger(__name__)
+
+MARKER = "COMPLETE"
+
+
+def fingerprint(cfg: DictConfig) -> str:
+    """What makes two runs the same experiment for `resume=latest`: model, data, resolution, seed.
+
+    ZeRO stage, offload, world size and step counts may differ between a run and its resume.
+    """
+    keys = {k: OmegaConf.to_container(cfg[k], resolve=True) for k in ("model", "data", "resolution")}
+    keys["seed"] = int(cfg.train.seed)
+    return hashlib.sha256(json.dumps(keys, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def root(run_dir: Path) -> Path:
+    return run_dir / "checkpoints"
+
+
+def complete(path: Path) -> dict[str, Any] | None:
+    """The trainer state of a complete checkpoint folder, or None."""
+    marker = path / MARKER
+    if not path.is_dir() or path.name.startswith(".") or not marker.is_file():
+        return None
+    try:
+        state: dict[str, Any] = json.loads(marker.read_text())
+    except (OSError, ValueError):
+        return None
+    return state
+
+
+def checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints of a run, oldest first."""
+    found = []
+    for path in root(run_dir).glob("step_*"):
+        state = complete(path)
+        if state is not None:
+            found.append((int(state["step"]), path))
+    return sorted(found)
+
+
+def find_resume(cfg: DictConfig, run_dir: Path) -> Path | None:
+    """The checkpoint `resume` names: a folder, or for `latest` the newest complete checkpoint of
+    this run directory (a requeued job) or else of the newest earlier run of the same experiment."""
+    if cfg.resume is None:
+        return None
+    if cfg.resume != "latest":
+        path = Path(cfg.resume)
+        if complete(path) is None:
+            raise FileNotFoundError(f"resume={cfg.resume}: not a complete ds_trainer checkpoint (no {MARKER} file)")
+        return path
+    own = checkpoints(run_dir)
+    if own:
+        return own[-1][1]
+    mine = fingerprint(cfg)
+    candidates = []
+    for marker in Path(cfg.paths.outputs).glob("runs/*/*/checkpoints/step_*/" + MARKER):
+        state = complete(marker.parent)
+        if state is not None and state.get("fingerprint") == mine:
+            candidates.append((marker.stat().st_mtime, int(state["step"]), marker.parent))
+    if not candidates:
+        log.warning("resume=latest: no complete checkpoint of this experiment under %s; starting from step 0",
+                    cfg.paths.outputs)
+        return None
+    return max(candidates)[2]
+
+
+def save(accelerator: Any, run_dir: Path, step: int, state: dict[str, Any], keep: int,
+         extra: dict[str, Any] | None = None) -> Path:
+    """Collective: every rank calls it. Returns the completed checkpoint folder."""
+    import torch
+
+    final = root(run_dir) / f"step_{step:08d}"
+    partial = root(run_dir) / f".step_{step:08d}.partial"
+    if accelerator.is_main_process:
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(partial))
+    if accelerator.is_main_process and extra:
+        for name, value in extra.items():
+            torch.save(value, partial / f"{name}.pt")
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        if final.exists():
+            shutil.rmtree(final)
+        (partial / MARKER).write_text(json.dumps({**state, "step": step}, indent=2))
+        _fsync_dir(partial)
+        os.replace(partial, final)
+        for _, old in checkpoints(run_dir)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def _fsync_dir(path: Path) -> None:
+    """Flush the folder's files before the rename makes the checkpoint visible as complete."""
+    for file in path.rglob("*"):
+        if file.is_file():
+            fd = os.open(file, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)

@@ -1,0 +1,267 @@
+"""Training data: synthetic or a folder of captioned images, SDXL micro-conditioning, and the
+on-disk cache of VAE latents and text embeddings the training loop reads."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import random
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from PIL import Image, ImageOps
+
+log = logging.getLogger(__name__)
+
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp")
+_COLORS = {"red": (220, 40, 40), "green": (40, 180, 60), "blue": (40, 80, 220), "yellow": (230, 210, 40),
+           "purple": (140, 60, 190), "orange": (240, 140, 30), "white": (245, 245, 245), "black": (15, 15, 15)}
+_SHAPES = ("square", "bar", "block")
+
+
+@dataclass
+class Example:
+    """One training image at the target size, with its caption and SDXL time ids."""
+
+    pixels: torch.Tensor  # 3 x H x W in [-1, 1]
+    caption: str
+    time_ids: torch.Tensor  # original (h, w), crop top-left (y, x), target (h, w)
+
+
+class DataError(Exception):
+    """Data that cannot be trained on, found before training starts."""
+
+
+def _to_rgb(image: Image.Image) -> Image.Image:
+    """Any PIL mode to RGB as a user expects: alpha composited on white, 16-bit scaled, CMYK converted."""
+    image = ImageOps.exif_transpose(image)
+    if image.mode in ("I;16", "I;16B", "I;16L", "I"):
+        image = image.point(lambda v: v / 256).convert("L")
+    if image.mode in ("RGBA", "LA", "PA") or (image.mode == "P" and "transparency" in image.info):
+        rgba = image.convert("RGBA")
+        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        image = Image.alpha_composite(background, rgba)
+    return image.convert("RGB")
+
+
+def _fit(image: Image.Image, width: int, height: int, center: bool, flip: bool,
+         rng: random.Random) -> tuple[Image.Image, list[int]]:
+    """Resize so the image covers width x height, crop to it; returns the image and SDXL time ids."""
+    orig_w, orig_h = image.size
+    scale = max(width / orig_w, height / orig_h)
+    new_w, new_h = max(width, round(orig_w * scale)), max(height, round(orig_h * scale))
+    image = image.resize((new_w, new_h), Image.Resampling.LANCZOS)
+    left = (new_w - width) // 2 if center else rng.randint(0, new_w - width)
+    top = (new_h - height) // 2 if center else rng.randint(0, new_h - height)
+    image = image.crop((left, top, left + width, top + height))
+    if flip and rng.random() < 0.5:
+        image = ImageOps.mirror(image)
+    return image, [orig_h, orig_w, top, left, height, width]
+
+
+def _pixels(image: Image.Image) -> torch.Tensor:
+    data = torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8).view(image.height, image.width, 3)
+    return data.permute(2, 0, 1).float() / 127.5 - 1.0
+
+
+class SyntheticImages:
+    """Deterministic images (a colored shape on a colored background, with noise) and matching captions."""
+
+    def __init__(self, cfg: DictConfig) -> None:
+        self.n, self.seed = int(cfg.data.num_samples), int(cfg.train.seed)
+        self.width, self.height = int(cfg.resolution.width), int(cfg.resolution.height)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def identity(self) -> dict[str, Any]:
+        return {"source": "synthetic", "n": self.n, "seed": self.seed}
+
+    def __getitem__(self, index: int) -> Example:
+        rng = random.Random(self.seed * 1_000_003 + index)
+        bg, fg = rng.sample(sorted(_COLORS), 2)
+        shape = rng.choice(_SHAPES)
+        image = Image.new("RGB", (self.width, self.height), _COLORS[bg])
+        w = self.width // (2 if shape != "bar" else 6)
+        h = self.height // 2
+        x, y = rng.randint(0, self.width - w), rng.randint(0, self.height - h)
+        image.paste(_COLORS[fg], (x, y, x + w, y + h))
+        pixels = _pixels(image)
+        noise = torch.Generator().manual_seed(self.seed * 7919 + index)
+        pixels = (pixels + 0.05 * torch.randn(pixels.shape, generator=noise)).clamp(-1, 1)
+        caption = f"a {fg} {shape} on a {bg} background"
+        return Example(pixels, caption, torch.tensor([self.height, self.width, 0, 0, self.height, self.width]))
+
+
+class FolderImages:
+    """jpg/png/webp files in a folder (recursively), captions from same-name .txt files or metadata.jsonl.
+
+    Unreadable files are skipped with a count in the log; a folder with no usable image is a DataError.
+    """
+
+    def __init__(self, cfg: DictConfig) -> None:
+        self.root = Path(cfg.data.path)
+        self.width, self.height = int(cfg.resolution.width), int(cfg.resolution.height)
+        self.center, self.flip, self.seed = bool(cfg.data.center_crop), bool(cfg.data.random_flip), int(cfg.train.seed)
+        self.caption_ext = str(cfg.data.caption_ext)
+        self.metadata = self._metadata()
+        files = sorted(p for p in self.root.rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file())
+        self.files, self.skipped = self._usable(files)
+        for reason, count in sorted(self.skipped.items()):
+            log.warning("data.path=%s: skipped %d file(s): %s", self.root, count, reason)
+        if not self.files:
+            found = f"{len(files)} image file(s), none readable" if files else "no jpg/png/webp files"
+            raise DataError(f"data.path={self.root}: {found}; nothing to train on")
+        missing = sum(1 for f in self.files if not self._caption(f))
+        if missing:
+            log.warning("data.path=%s: %d image(s) have no caption; training them with an empty prompt", self.root,
+                        missing)
+
+    def _metadata(self) -> dict[str, str]:
+        path = self.root / "metadata.jsonl"
+        captions: dict[str, str] = {}
+        if path.exists():
+            for line in path.read_text().splitlines():
+                if line.strip():
+                    row = json.loads(line)
+                    captions[str(row.get("file_name", ""))] = str(row.get("text", row.get("caption", "")))
+        return captions
+
+    @staticmethod
+    def _usable(files: list[Path]) -> tuple[list[Path], Counter[str]]:
+        usable, skipped = [], Counter[str]()
+        for path in files:
+            if path.stat().st_size == 0:
+                skipped["empty file"] += 1
+                continue
+            try:
+                with Image.open(path) as image:
+                    image.load()
+            except Exception as exc:  # noqa: BLE001 - PIL raises many types for bad files
+                skipped[f"not a readable image ({type(exc).__name__})"] += 1
+                continue
+            usable.append(path)
+        return usable, skipped
+
+    def _caption(self, path: Path) -> str:
+        text = path.with_suffix(f".{self.caption_ext}")
+        if text.exists():
+            return text.read_text().strip()
+        return self.metadata.get(str(path.relative_to(self.root)), self.metadata.get(path.name, ""))
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def identity(self) -> dict[str, Any]:
+        stats = [(str(f.relative_to(self.root)), f.stat().st_size, int(f.stat().st_mtime)) for f in self.files]
+        return {"source": "folder", "root": str(self.root.resolve()), "files": stats, "center": self.center,
+                "flip": self.flip, "seed": self.seed, "captions": self.caption_ext}
+
+    def __getitem__(self, index: int) -> Example:
+        path = self.files[index]
+        with Image.open(path) as raw:
+            image = _to_rgb(raw)
+        image, time_ids = _fit(image, self.width, self.height, self.center, self.flip,
+                               random.Random(self.seed * 1_000_003 + index))
+        return Example(_pixels(image), self._caption(path), torch.tensor(time_ids))
+
+
+def dataset(cfg: DictConfig) -> SyntheticImages | FolderImages:
+    return SyntheticImages(cfg) if cfg.data.source.value == "synthetic" else FolderImages(cfg)
+
+
+def batch_indices(batch: int, rank: int, world: int, micro: int, n: int, seed: int) -> list[int]:
+    """Indices of global micro-batch `batch` for `rank`: a fixed function of its arguments, so a resumed
+    run sees exactly the data an uninterrupted one would. Epochs are seeded permutations of the data."""
+    start = (batch * world + rank) * micro
+    out = []
+    for position in range(start, start + micro):
+        epoch, offset = divmod(position, n)
+        out.append(_permutation(n, seed, epoch)[offset])
+    return out
+
+
+_perm_cache: dict[tuple[int, int, int], list[int]] = {}
+
+
+def _permutation(n: int, seed: int, epoch: int) -> list[int]:
+    key = (n, seed, epoch)
+    if key not in _perm_cache:
+        _perm_cache.clear()
+        _perm_cache[key] = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 10_007 + epoch)).tolist()
+    return _perm_cache[key]
+
+
+class LatentCache:
+    """VAE latents and text embeddings, one file per sample under `data.cache_dir/<key>`.
+
+    The key hashes the model, resolution and data, so a change to any of them makes a new cache. A
+    cache is complete when its manifest exists; files are written atomically, so an interrupted
+    build resumes where it stopped.
+    """
+
+    def __init__(self, cfg: DictConfig, data: SyntheticImages | FolderImages) -> None:
+        identity = {"model": OmegaConf.to_container(cfg.model, resolve=True),
+                    "resolution": [int(cfg.resolution.width), int(cfg.resolution.height)], "data": data.identity()}
+        key = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
+        self.dir = Path(cfg.data.cache_dir) / f"{cfg.model.name}-{cfg.resolution.width}x{cfg.resolution.height}-{key}"
+        self.n = len(data)
+
+    @property
+    def complete(self) -> bool:
+        return (self.dir / "manifest.json").exists()
+
+    def path(self, index: int) -> Path:
+        return self.dir / f"{index:08d}.pt"
+
+    def build(self, data: SyntheticImages | FolderImages, frozen: Any, rank: int, world: int,
+              device: torch.device, batch_size: int = 8) -> int:
+        """Encode this rank's share of the samples not cached yet; returns how many it encoded."""
+        from ds_trainer.models import encode_images, encode_prompts
+
+        self.dir.mkdir(parents=True, exist_ok=True)
+        todo = [i for i in range(rank, self.n, world) if not self.path(i).exists()]
+        for start in range(0, len(todo), batch_size):
+            chunk = [data[i] for i in todo[start:start + batch_size]]
+            latents = encode_images(frozen, torch.stack([e.pixels for e in chunk]))
+            embeds, pooled = encode_prompts(frozen, [e.caption for e in chunk], device)
+            for j, index in enumerate(todo[start:start + batch_size]):
+                item = {"latents": latents[j].to("cpu", torch.float32).clone(),
+                        "prompt_embeds": embeds[j].to("cpu", torch.float32).clone(),
+                        "pooled": pooled[j].to("cpu", torch.float32).clone(), "time_ids": chunk[j].time_ids.clone()}
+                tmp = self.path(index).with_suffix(f".tmp{os.getpid()}")
+                torch.save(item, tmp)
+                tmp.replace(self.path(index))
+        return len(todo)
+
+    def finish(self) -> None:
+        """Mark the cache complete (rank 0, after every rank built its share)."""
+        missing = [i for i in range(self.n) if not self.path(i).exists()]
+        if missing:
+            raise RuntimeError(f"latent cache {self.dir} lacks {len(missing)} samples after building")
+        tmp = self.dir / f".manifest.tmp{os.getpid()}"
+        tmp.write_text(json.dumps({"samples": self.n}))
+        tmp.replace(self.dir / "manifest.json")
+
+    def load(self, indices: list[int]) -> dict[str, torch.Tensor]:
+        items = [torch.load(self.path(i), weights_only=True) for i in indices]
+        return {key: torch.stack([item[key] for item in items]) for key in items[0]}
+
+
+def encode_batch(data: SyntheticImages | FolderImages, frozen: Any, indices: list[int],
+                 device: torch.device) -> dict[str, torch.Tensor]:
+    """The same tensors as LatentCache.load, computed now (data.cache=false)."""
+    from ds_trainer.models import encode_images, encode_prompts
+
+    examples = [data[i] for i in indices]
+    latents = encode_images(frozen, torch.stack([e.pixels for e in examples]))
+    embeds, pooled = encode_prompts(frozen, [e.caption for e in examples], device)
+    return {"latents": latents.float(), "prompt_embeds": embeds.float(), "pooled": pooled.float(),
+            "time_ids": torch.stack([e.time_ids for e in examples])}
+

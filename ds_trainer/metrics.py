@@ -1,0 +1,142 @@
+"""Metrics: per-step values to `metrics.jsonl` and W&B (main process only), `summary.json` at the end.
+
+GPU fields come from torch's CUDA peak counters, reset per logging window; on a machine without a GPU
+they are absent, never zero.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import resource
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+log = logging.getLogger(__name__)
+
+# Overrides that do not define a run (its name and W&B name leave them out).
+_NOT_DEFINING = ("train.seed", "hydra", "logger", "resume", "dry_run", "paths", "world_size", "platform", "+sweep",
+                 "sweep", "train.checkpoint", "train.log_every")
+WANDB_ID_FILE = "wandb_id.txt"
+
+
+def run_name(overrides: list[str]) -> str:
+    """`zero=stage2,offload=nvme` from the overrides that define the run; `default` without any."""
+    kept = [o.lstrip("+~") for o in overrides if not o.lstrip("+~").startswith(_NOT_DEFINING)]
+    return ",".join(sorted(kept)) or "default"
+
+
+def host_rss_peak_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def gpu_memory(device: Any) -> dict[str, float]:
+    """Peak allocated/reserved MiB since the last call (then reset), and the device total."""
+    import torch
+
+    if getattr(device, "type", None) != "cuda" or not torch.cuda.is_available():
+        return {}
+    out = {"gpu_mem_peak_allocated_mib": torch.cuda.max_memory_allocated(device) / 2**20,
+           "gpu_mem_peak_reserved_mib": torch.cuda.max_memory_reserved(device) / 2**20,
+           "gpu_mem_total_mib": torch.cuda.get_device_properties(device).total_memory / 2**20}
+    torch.cuda.reset_peak_memory_stats(device)
+    return out
+
+
+class Tracker:
+    """Writes metrics on the main process; W&B through Accelerate's tracker API."""
+
+    def __init__(self, accelerator: Any, cfg: DictConfig, run_dir: Path, ds: dict[str, Any] | None,
+                 name: str, wandb_id: str | None) -> None:
+        self.accelerator, self.cfg, self.run_dir = accelerator, cfg, run_dir
+        self.main = accelerator.is_main_process
+        self.rows: list[dict[str, Any]] = []
+        self.wandb_id: str | None = None
+        if not self.main:
+            return
+        self.file = (run_dir / "metrics.jsonl").open("a")
+        if cfg.logger.name.value == "wandb" and cfg.logger.mode.value != "disabled":
+            self.wandb_id = wandb_id or _read_id(run_dir) or _new_id()
+            (run_dir / WANDB_ID_FILE).write_text(self.wandb_id)
+            config = {"config": OmegaConf.to_container(cfg, resolve=True, enum_to_str=True), "ds_config": ds}
+            init = {"mode": cfg.logger.mode.value, "dir": str(run_dir), "name": name, "id": self.wandb_id,
+                    "resume": "allow", "group": cfg.logger.group, "tags": list(cfg.logger.tags),
+                    "entity": cfg.logger.entity}
+            accelerator.init_trackers(cfg.logger.project, config=config,
+                                      init_kwargs={"wandb": {k: v for k, v in init.items() if v is not None}})
+
+    def log(self, step: int, values: dict[str, Any]) -> None:
+        if not self.main:
+            return
+        row = {"step": step, **values}
+        self.rows.append(row)
+        self.file.write(json.dumps(row) + "\n")
+        self.file.flush()
+        if self.wandb_id:
+            self.accelerator.log(values, step=step)
+
+    def close(self) -> None:
+        """Close the metrics file; W&B finishes with `accelerator.end_training()` at shutdown."""
+        if self.main:
+            self.file.close()
+
+
+def _read_id(run_dir: Path) -> str | None:
+    path = run_dir / WANDB_ID_FILE
+    return path.read_text().strip() if path.exists() else None
+
+
+def _new_id() -> str:
+    return os.urandom(4).hex()
+
+
+def summarize(cfg: DictConfig, rows: list[dict[str, Any]], status: str, message: str | None,
+              world_size: int, warmup: int = 2) -> dict[str, Any]:
+    """The run's `summary.json`: status, speed and memory, and what defines the run."""
+    timed = [r for r in rows if r.get("step", 0) > warmup] or rows
+    def peak(key: str) -> float | None:
+        values = [r[key] for r in rows if key in r]
+        return max(values) if values else None
+    summary = {
+        "status": status, "message": message, "steps": rows[-1]["step"] if rows else 0,
+        "median_s_per_it": statistics.median(r["s_per_it"] for r in timed) if timed else None,
+        "images_per_s": statistics.median(r["images_per_s"] for r in timed) if timed else None,
+        "gpu_mem_peak_allocated_mib": peak("gpu_mem_peak_allocated_mib"),
+        "gpu_mem_peak_reserved_mib": peak("gpu_mem_peak_reserved_mib"),
+        "host_rss_peak_mib": peak("host_rss_peak_mib"),
+        "final_loss": rows[-1]["loss"] if rows else None,
+        "world_size": world_size, "zero": f"stage{cfg.zero.stage}" if cfg.resolved.backend == "deepspeed" else "ddp",
+        "offload": cfg.offload.device.value,
+        "resolution": f"{cfg.resolution.width}x{cfg.resolution.height}",
+        "micro_batch_size": int(cfg.train.micro_batch_size),
+        "gradient_accumulation_steps": int(cfg.train.gradient_accumulation_steps),
+        "precision": cfg.precision.name.value, "model": cfg.model.name,
+        "gradient_checkpointing": bool(cfg.train.gradient_checkpointing), "platform": cfg.resolved.platform,
+    }
+    return {k: v for k, v in summary.items() if v is not None or k == "message"}
+
+
+def write_summary(run_dir: Path, summary: dict[str, Any]) -> None:
+    from ds_trainer.rundir import write_json
+
+    write_json(run_dir / "summary.json", summary)
+
+
+def print_summary(summary: dict[str, Any], run_dir: Path) -> None:
+    lines = [f"ds_trainer: {summary['status']} after {summary.get('steps', 0)} steps"]
+    if "median_s_per_it" in summary:
+        lines.append(f"  median {summary['median_s_per_it']:.3f} s/it, {summary['images_per_s']:.2f} images/s")
+    if "gpu_mem_peak_allocated_mib" in summary:
+        lines.append(f"  peak GPU memory {summary['gpu_mem_peak_allocated_mib']:.0f} MiB allocated, "
+                     f"{summary['gpu_mem_peak_reserved_mib']:.0f} MiB reserved")
+    if "host_rss_peak_mib" in summary:
+        lines.append(f"  peak host RSS {summary['host_rss_peak_mib']:.0f} MiB")
+    if summary.get("message"):
+        lines.append(f"  {summary['message']}")
+    lines.append(f"  outputs: {run_dir}")
+    print("\n".join(lines), file=sys.stderr, flush=True)

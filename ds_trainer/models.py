@@ -1,0 +1,129 @@
+"""SDXL components: the trained UNet and the frozen VAE, text encoders and tokenizers.
+
+`model.pretrained` (a local diffusers folder or a hub id) loads weights; without it every part is
+built from the architecture configs in `ds_trainer/assets/<model>` with random weights, so nothing
+is ever downloaded unless the user asks for it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+
+
+@dataclass
+class Frozen:
+    """The parts that are not trained: kept out of ZeRO, used to encode images and captions."""
+
+    vae: Any
+    text_encoder: Any
+    text_encoder_2: Any
+    tokenizer: Any
+    tokenizer_2: Any
+
+
+def _source(cfg: DictConfig) -> tuple[str, dict[str, Any]]:
+    """Where to load from, and the from_pretrained keyword arguments."""
+    if cfg.model.pretrained:
+        kwargs = {"revision": cfg.model.revision, "variant": cfg.model.variant}
+        return str(cfg.model.pretrained), {k: v for k, v in kwargs.items() if v}
+    return str(cfg.model.architecture), {}
+
+
+@contextlib.contextmanager
+def outside_zero3(deepspeed_plugin: Any) -> Iterator[None]:
+    """Build frozen models whole: loaded while a ZeRO-3 config is live, transformers would partition
+    them with zero.Init and their forward would fail on shapes (diffusers#1865)."""
+    if deepspeed_plugin is None or deepspeed_plugin.zero_stage != 3:
+        yield
+        return
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    with deepspeed_plugin.zero3_init_context_manager(enable=False):
+        unset_hf_deepspeed_config()
+        yield
+
+
+def load_frozen(cfg: DictConfig, deepspeed_plugin: Any = None) -> Frozen:
+    """VAE, both text encoders and tokenizers, in eval mode with gradients off."""
+    from diffusers import AutoencoderKL
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
+
+    path, kwargs = _source(cfg)
+    with outside_zero3(deepspeed_plugin):
+        tokenizer = CLIPTokenizer.from_pretrained(path, subfolder="tokenizer", **kwargs)
+        tokenizer_2 = CLIPTokenizer.from_pretrained(path, subfolder="tokenizer_2", **kwargs)
+        if cfg.model.pretrained:
+            vae = AutoencoderKL.from_pretrained(path, subfolder="vae", **kwargs)
+            te1 = CLIPTextModel.from_pretrained(path, subfolder="text_encoder", **kwargs)
+            te2 = CLIPTextModelWithProjection.from_pretrained(path, subfolder="text_encoder_2", **kwargs)
+        else:
+            torch.manual_seed(int(cfg.train.seed))
+            vae = AutoencoderKL.from_config(AutoencoderKL.load_config(path, subfolder="vae"))
+            te1 = CLIPTextModel(CLIPTextConfig.from_pretrained(path, subfolder="text_encoder"))
+            te2 = CLIPTextModelWithProjection(CLIPTextConfig.from_pretrained(path, subfolder="text_encoder_2"))
+    for module in (vae, te1, te2):
+        module.requires_grad_(False)
+        module.eval()
+    return Frozen(vae, te1, te2, tokenizer, tokenizer_2)
+
+
+def load_unet(cfg: DictConfig) -> Any:
+    """The UNet to train, in fp32 (DeepSpeed or Accelerate casts for mixed precision)."""
+    from diffusers import UNet2DConditionModel
+
+    path, kwargs = _source(cfg)
+    if cfg.model.pretrained:
+        unet = UNet2DConditionModel.from_pretrained(path, subfolder="unet", torch_dtype=torch.float32, **kwargs)
+    else:
+        torch.manual_seed(int(cfg.train.seed))
+        unet = UNet2DConditionModel.from_config(UNet2DConditionModel.load_config(path, subfolder="unet"))
+    if cfg.train.gradient_checkpointing:
+        unet.enable_gradient_checkpointing()
+    unet.train()
+    return unet
+
+
+def noise_scheduler(cfg: DictConfig) -> Any:
+    """The training noise schedule (DDPM) from the model's scheduler config."""
+    from diffusers import DDPMScheduler
+
+    path, kwargs = _source(cfg)
+    return DDPMScheduler.from_pretrained(path, subfolder="scheduler", **kwargs)
+
+
+def inference_scheduler(cfg: DictConfig) -> Any:
+    """The scheduler exported with the pipeline (the model's own, Euler for SDXL)."""
+    from diffusers import EulerDiscreteScheduler
+
+    path, kwargs = _source(cfg)
+    return EulerDiscreteScheduler.from_pretrained(path, subfolder="scheduler", **kwargs)
+
+
+@torch.no_grad()
+def encode_prompts(frozen: Frozen, prompts: list[str], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """SDXL text conditioning: both encoders' penultimate hidden states, concatenated, and the
+    second encoder's pooled projection."""
+    states = []
+    pooled = None
+    for tokenizer, encoder in ((frozen.tokenizer, frozen.text_encoder), (frozen.tokenizer_2, frozen.text_encoder_2)):
+        ids = tokenizer(prompts, padding="max_length", max_length=tokenizer.model_max_length, truncation=True,
+                        return_tensors="pt").input_ids.to(device)
+        out = encoder(ids, output_hidden_states=True)
+        states.append(out.hidden_states[-2])
+        pooled = out.text_embeds if hasattr(out, "text_embeds") else out[0]
+    assert pooled is not None
+    return torch.cat(states, dim=-1), pooled
+
+
+@torch.no_grad()
+def encode_images(frozen: Frozen, pixels: torch.Tensor) -> torch.Tensor:
+    """Images in [-1, 1] to scaled VAE latents (the VAE's mean: deterministic, cacheable)."""
+    vae = frozen.vae
+    latents = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist.mean
+    return latents * vae.config.scaling_factor

@@ -1,0 +1,309 @@
+"""The SDXL training recipe, top to bottom: setup, loop, save.
+
+Only the UNet goes through `accelerator.prepare`, with the optimizer and scheduler the DeepSpeed JSON
+defines (DummyOptim/DummyScheduler stand in for them); the VAE and text encoders stay frozen and out
+of ZeRO. Noise and timesteps come from a generator seeded by (seed, micro-batch, rank) and the data
+order is a function of the step, so a resumed run repeats an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+
+from ds_trainer import accel, checkpoint, data, hardware, metrics, models, nvme
+from ds_trainer.ema import EMA
+
+log = logging.getLogger("ds_trainer")
+
+
+class TrainingError(Exception):
+    """A failure the user can act on (bad data, a missing op, out of memory); reported in one line."""
+
+
+def _single_process_env() -> None:
+    """`python -m ds_trainer` without a launcher: a one-rank group, like torchrun would set up."""
+    if "RANK" in os.environ or "LOCAL_RANK" in os.environ:
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+
+
+def _optimizer_and_scheduler(cfg: DictConfig, ds: dict[str, Any] | None, params: Any) -> tuple[Any, Any]:
+    """DeepSpeed builds both from its JSON (placeholders here); DDP gets torch.optim and DeepSpeed's
+    LR schedule classes from the same blocks, so one config owns both backends."""
+    from accelerate.utils import DummyOptim, DummyScheduler
+
+    if ds is not None:
+        optimizer = DummyOptim(params, lr=ds["optimizer"]["params"]["lr"])
+        scheduler = DummyScheduler(optimizer) if "scheduler" in ds else None
+        return optimizer, scheduler
+    from deepspeed.runtime import lr_schedules
+
+    from ds_trainer import ds_config
+
+    block = ds_config.optimizer_block(cfg)
+    torch_class = {"Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW, "Adagrad": torch.optim.Adagrad}
+    optimizer = torch_class[block["type"]](params, **block["params"])
+    schedule = ds_config.scheduler_block(cfg)
+    scheduler = getattr(lr_schedules, schedule["type"])(optimizer, **schedule["params"]) if schedule else None
+    return optimizer, scheduler
+
+
+def _loss(cfg: DictConfig, unet: Any, noise_sched: Any, batch: dict[str, torch.Tensor], gen: torch.Generator,
+          device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    latents = batch["latents"]
+    noise = torch.randn(latents.shape, generator=gen)
+    if cfg.train.noise_offset:
+        noise += cfg.train.noise_offset * torch.randn((*latents.shape[:2], 1, 1), generator=gen)
+    t = torch.randint(0, noise_sched.config.num_train_timesteps, (latents.shape[0],), generator=gen)
+    noisy = noise_sched.add_noise(latents, noise, t)
+    prediction_type = noise_sched.config.prediction_type
+    target = noise if prediction_type == "epsilon" else noise_sched.get_velocity(latents, noise, t)
+    cond = {"text_embeds": batch["pooled"].to(device, dtype), "time_ids": batch["time_ids"].to(device, dtype)}
+    pred = unet(noisy.to(device, dtype), t.to(device), batch["prompt_embeds"].to(device, dtype),
+                added_cond_kwargs=cond).sample
+    per_sample = torch.nn.functional.mse_loss(pred.float(), target.to(device).float(), reduction="none")
+    per_sample = per_sample.mean(dim=list(range(1, per_sample.ndim)))
+    if cfg.train.min_snr_gamma:
+        from diffusers.training_utils import compute_snr
+
+        snr = compute_snr(noise_sched, t).to(device)
+        clipped = snr.clamp(max=float(cfg.train.min_snr_gamma))
+        per_sample = per_sample * (clipped / snr if prediction_type == "epsilon" else clipped / (snr + 1))
+    return per_sample.mean()
+
+
+def _grad_norm(unet: Any, accelerator: Any, ds: dict[str, Any] | None, clip: float) -> float | None:
+    if ds is not None:
+        engine = accelerator.deepspeed_engine_wrapped.engine
+        norm = engine.get_global_grad_norm()
+        return float(norm) if norm is not None else None
+    if accelerator.sync_gradients:
+        norm = accelerator.clip_grad_norm_(unet.parameters(), clip if clip > 0 else float("inf"))
+        return float(norm)
+    return None
+
+
+def _export(cfg: DictConfig, accelerator: Any, unet: Any, ema: EMA | None, frozen: Any, run_dir: Path) -> None:
+    """The UNet (and EMA UNet) in diffusers format; for sdxl_tiny a whole SDXL pipeline folder.
+
+    `get_state_dict` is collective: under ZeRO-3 every rank takes part in gathering the 16-bit weights.
+    """
+    from diffusers import StableDiffusionXLPipeline, UNet2DConditionModel
+
+    state = accelerator.get_state_dict(unet)
+    if not accelerator.is_main_process:
+        return
+    config = accelerator.unwrap_model(unet).config
+    exported = {}
+    for name, weights in (("unet", state), ("unet_ema", ema.shadow if ema else None)):
+        if weights is None:
+            continue
+        model = UNet2DConditionModel.from_config(config)
+        model.load_state_dict({k: v.float() for k, v in weights.items()})
+        model.save_pretrained(run_dir / name)
+        exported[name] = model
+    if cfg.model.name == "sdxl_tiny":
+        for part in (frozen.vae, frozen.text_encoder, frozen.text_encoder_2):
+            part.to("cpu", torch.float32)
+        pipe = StableDiffusionXLPipeline(vae=frozen.vae, text_encoder=frozen.text_encoder,
+                                         text_encoder_2=frozen.text_encoder_2, tokenizer=frozen.tokenizer,
+                                         tokenizer_2=frozen.tokenizer_2,
+                                         unet=exported.get("unet_ema", exported["unet"]),
+                                         scheduler=models.inference_scheduler(cfg))
+        pipe.save_pretrained(run_dir / "pipeline")  # type: ignore[attr-defined]
+
+
+def _prepare_nvme(cfg: DictConfig, accelerator: Any) -> None:
+    """Before DeepSpeed starts: the async_io op must load, and stale swap from earlier runs must go."""
+    if "nvme" not in (cfg.resolved.optimizer_state_on, cfg.resolved.params_on):
+        return
+    if accelerator.local_process_index == 0:
+        error = nvme.aio_load_error()
+        if error:
+            raise TrainingError(f"offload=nvme: {error}")
+        for stale in nvme.remove_stale_swap(cfg.offload.nvme_path):
+            log.warning("removed stale NVMe swap folder %s (left by an earlier run; it breaks resumes)", stale)
+    accelerator.wait_for_everyone()
+
+
+def _build_cache(cfg: DictConfig, accelerator: Any, dataset: Any, frozen: Any) -> data.LatentCache | None:
+    if not cfg.data.cache:
+        return None
+    cache = data.LatentCache(cfg, dataset)
+    if not cache.complete:
+        start = time.time()
+        count = cache.build(dataset, frozen, accelerator.process_index, accelerator.num_processes, accelerator.device)
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            cache.finish()
+            log.info("cached latents and embeddings of %d samples in %.1fs: %s", len(dataset), time.time() - start,
+                     cache.dir)
+        log.debug("rank %d encoded %d samples", accelerator.process_index, count)
+    accelerator.wait_for_everyone()
+    return cache
+
+
+def run(cfg: DictConfig, ds: dict[str, Any] | None, run_dir: Path, name: str = "default") -> dict[str, Any]:
+    """Train as `cfg` says; returns the summary (also written to `summary.json`)."""
+    _single_process_env()
+    info = hardware.confirm_with_torch(hardware.detect(cfg.resolved.platform))
+    accelerator = accel.make_accelerator(cfg, ds, info.kind, run_dir)
+    device, rank, world = accelerator.device, accelerator.process_index, accelerator.num_processes
+    if world != int(cfg.resolved.world_size):
+        raise TrainingError(f"the launcher started {world} processes but the DeepSpeed config was built for "
+                            f"{cfg.resolved.world_size}; leave world_size unset")
+    _prepare_nvme(cfg, accelerator)
+    torch.manual_seed(int(cfg.train.seed))
+    plugin = accelerator.state.deepspeed_plugin
+    frozen = models.load_frozen(cfg, plugin)
+    frozen_dtype = torch.float32 if info.kind == "cpu" else torch.bfloat16
+    frozen.text_encoder.to(device, frozen_dtype)
+    frozen.text_encoder_2.to(device, frozen_dtype)
+    frozen.vae.to(device, torch.float32 if frozen.vae.config.force_upcast or info.kind == "cpu" else frozen_dtype)
+    dataset = data.dataset(cfg)
+    cache = _build_cache(cfg, accelerator, dataset, frozen)
+    noise_sched = models.noise_scheduler(cfg)
+
+    unet = models.load_unet(cfg)
+    ema = EMA(unet, float(cfg.train.ema_decay), "cpu" if cfg.train.ema_device == "cpu" else str(device)) \
+        if cfg.train.ema else None
+    optimizer, scheduler = _optimizer_and_scheduler(cfg, ds, unet.parameters())
+    if scheduler is None:
+        unet, optimizer = accelerator.prepare(unet, optimizer)
+    else:
+        unet, optimizer, scheduler = accelerator.prepare(unet, optimizer, scheduler)
+    dtype = next(unet.parameters()).dtype if ds is not None else torch.float32
+
+    start_step, wandb_id = 0, None
+    resume_from = checkpoint.find_resume(cfg, run_dir)
+    if resume_from is not None:
+        state = checkpoint.complete(resume_from) or {}
+        accelerator.load_state(str(resume_from))
+        start_step, wandb_id = int(state["step"]), state.get("wandb_id")
+        if ema is not None and (resume_from / "ema.pt").exists():
+            ema.load_state_dict(torch.load(resume_from / "ema.pt", weights_only=True))
+        log.info("resumed from %s at step %d", resume_from, start_step)
+
+    tracker = metrics.Tracker(accelerator, cfg, run_dir, ds, name, wandb_id)
+    micro, accum = int(cfg.train.micro_batch_size), int(cfg.train.gradient_accumulation_steps)
+    max_steps, seed, n = int(cfg.train.max_steps), int(cfg.train.seed), len(dataset)
+    images_per_step = micro * accum * world
+    ckpt_state = {"backend": cfg.resolved.backend, "stage": int(cfg.zero.stage), "world_size": world,
+                  "fingerprint": checkpoint.fingerprint(cfg), "wandb_id": tracker.wandb_id}
+    progress = None
+    if accelerator.is_main_process:
+        from tqdm.auto import tqdm
+
+        progress = tqdm(total=max_steps, initial=start_step, desc="train", dynamic_ncols=True)
+    status, message = "ok", None
+    try:
+        for step in range(start_step + 1, max_steps + 1):
+            step_start, data_wait, losses = time.perf_counter(), 0.0, []
+            for m in range(accum):
+                b = (step - 1) * accum + m
+                fetch = time.perf_counter()
+                indices = data.batch_indices(b, rank, world, micro, n, seed)
+                batch = cache.load(indices) if cache else data.encode_batch(dataset, frozen, indices, device)
+                data_wait += time.perf_counter() - fetch
+                gen = torch.Generator().manual_seed((seed * 1_000_003 + b) * 1009 + rank)
+                with accelerator.accumulate(unet), accelerator.autocast():
+                    loss = _loss(cfg, unet, noise_sched, batch, gen, device, dtype)
+                    accelerator.backward(loss)
+                    grad_norm = _grad_norm(unet, accelerator, ds, float(cfg.train.gradient_clipping))
+                    optimizer.step()
+                    optimizer.zero_grad()
+                losses.append(loss.detach())
+            if scheduler is not None:
+                scheduler.step()
+            if ema is not None:
+                ema.update(accelerator.unwrap_model(unet))
+            mean_loss = accelerator.reduce(torch.stack(losses).mean(), reduction="mean").item()
+            elapsed = time.perf_counter() - step_start
+            if step % int(cfg.train.log_every) == 0 or step == max_steps:
+                values: dict[str, Any] = {"loss": mean_loss, "lr": _lr(optimizer, scheduler),
+                                          "s_per_it": elapsed, "data_wait_s": data_wait,
+                                          "images_per_s": images_per_step / elapsed,
+                                          "host_rss_peak_mib": metrics.host_rss_peak_mib(),
+                                          **metrics.gpu_memory(device)}
+                if grad_norm is not None:
+                    values["grad_norm"] = grad_norm
+                tracker.log(step, values)
+                if progress is not None:
+                    progress.set_postfix(loss=f"{mean_loss:.4f}", s_it=f"{elapsed:.2f}",
+                                         mem=_mem_text(values), refresh=False)
+            if progress is not None:
+                progress.update(1)
+            every = int(cfg.train.checkpoint_every)
+            if step == max_steps or (every and step % every == 0):
+                checkpoint.save(accelerator, run_dir, step, ckpt_state, int(cfg.train.checkpoints_to_keep),
+                                {"ema": ema.state_dict()} if ema else None)
+        if progress is not None:
+            progress.close()
+        _export(cfg, accelerator, unet, ema, frozen, run_dir)
+    except torch.OutOfMemoryError as exc:
+        status, message = "oom", oom_message(cfg, exc)
+    finally:
+        if progress is not None:
+            progress.close()
+        tracker.close()
+    summary = metrics.summarize(cfg, tracker.rows, status, message, world)
+    if accelerator.is_main_process:
+        metrics.write_summary(run_dir, summary)
+        metrics.print_summary(summary, run_dir)
+    _shutdown(accelerator)
+    if status == "oom":
+        raise TrainingError(message or "out of memory")
+    return summary
+
+
+def _lr(optimizer: Any, scheduler: Any) -> float:
+    if scheduler is not None and hasattr(scheduler, "get_last_lr"):
+        try:
+            return float(scheduler.get_last_lr()[0])
+        except (AttributeError, IndexError, TypeError):
+            pass
+    return float(optimizer.param_groups[0]["lr"])
+
+
+def _mem_text(values: dict[str, Any]) -> str:
+    if "gpu_mem_peak_allocated_mib" in values:
+        return f"{values['gpu_mem_peak_allocated_mib'] / 1024:.1f}G"
+    return f"rss {values['host_rss_peak_mib'] / 1024:.1f}G"
+
+
+def oom_message(cfg: DictConfig, exc: BaseException) -> str:
+    """One line: the memory settings of the run and what to try next."""
+    zero = f"zero=stage{cfg.zero.stage}" if cfg.resolved.backend == "deepspeed" else "zero=ddp"
+    tries = []
+    if cfg.resolved.backend != "deepspeed" or int(cfg.zero.stage) < 3:
+        tries.append("a higher ZeRO stage (zero=stage3)")
+    if cfg.offload.device.value == "none":
+        tries.append("offload=cpu")
+    if int(cfg.train.micro_batch_size) > 1:
+        tries.append(f"train.micro_batch_size={int(cfg.train.micro_batch_size) // 2} with more "
+                     "train.gradient_accumulation_steps")
+    if not cfg.train.gradient_checkpointing:
+        tries.append("train.gradient_checkpointing=true")
+    return (f"CUDA out of memory with {zero} offload={cfg.offload.device.value} "
+            f"resolution={cfg.resolution.width}x{cfg.resolution.height} "
+            f"train.micro_batch_size={cfg.train.micro_batch_size} precision={cfg.precision.name.value}; try "
+            + (", ".join(tries) or "a smaller resolution"))
+
+
+def _shutdown(accelerator: Any) -> None:
+    """Finish the trackers and destroy the process group (gloo threads left alive abort the exit)."""
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+

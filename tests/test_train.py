@@ -1,0 +1,192 @@
+"""SDXL training end to end on the CPU: `python -m ds_trainer` (and torchrun, accelerate launch) as users run it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import require, run_cli, run_dirs
+
+from ds_trainer import nvme
+
+torch = pytest.importorskip("torch")
+
+FAST = ["logger=none", "train.max_steps=4", "data.num_samples=8"]
+
+
+def summary(run_dir: Path) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def unet_weights(folder: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(folder / "diffusion_pytorch_model.safetensors")
+
+
+CELLS = [("ddp", "none"), ("stage0", "none")] + [(f"stage{s}", o) for s in (1, 2, 3) for o in ("none", "cpu", "nvme")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("zero", "offload"), CELLS)
+def test_a_few_steps_per_zero_and_offload(workdir: Path, zero: str, offload: str) -> None:
+    if offload == "nvme" and zero == "stage3":
+        require(nvme.aio_prerequisites() is None, "libaio-dev is not installed")
+    result = run_cli(f"zero={zero}", f"offload={offload}", *FAST, cwd=workdir)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (run_dir,) = run_dirs(workdir)
+    s = summary(run_dir)
+    assert s["status"] == "ok" and s["steps"] == 4 and s["zero"] == zero and s["offload"] == offload
+    assert [r["step"] for r in metrics(run_dir)] == [1, 2, 3, 4]
+    assert all(r["loss"] > 0 and "gpu_mem_peak_allocated_mib" not in r for r in metrics(run_dir))
+    assert (run_dir / "checkpoints" / "step_00000004" / "COMPLETE").exists()
+    assert len(unet_weights(run_dir / "unet")) > 100
+    if zero == "stage3" and offload == "nvme":
+        assert list((workdir / "outputs" / "nvme_swap").rglob("*.swp")), "no swap files written to NVMe"
+    assert "ds_trainer: ok after 4 steps" in result.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+@pytest.mark.parametrize("zero", ["stage2", "stage3"])
+def test_two_ranks_share_one_run(workdir: Path, zero: str) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "ds_trainer", f"zero={zero}",
+           *FAST]
+    result = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (run_dir,) = run_dirs(workdir)
+    s = summary(run_dir)
+    assert s["status"] == "ok" and s["world_size"] == 2
+    assert [r["step"] for r in metrics(run_dir)] == [1, 2, 3, 4]  # rank 0 alone writes metrics
+    assert result.stderr.count("ds_trainer: ok after 4 steps") == 1
+    ds = json.loads((run_dir / "ds_config.json").read_text())
+    assert ds["train_batch_size"] == 2
+    assert len(unet_weights(run_dir / "unet")) > 100
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_accelerate_launch_runs_the_trainer(workdir: Path) -> None:
+    dry = run_cli("zero=stage2", "world_size=2", "dry_run=true", cwd=workdir)
+    assert dry.returncode == 0, dry.stderr
+    (dry_dir,) = run_dirs(workdir)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(dry_dir / "accelerate_config.yaml"),
+           "-m", "ds_trainer", "zero=stage2", *FAST]
+    result = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    run_dir = next(d for d in run_dirs(workdir) if d != dry_dir)
+    assert summary(run_dir)["world_size"] == 2
+
+
+@pytest.mark.slow
+def test_loss_falls_when_overfitting_one_batch(workdir: Path) -> None:
+    result = run_cli("logger=none", "data.num_samples=2", "train.micro_batch_size=2", "train.max_steps=60",
+                     "scheduler=constant", "optimizer.lr=1e-3", cwd=workdir)
+    assert result.returncode == 0, result.stderr[-3000:]
+    losses = [r["loss"] for r in metrics(run_dirs(workdir)[0])]
+    first, last = sum(losses[:10]) / 10, sum(losses[-10:]) / 10
+    assert last < 0.5 * first, (first, last)
+
+
+def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 600) -> None:
+    deadline = time.time() + timeout
+    while not path.exists():
+        assert proc.poll() is None, "training ended before the checkpoint appeared"
+        assert time.time() < deadline
+        time.sleep(0.05)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("zero", ["stage2", "stage3"])
+def test_resume_after_a_kill_matches_an_uninterrupted_run(tmp_path: Path, zero: str) -> None:
+    common = [f"zero={zero}", "logger=none", "train.max_steps=8", "train.checkpoint_every=4", "data.num_samples=8",
+              "train.ema=true"]
+    straight = tmp_path / "straight"
+    straight.mkdir()
+    assert run_cli(*common, cwd=straight).returncode == 0
+    killed = tmp_path / "killed"
+    killed.mkdir()
+    proc = subprocess.Popen([sys.executable, "-m", "ds_trainer", *common], cwd=killed, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    _wait_for(next_marker(killed), proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    resumed = run_cli(*common, "resume=latest", cwd=killed)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stderr
+    first, second = run_dirs(killed)
+    assert metrics(second)[0]["step"] == 5 and metrics(second)[-1]["step"] == 8
+    (reference,) = run_dirs(straight)
+    for folder in ("unet", "unet_ema"):
+        expected, got = unet_weights(reference / folder), unet_weights(second / folder)
+        assert expected.keys() == got.keys()
+        for key in expected:
+            torch.testing.assert_close(got[key], expected[key], rtol=0, atol=1e-6, msg=f"{folder}/{key}")
+
+
+def next_marker(cwd: Path) -> Path:
+    """The COMPLETE marker of step 4 in the run directory that will appear under `cwd`."""
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        dirs = sorted((cwd / "outputs" / "runs").glob("*/*"))
+        if dirs:
+            return dirs[0] / "checkpoints" / "step_00000004" / "COMPLETE"
+        time.sleep(0.05)
+    raise AssertionError("no run directory appeared")
+
+
+@pytest.mark.slow
+def test_export_matches_the_zero_checkpoint_and_generates(workdir: Path) -> None:
+    result = run_cli("zero=stage3", *FAST, cwd=workdir)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (run_dir,) = run_dirs(workdir)
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    fp32 = get_fp32_state_dict_from_zero_checkpoint(str(run_dir / "checkpoints" / "step_00000004"))
+    exported = unet_weights(run_dir / "unet")
+    assert exported.keys() == fp32.keys()
+    for key, value in exported.items():
+        torch.testing.assert_close(value, fp32[key].to(torch.bfloat16).float(), rtol=0, atol=0, msg=key)
+    from diffusers import StableDiffusionXLPipeline
+
+    pipe = StableDiffusionXLPipeline.from_pretrained(run_dir / "pipeline")
+    image = pipe("a red square on a blue background", num_inference_steps=2, height=128, width=128,
+                 generator=torch.Generator().manual_seed(0)).images[0]
+    assert image.size == (128, 128)
+    assert len(image.getcolors(maxcolors=1 << 16) or []) > 10  # a picture, not a blank
+
+
+@pytest.mark.slow
+def test_folder_data_with_captions_and_cache_reuse(workdir: Path) -> None:
+    from PIL import Image
+
+    images = workdir / "images"
+    images.mkdir()
+    for i, (size, ext) in enumerate([((200, 150), "png"), ((96, 160), "jpg"), ((128, 128), "webp")]):
+        Image.new("RGB", size, (40 * i, 100, 200)).save(images / f"img{i}.{ext}")
+        if i < 2:
+            (images / f"img{i}.txt").write_text(f"picture number {i}")
+    (images / "metadata.jsonl").write_text(json.dumps({"file_name": "img2.webp", "text": "from metadata"}) + "\n")
+    args = ("data=folder", f"data.path={images}", "logger=none", "train.max_steps=3")
+    first = run_cli(*args, cwd=workdir)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "cached latents and embeddings of 3 samples" in first.stderr
+    second = run_cli(*args, cwd=workdir)
+    assert second.returncode == 0 and "cached latents" not in second.stderr
+    caches = list((workdir / "outputs" / "cache").iterdir())
+    assert len(caches) == 1
+    item = torch.load(sorted(caches[0].glob("*.pt"))[0], weights_only=True)
+    assert item["latents"].shape == (4, 16, 16)  # 128 px through the VAE's factor 8
+    assert item["time_ids"].tolist()[-2:] == [128, 128]
+
