@@ -9,6 +9,7 @@ from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from ds_trainer import CONF_DIR, accel, distributed, ds_config, rundir, schema, validation
@@ -39,7 +40,10 @@ def prepare(cfg: DictConfig, run_dir: Path) -> tuple[DictConfig, dict | None]:
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
 def main(cfg: DictConfig) -> None:
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    hydra_cfg = HydraConfig.get()
+    run_dir = Path(hydra_cfg.runtime.output_dir)
+    if hydra_cfg.mode == RunMode.MULTIRUN and cfg.logger.group is None:
+        cfg.logger.group = Path(hydra_cfg.sweep.dir).name  # a sweep's cells share a W&B group
     cfg, ds = prepare(cfg, run_dir)
     if cfg.dry_run:
         if ds is not None:
@@ -48,11 +52,10 @@ def main(cfg: DictConfig) -> None:
             print(f"zero=ddp: plain Accelerate data parallel, no DeepSpeed config ({cfg.resolved.platform})")
         print(f"run files written to {run_dir}", file=sys.stderr)
         return
-    from ds_trainer import data, metrics, train
+    from ds_trainer import metrics, train
 
-    name = metrics.run_name(list(HydraConfig.get().overrides.task))
+    name = metrics.run_name(list(hydra_cfg.overrides.task))
     try:
         train.run(cfg, ds, run_dir, name)
-    except (train.TrainingError, data.DataError) as exc:
-        print(f"ds_trainer: {exc}", file=sys.stderr)
-        raise SystemExit(1) from None
+    except train.TrainingError:
+        raise SystemExit(1) from None  # the run's summary, already printed, says what failed and why

@@ -9,8 +9,8 @@ import os
 
 
 def rank() -> int:
-    """Global rank: torchrun/Accelerate's RANK, else SLURM's task id, else 0."""
-    for var in ("RANK", "SLURM_PROCID"):
+    """Global rank: torchrun/Accelerate's RANK, else SLURM's or submitit-local's task id, else 0."""
+    for var in ("RANK", "SLURM_PROCID", "SUBMITIT_LOCAL_GLOBALID"):
         value = os.environ.get(var)
         if value is not None and value.isdigit():
             return int(value)

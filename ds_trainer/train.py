@@ -156,23 +156,62 @@ def _build_cache(cfg: DictConfig, accelerator: Any, dataset: Any, frozen: Any) -
 
 
 def run(cfg: DictConfig, ds: dict[str, Any] | None, run_dir: Path, name: str = "default") -> dict[str, Any]:
-    """Train as `cfg` says; returns the summary (also written to `summary.json`)."""
+    """Train as `cfg` says; returns the summary, also written to `summary.json` whatever happens:
+    `ok`, `oom` (with what to try next) or `error` (with its message)."""
     _single_process_env()
     info = hardware.confirm_with_torch(hardware.detect(cfg.resolved.platform))
     accelerator = accel.make_accelerator(cfg, ds, info.kind, run_dir)
+    resume_from = checkpoint.find_resume(cfg, run_dir)
+    wandb_id = (checkpoint.complete(resume_from) or {}).get("wandb_id") if resume_from else None
+    tracker = metrics.Tracker(accelerator, cfg, run_dir, ds, name, wandb_id)
+    status, message, failure = "ok", None, None
+    try:
+        if accelerator.num_processes != int(cfg.resolved.world_size):
+            raise TrainingError(f"the launcher started {accelerator.num_processes} processes but the DeepSpeed "
+                                f"config was built for {cfg.resolved.world_size}; leave world_size unset")
+        _train(cfg, ds, run_dir, accelerator, info, tracker, resume_from)
+    except Exception as exc:  # noqa: BLE001 - every failure is recorded in summary.json first
+        failure = exc
+        if is_oom(exc):
+            status, message = "oom", oom_message(cfg, info.kind)
+        else:
+            ours = isinstance(exc, (TrainingError, data.DataError))
+            status, message = "error", str(exc) if ours else f"{type(exc).__name__}: {exc}"
+    finally:
+        tracker.close()
+    summary = metrics.summarize(cfg, tracker.rows, status, message, accelerator.num_processes)
+    if accelerator.is_main_process:
+        metrics.write_summary(run_dir, summary)
+        metrics.print_summary(summary, run_dir)
+    if failure is None:
+        _shutdown(accelerator)
+    elif status == "oom" or isinstance(failure, (TrainingError, data.DataError)):
+        raise TrainingError(message or "") from None
+    else:
+        raise failure
+    return summary
+
+
+def is_oom(exc: BaseException) -> bool:
+    """CUDA's OutOfMemoryError, and the same failure as other allocators word it."""
+    import torch
+
+    text = str(exc).lower()
+    return isinstance(exc, torch.OutOfMemoryError) or any(
+        words in text for words in ("out of memory", "not enough memory", "can't allocate memory"))
+
+
+def _train(cfg: DictConfig, ds: dict[str, Any] | None, run_dir: Path, accelerator: Any, info: Any,
+           tracker: metrics.Tracker, resume_from: Path | None) -> None:
     device, rank, world = accelerator.device, accelerator.process_index, accelerator.num_processes
-    if world != int(cfg.resolved.world_size):
-        raise TrainingError(f"the launcher started {world} processes but the DeepSpeed config was built for "
-                            f"{cfg.resolved.world_size}; leave world_size unset")
     _prepare_nvme(cfg, accelerator)
+    dataset = data.dataset(cfg)  # before any model loads: a folder with nothing usable fails fast
     torch.manual_seed(int(cfg.train.seed))
-    plugin = accelerator.state.deepspeed_plugin
-    frozen = models.load_frozen(cfg, plugin)
+    frozen = models.load_frozen(cfg, accelerator.state.deepspeed_plugin)
     frozen_dtype = torch.float32 if info.kind == "cpu" else torch.bfloat16
     frozen.text_encoder.to(device, frozen_dtype)
     frozen.text_encoder_2.to(device, frozen_dtype)
     frozen.vae.to(device, torch.float32 if frozen.vae.config.force_upcast or info.kind == "cpu" else frozen_dtype)
-    dataset = data.dataset(cfg)
     cache = _build_cache(cfg, accelerator, dataset, frozen)
     noise_sched = models.noise_scheduler(cfg)
 
@@ -186,17 +225,14 @@ def run(cfg: DictConfig, ds: dict[str, Any] | None, run_dir: Path, name: str = "
         unet, optimizer, scheduler = accelerator.prepare(unet, optimizer, scheduler)
     dtype = next(unet.parameters()).dtype if ds is not None else torch.float32
 
-    start_step, wandb_id = 0, None
-    resume_from = checkpoint.find_resume(cfg, run_dir)
+    start_step = 0
     if resume_from is not None:
-        state = checkpoint.complete(resume_from) or {}
         accelerator.load_state(str(resume_from))
-        start_step, wandb_id = int(state["step"]), state.get("wandb_id")
+        start_step = int((checkpoint.complete(resume_from) or {})["step"])
         if ema is not None and (resume_from / "ema.pt").exists():
             ema.load_state_dict(torch.load(resume_from / "ema.pt", weights_only=True))
         log.info("resumed from %s at step %d", resume_from, start_step)
 
-    tracker = metrics.Tracker(accelerator, cfg, run_dir, ds, name, wandb_id)
     micro, accum = int(cfg.train.micro_batch_size), int(cfg.train.gradient_accumulation_steps)
     max_steps, seed, n = int(cfg.train.max_steps), int(cfg.train.seed), len(dataset)
     images_per_step = micro * accum * world
@@ -207,7 +243,6 @@ def run(cfg: DictConfig, ds: dict[str, Any] | None, run_dir: Path, name: str = "
         from tqdm.auto import tqdm
 
         progress = tqdm(total=max_steps, initial=start_step, desc="train", dynamic_ncols=True)
-    status, message = "ok", None
     try:
         for step in range(start_step + 1, max_steps + 1):
             step_start, data_wait, losses = time.perf_counter(), 0.0, []
@@ -249,23 +284,10 @@ def run(cfg: DictConfig, ds: dict[str, Any] | None, run_dir: Path, name: str = "
             if step == max_steps or (every and step % every == 0):
                 checkpoint.save(accelerator, run_dir, step, ckpt_state, int(cfg.train.checkpoints_to_keep),
                                 {"ema": ema.state_dict()} if ema else None)
-        if progress is not None:
-            progress.close()
-        _export(cfg, accelerator, unet, ema, frozen, run_dir)
-    except torch.OutOfMemoryError as exc:
-        status, message = "oom", oom_message(cfg, exc)
     finally:
         if progress is not None:
             progress.close()
-        tracker.close()
-    summary = metrics.summarize(cfg, tracker.rows, status, message, world)
-    if accelerator.is_main_process:
-        metrics.write_summary(run_dir, summary)
-        metrics.print_summary(summary, run_dir)
-    _shutdown(accelerator)
-    if status == "oom":
-        raise TrainingError(message or "out of memory")
-    return summary
+    _export(cfg, accelerator, unet, ema, frozen, run_dir)
 
 
 def _lr(optimizer: Any, scheduler: Any) -> float:
@@ -283,7 +305,7 @@ def _mem_text(values: dict[str, Any]) -> str:
     return f"rss {values['host_rss_peak_mib'] / 1024:.1f}G"
 
 
-def oom_message(cfg: DictConfig, exc: BaseException) -> str:
+def oom_message(cfg: DictConfig, device: str) -> str:
     """One line: the memory settings of the run and what to try next."""
     zero = f"zero=stage{cfg.zero.stage}" if cfg.resolved.backend == "deepspeed" else "zero=ddp"
     tries = []
@@ -296,7 +318,8 @@ def oom_message(cfg: DictConfig, exc: BaseException) -> str:
                      "train.gradient_accumulation_steps")
     if not cfg.train.gradient_checkpointing:
         tries.append("train.gradient_checkpointing=true")
-    return (f"CUDA out of memory with {zero} offload={cfg.offload.device.value} "
+    where = "CUDA" if device == "cuda" else device.upper()
+    return (f"{where} out of memory with {zero} offload={cfg.offload.device.value} "
             f"resolution={cfg.resolution.width}x{cfg.resolution.height} "
             f"train.micro_batch_size={cfg.train.micro_batch_size} precision={cfg.precision.name.value}; try "
             + (", ".join(tries) or "a smaller resolution"))
