@@ -15,13 +15,18 @@ setup: system-deps
 		DS_BUILD_OPS=0 $(PYTHON) -m pip install --no-build-isolation "deepspeed==0.19.8"
 	$(PYTHON) -m pip install -e ".[test]"
 
-# libaio-dev for DeepSpeed's async_io op (NVMe offload). Installed when running as root; otherwise listed.
-SYSTEM_PACKAGES = libaio-dev
+# libaio-dev for DeepSpeed's async_io op (NVMe offload); Debian's Slurm and munge for the local
+# SLURM cluster (`python -m ds_trainer.slurm_local start`) the sweep tests submit to. Installed when
+# running as root (a policy-rc.d keeps the packages from starting their daemons); otherwise listed.
+SYSTEM_PACKAGES = libaio-dev slurmctld slurmd slurm-client munge
 system-deps:
 	@missing=$$(for p in $(SYSTEM_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
 	if [ -z "$$missing" ]; then exit 0; fi; \
 	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		guard=; if [ ! -e /usr/sbin/policy-rc.d ]; then printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d; \
+			chmod +x /usr/sbin/policy-rc.d; guard=1; fi; \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; \
+		status=$$?; [ -n "$$guard" ] && rm -f /usr/sbin/policy-rc.d; exit $$status; \
 	else echo "system packages missing (install them for NVMe offload and SLURM tests): $$missing"; fi
 
 run: setup

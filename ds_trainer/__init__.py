@@ -7,3 +7,4 @@ __version__ = "0.1.0"
 PACKAGE_DIR = Path(__file__).resolve().parent
 CONF_DIR = PACKAGE_DIR.parent / "conf"
 ASSETS_DIR = PACKAGE_DIR / "assets"
+SWEEPS_DIR = PACKAGE_DIR.parent / "sweeps"

@@ -63,7 +63,12 @@ def find_resume(cfg: DictConfig, run_dir: Path) -> Path | None:
     """The checkpoint `resume` names: a folder, or for `latest` the newest complete checkpoint of
     this run directory (a requeued job) or else of the newest earlier run of the same experiment."""
     if cfg.resume is None:
-        return None
+        # A requeued job (preemption, time limit) runs again in its own run directory: continue there.
+        own = checkpoints(run_dir)
+        if own:
+            log.warning("continuing from %s: this run directory already holds checkpoints (a requeued job)",
+                        own[-1][1])
+        return own[-1][1] if own else None
     if cfg.resume != "latest":
         path = Path(cfg.resume)
         if complete(path) is None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -12,38 +13,34 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from ds_trainer import CONF_DIR, accel, distributed, ds_config, rundir, schema, validation
+from ds_trainer import CONF_DIR, accel, distributed, ds_config, rundir, schema, sweep, validation
+from ds_trainer.errors import TrainingError
 
 log = logging.getLogger("ds_trainer")
 
 schema.register()
+sweep.register()
 rundir.register_resolvers()
 
 
 def prepare(cfg: DictConfig, run_dir: Path) -> tuple[DictConfig, dict | None]:
-    """Validate `cfg` and write the run files; exit with the report on a user mistake."""
+    """Validate `cfg` and write the run files; raises ConfigError with the report on a user mistake."""
     report = validation.check(cfg)
     if not report.ok:
-        print(report.render(), file=sys.stderr)
-        raise SystemExit(2)
+        raise validation.ConfigError(report.render())
     for warning in report.warnings:
         log.warning("%s", warning)
     cfg = report.cfg
     world_size = int(cfg.resolved.world_size)
     ds = ds_config.build(cfg, world_size) if cfg.resolved.backend == "deepspeed" else None
     ds_json = run_dir / "ds_config.json" if ds is not None else None
-
     if distributed.is_main():
         rundir.write_run_files(run_dir, cfg, ds, accel.config_file(cfg, ds_json, world_size))
     return cfg, ds
 
 
-@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
-def main(cfg: DictConfig) -> None:
-    hydra_cfg = HydraConfig.get()
-    run_dir = Path(hydra_cfg.runtime.output_dir)
-    if hydra_cfg.mode == RunMode.MULTIRUN and cfg.logger.group is None:
-        cfg.logger.group = Path(hydra_cfg.sweep.dir).name  # a sweep's cells share a W&B group
+def run(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> None:
+    """One run: validate, write the run files, then train unless it is a dry run."""
     cfg, ds = prepare(cfg, run_dir)
     if cfg.dry_run:
         if ds is not None:
@@ -54,8 +51,37 @@ def main(cfg: DictConfig) -> None:
         return
     from ds_trainer import metrics, train
 
-    name = metrics.run_name(list(hydra_cfg.overrides.task))
-    try:
-        train.run(cfg, ds, run_dir, name)
-    except train.TrainingError:
-        raise SystemExit(1) from None  # the run's summary, already printed, says what failed and why
+    train.run(cfg, ds, run_dir, metrics.run_name(overrides))
+
+
+@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
+def main(cfg: DictConfig) -> None:
+    distributed.export_submitit_env()  # a submitit task is one rank: RANK, WORLD_SIZE, MASTER_* from SLURM
+    hydra_cfg = HydraConfig.get()
+    run_dir = Path(hydra_cfg.runtime.output_dir)
+    overrides = list(hydra_cfg.overrides.task)
+    if hydra_cfg.mode != RunMode.MULTIRUN:
+        try:
+            run(cfg, run_dir, overrides)
+        except validation.ConfigError as exc:
+            print(exc, file=sys.stderr)
+            raise SystemExit(2) from None
+        except TrainingError:
+            raise SystemExit(1) from None  # the run's summary, already printed, says what failed and why
+        return
+    # A sweep cell: record any failure in its summary.json and let the sweep go on.
+    if cfg.logger.group is None:
+        cfg.logger.group = Path(hydra_cfg.sweep.dir).name  # a sweep's cells share a W&B group
+    if "SUBMITIT_EXECUTOR" not in os.environ:
+        sweep.run_cell_process(cfg, run_dir, overrides)
+        return
+    try:  # a submitit job is a process of its own: train here
+        run(cfg, run_dir, overrides)
+    except validation.ConfigError as exc:
+        log.error("%s", exc)
+        sweep.failed_cell(cfg, run_dir, "error", validation.first_problem(str(exc)))
+    except TrainingError as exc:
+        log.error("cell failed: %s", exc)
+    except Exception as exc:  # noqa: BLE001 - a crashed cell must not end the sweep
+        log.exception("cell crashed")
+        sweep.failed_cell(cfg, run_dir, "error", f"{type(exc).__name__}: {exc}")

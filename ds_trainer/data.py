@@ -17,6 +17,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from PIL import Image, ImageOps
 
+from ds_trainer.errors import DataError
+
 log = logging.getLogger(__name__)
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp")
@@ -32,10 +34,6 @@ class Example:
     pixels: torch.Tensor  # 3 x H x W in [-1, 1]
     caption: str
     time_ids: torch.Tensor  # original (h, w), crop top-left (y, x), target (h, w)
-
-
-class DataError(Exception):
-    """Data that cannot be trained on, found before training starts."""
 
 
 def _to_rgb(image: Image.Image) -> Image.Image:

@@ -57,6 +57,7 @@ class Tracker:
         self.main = accelerator.is_main_process
         self.rows: list[dict[str, Any]] = []
         self.wandb_id: str | None = None
+        self.wandb_broken = False
         if not self.main:
             return
         self.file = (run_dir / "metrics.jsonl").open("a")
@@ -77,13 +78,23 @@ class Tracker:
         self.rows.append(row)
         self.file.write(json.dumps(row) + "\n")
         self.file.flush()
-        if self.wandb_id:
-            self.accelerator.log(values, step=step)
+        if self.wandb_id and not self.wandb_broken:
+            try:
+                self.accelerator.log(values, step=step)
+            except Exception as exc:  # noqa: BLE001 - W&B going away must not stop training
+                self.wandb_broken = True
+                log.warning("W&B logging failed (%s); metrics continue in metrics.jsonl only", exc)
 
     def close(self) -> None:
-        """Close the metrics file; W&B finishes with `accelerator.end_training()` at shutdown."""
-        if self.main:
-            self.file.close()
+        """Close the metrics file and finish the W&B run (flushed even when a preempted job exits)."""
+        if not self.main:
+            return
+        self.file.close()
+        for tracker in self.accelerator.trackers:
+            try:
+                tracker.finish()
+            except Exception as exc:  # noqa: BLE001 - closing must not mask the run's own outcome
+                log.warning("W&B did not finish cleanly: %s", exc)
 
 
 def _read_id(run_dir: Path) -> str | None:

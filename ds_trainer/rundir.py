@@ -48,7 +48,11 @@ def stamp() -> str:
         suffix = hashlib.sha1(key.encode()).hexdigest()[:6]
     else:
         started, suffix = time.time(), secrets.token_hex(3)
-    return time.strftime("%Y-%m-%d/%H-%M-%S", time.localtime(started)) + f"-{suffix}"
+    value = time.strftime("%Y-%m-%d/%H-%M-%S", time.localtime(started)) + f"-{suffix}"
+    # Processes started from this one (submitit jobs, locally or through sbatch, which passes the
+    # environment on) compose the sweep directory again: they must land in the same one.
+    os.environ["DS_TRAINER_RUN_STAMP"] = value
+    return value
 
 
 def rank_zero_only(value: Any) -> Any:

@@ -209,6 +209,9 @@ class TrainConfig:
     # 0: save only at the end.
     checkpoint_every: int = 0
     checkpoints_to_keep: int = 2
+    # At the end: save a checkpoint, export the UNet (sweeps that only measure turn both off).
+    final_checkpoint: bool = True
+    export: bool = True
     ema: bool = False
     ema_decay: float = 0.9999
     ema_device: str = "cpu"

@@ -97,6 +97,11 @@ def _node_state(folder: Path) -> str:
     return _run("sinfo", "-h", "-n", host, "-o", "%t", check=False, env=env(folder)).stdout.strip()
 
 
+def running(folder: Path = DEFAULT_DIR) -> bool:
+    """Whether the cluster in `folder` is up and its node idle or busy."""
+    return bool(_alive(folder / "slurmctld.pid", "slurmctld")) and _node_state(folder) in ("idle", "mix", "alloc")
+
+
 def start(folder: Path = DEFAULT_DIR, timeout: float = 30) -> Path:
     """Start munged, slurmctld and slurmd (if not running); returns the slurm.conf path."""
     if os.geteuid() != 0:
@@ -104,8 +109,13 @@ def start(folder: Path = DEFAULT_DIR, timeout: float = 30) -> Path:
     if missing():
         raise ClusterError(f"not installed: {', '.join(missing())}; install them with "
                            "`apt-get install slurmctld slurmd slurm-client munge`")
-    if _node_state(folder) == "idle" and _alive(folder / "slurmd.pid", "slurmd"):
+    if running(folder):
         return conf_path(folder)
+    for port in (6817, 6818):
+        with socket.socket() as probe:
+            if probe.connect_ex(("127.0.0.1", port)) == 0:
+                raise ClusterError(f"port {port} is taken: another Slurm is running here; stop it (`python -m "
+                                   "ds_trainer.slurm_local stop --dir <its folder>`) or use it")
     for sub in ("state", "spool", "log"):
         (folder / sub).mkdir(parents=True, exist_ok=True)
     folder.chmod(0o755)

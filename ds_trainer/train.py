@@ -20,12 +20,9 @@ from omegaconf import DictConfig
 
 from ds_trainer import accel, checkpoint, data, hardware, metrics, models, nvme
 from ds_trainer.ema import EMA
+from ds_trainer.errors import TrainingError
 
 log = logging.getLogger("ds_trainer")
-
-
-class TrainingError(Exception):
-    """A failure the user can act on (bad data, a missing op, out of memory); reported in one line."""
 
 
 def _single_process_env() -> None:
@@ -175,7 +172,7 @@ def run(cfg: DictConfig, ds: dict[str, Any] | None, run_dir: Path, name: str = "
         if is_oom(exc):
             status, message = "oom", oom_message(cfg, info.kind)
         else:
-            ours = isinstance(exc, (TrainingError, data.DataError))
+            ours = isinstance(exc, TrainingError)
             status, message = "error", str(exc) if ours else f"{type(exc).__name__}: {exc}"
     finally:
         tracker.close()
@@ -185,7 +182,7 @@ def run(cfg: DictConfig, ds: dict[str, Any] | None, run_dir: Path, name: str = "
         metrics.print_summary(summary, run_dir)
     if failure is None:
         _shutdown(accelerator)
-    elif status == "oom" or isinstance(failure, (TrainingError, data.DataError)):
+    elif status == "oom" or isinstance(failure, TrainingError):
         raise TrainingError(message or "") from None
     else:
         raise failure
@@ -281,13 +278,14 @@ def _train(cfg: DictConfig, ds: dict[str, Any] | None, run_dir: Path, accelerato
             if progress is not None:
                 progress.update(1)
             every = int(cfg.train.checkpoint_every)
-            if step == max_steps or (every and step % every == 0):
+            if (step == max_steps and cfg.train.final_checkpoint) or (every and step % every == 0):
                 checkpoint.save(accelerator, run_dir, step, ckpt_state, int(cfg.train.checkpoints_to_keep),
                                 {"ema": ema.state_dict()} if ema else None)
     finally:
         if progress is not None:
             progress.close()
-    _export(cfg, accelerator, unet, ema, frozen, run_dir)
+    if cfg.train.export:
+        _export(cfg, accelerator, unet, ema, frozen, run_dir)
 
 
 def _lr(optimizer: Any, scheduler: Any) -> float:

@@ -12,12 +12,13 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
-from ds_trainer import CONF_DIR, rundir, schema
+from ds_trainer import CONF_DIR, rundir, schema, sweep
 
 REPO = Path(__file__).resolve().parent.parent
 IN_CI = os.environ.get("CI", "").lower() == "true"
 
 schema.register()
+sweep.register()
 rundir.register_resolvers()
 
 

@@ -1,0 +1,198 @@
+"""Sweeps: named sweeps, failed cells that do not stop a sweep, submitit (local and a real SLURM
+cluster on localhost), requeue, and the sweep report."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import require, run_cli
+
+from ds_trainer import SWEEPS_DIR, slurm_local
+
+FAST = ["logger=none", "train.max_steps=3", "data.num_samples=4"]
+
+
+def sweep_dirs(root: Path) -> list[Path]:
+    return sorted(p.parent for p in (root / "outputs" / "sweeps").glob("*/*/multirun.yaml"))
+
+
+def report_rows(sweep_dir: Path) -> list[dict]:
+    return list(csv.DictReader(io.StringIO((sweep_dir / "report.csv").read_text())))
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in SWEEPS_DIR.glob("*.yaml")))
+def test_named_sweep_says_how_to_run_it_and_composes(name: str) -> None:
+    text = (SWEEPS_DIR / f"{name}.yaml").read_text()
+    assert text.splitlines()[0] == f"# Run:    python -m ds_trainer +sweep={name}"
+    from hydra import compose, initialize_config_dir
+
+    from ds_trainer import CONF_DIR
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[f"+sweep={name}"], return_hydra_config=True)
+    assert yaml.safe_load(text)["hydra"]["mode"] == "MULTIRUN"  # so the user need not type -m
+    assert cfg.hydra.sweeper.params
+    assert set(yaml.safe_load(text)["hydra"]["sweeper"]["params"]) == set(cfg.hydra.sweeper.params)
+
+
+def test_named_sweeps_required_by_the_docs_exist() -> None:
+    assert {"zero_offload", "resolution", "batch_size"} <= {p.stem for p in SWEEPS_DIR.glob("*.yaml")}
+
+
+@pytest.mark.parametrize("preset", sorted(p.stem for p in (Path(__file__).parent.parent / "conf" / "hydra" /
+                                                               "launcher").glob("*.yaml")))
+def test_launcher_presets_compose(preset: str) -> None:
+    from hydra import compose, initialize_config_dir
+
+    from ds_trainer import CONF_DIR
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[f"hydra/launcher={preset}"], return_hydra_config=True)
+    launcher = cfg.hydra.launcher
+    assert "submitit" in launcher._target_
+    assert launcher.tasks_per_node >= 1 and launcher.timeout_min > 0
+
+
+@pytest.mark.slow
+def test_a_failing_cell_does_not_stop_the_sweep_and_the_exit_status_counts_failures(workdir: Path) -> None:
+    result = run_cli("-m", "zero=ddp,stage2", "offload=none,cpu", *FAST, cwd=workdir)
+    assert result.returncode == 1, result.stderr[-3000:]  # one invalid cell: ddp with offload=cpu
+    assert "3 of 4 cells ok, 1 failed" in result.stderr
+    (sweep_dir,) = sweep_dirs(workdir)
+    rows = report_rows(sweep_dir)
+    assert [(r["zero"], r["offload"], r["status"]) for r in rows] == [
+        ("ddp", "none", "ok"), ("ddp", "cpu", "error"), ("stage2", "none", "ok"), ("stage2", "cpu", "ok")]
+    assert "zero=ddp has nothing to offload" in rows[1]["message"]
+    assert (sweep_dir / "report.png").stat().st_size > 10_000
+    assert "| 1 | ddp | cpu |" in (sweep_dir / "report.md").read_text()
+
+
+@pytest.mark.slow
+def test_a_named_sweep_runs_without_dash_m(workdir: Path) -> None:
+    result = run_cli("+sweep=batch_size", "train.micro_batch_size=1,2", *FAST, cwd=workdir)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (sweep_dir,) = sweep_dirs(workdir)
+    assert [(r["micro_batch_size"], r["status"]) for r in report_rows(sweep_dir)] == [("1", "ok"), ("2", "ok")]
+    cell = yaml.safe_load((sweep_dir / "0" / "config.yaml").read_text())
+    assert cell["logger"]["group"] == "batch_size" and cell["train"]["export"] is False
+
+
+def _two_cell_sweep(workdir: Path, launcher: str, env: dict[str, str] | None = None) -> Path:
+    result = run_cli("-m", "zero=stage2,stage3", f"hydra/launcher={launcher}", *FAST, cwd=workdir, env=env,
+                     timeout=900)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    (sweep_dir,) = sweep_dirs(workdir)
+    rows = report_rows(sweep_dir)
+    assert [(r["zero"], r["status"], r["world_size"]) for r in rows] == [("stage2", "ok", "2"), ("stage3", "ok", "2")]
+    for cell in ("0", "1"):
+        lines = (sweep_dir / cell / "metrics.jsonl").read_text().splitlines()
+        assert [json.loads(line)["step"] for line in lines] == [1, 2, 3]  # rank 0 alone wrote them
+        assert not (sweep_dir / cell / ".hydra" / "hydra.yaml").read_text().count("RANK")
+    return sweep_dir
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_two_cell_sweep_on_submitit_local_with_two_ranks_per_job(workdir: Path) -> None:
+    _two_cell_sweep(workdir, "local_2proc")
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster() -> Iterator[dict[str, str]]:
+    require(not slurm_local.missing(), f"Slurm is not installed ({', '.join(slurm_local.missing())})")
+    require(os.geteuid() == 0, "the local SLURM cluster needs root")
+    folder = slurm_local.DEFAULT_DIR
+    running = slurm_local.running(folder)
+    slurm_local.start(folder)
+    yield slurm_local.env(folder)
+    if not running:  # leave a cluster the user had started alone
+        slurm_local.stop(folder)
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_two_cell_sweep_on_a_real_slurm_cluster(workdir: Path, slurm_cluster: dict[str, str]) -> None:
+    sweep_dir = _two_cell_sweep(workdir, "slurm_localtest", env=slurm_cluster)
+    assert list((sweep_dir / ".submitit").glob("*/*.out"))  # submitted through sbatch
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_a_preempted_slurm_job_is_requeued_and_resumes_into_the_same_wandb_run(
+        workdir: Path, slurm_cluster: dict[str, str]) -> None:
+    # SIGUSR2 is what Slurm sends ahead of a time limit (submitit asks for it): submitit checkpoints the
+    # job description, requeues the job with scontrol and exits; the requeued job runs the cell again.
+    args = ["-m", "zero=stage2", "hydra/launcher=slurm_localtest", "train.max_steps=40", "train.checkpoint_every=5",
+            "data.num_samples=8"]
+    proc = subprocess.Popen([sys.executable, "-m", "ds_trainer", *args], cwd=workdir, env=slurm_cluster,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 600
+    while not list((workdir / "outputs" / "sweeps").glob("*/*/0/checkpoints/step_00000010/COMPLETE")):
+        assert proc.poll() is None and time.time() < deadline, "no checkpoint before the job ended"
+        time.sleep(0.2)
+    squeue = subprocess.run(["squeue", "-h", "-o", "%i"], env=slurm_cluster, capture_output=True, text=True)
+    jobs = squeue.stdout.split()
+    assert jobs
+    subprocess.run(["scancel", "--signal=USR2", jobs[0]], env=slurm_cluster, check=True)
+    _, err = proc.communicate(timeout=900)
+    assert proc.returncode == 0, err[-3000:]
+    (sweep_dir,) = sweep_dirs(workdir)
+    cell = sweep_dir / "0"
+    steps = [json.loads(line)["step"] for line in (cell / "metrics.jsonl").read_text().splitlines()]
+    assert steps[-1] == 40 and sorted(set(steps)) == list(range(1, 41))
+    resumed = re.search(r"resumed from \S+/step_(\d+) at step (\d+)", (cell / "ds_trainer.log").read_text())
+    assert resumed and int(resumed.group(2)) in (10, 15, 20, 25, 30, 35)  # its latest checkpoint, not step 0
+    assert json.loads((cell / "summary.json").read_text())["status"] == "ok"
+    wandb_files = sorted(cell.glob("wandb/offline-run-*/run-*.wandb"))
+    assert len(wandb_files) == 2  # one per job instance
+    import wandb_log
+
+    # The requeued instance continues the same W&B run. (The signal also reaches W&B's own service
+    # process, so the first instance's offline file may hold only what it had flushed.)
+    assert wandb_log.run_info(wandb_files[1]).run_id == (cell / "wandb_id.txt").read_text()
+    assert wandb_log.history(wandb_files[1])[0]["_step"] == int(resumed.group(2)) + 1
+
+
+def _cell(root: Path, num: int, summary: dict | None, zero: str = "stage2") -> None:
+    cell = root / str(num)
+    (cell / ".hydra").mkdir(parents=True)
+    config = {"zero": {"backend": "deepspeed", "stage": int(zero[-1])}, "offload": {"device": "cpu"},
+              "resolution": {"width": 1024, "height": 1024}, "train": {"micro_batch_size": 8},
+              "precision": {"name": "bf16"}, "logger": {"name": "none"}}
+    (cell / ".hydra" / "config.yaml").write_text(yaml.safe_dump(config))
+    if summary is not None:
+        (cell / "summary.json").write_text(json.dumps(summary))
+
+
+def test_report_on_ok_oom_error_and_running_cells(tmp_path: Path) -> None:
+    base = {"zero": "stage2", "offload": "cpu", "resolution": "1024x1024", "micro_batch_size": 8, "world_size": 8,
+            "precision": "bf16"}
+    _cell(tmp_path, 0, {**base, "status": "ok", "message": None, "gpu_mem_peak_allocated_mib": 11012.5,
+                        "gpu_mem_peak_reserved_mib": 12288.0, "median_s_per_it": 1.25, "images_per_s": 51.2})
+    _cell(tmp_path, 1, {**base, "zero": "stage1", "status": "oom", "message": "CUDA out of memory with zero=stage1"})
+    _cell(tmp_path, 2, {**base, "zero": "stage3", "status": "error", "message": "RuntimeError: NCCL timeout"})
+    _cell(tmp_path, 10, None, zero="stage3")  # still running: no summary yet
+    result = subprocess.run([sys.executable, "-m", "ds_trainer.report", str(tmp_path)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    rows = report_rows(tmp_path)
+    assert [(r["cell"], r["zero"], r["status"]) for r in rows] == [
+        ("0", "stage2", "ok"), ("1", "stage1", "oom"), ("2", "stage3", "error"), ("10", "stage3", "running")]
+    assert rows[0]["gpu_mem_peak_allocated_mib"] == "11012.5" and rows[0]["median_s_per_it"] == "1.25"
+    assert rows[1]["message"].startswith("CUDA out of memory")
+    md = (tmp_path / "report.md").read_text()
+    assert "4 cells: 1 ok, 2 failed, 1 running" in md
+    assert "| 0 | stage2 | cpu | 1024x1024 | 8 | 8 | bf16 | ok | 11012 | 12288 |" in md
+    assert (tmp_path / "report.png").stat().st_size > 10_000
+    assert result.stdout.startswith("| cell |")
+
