@@ -221,6 +221,13 @@ class TrainConfig:
 
 
 @dataclass
+class PlanConfig:
+    """`python -m ds_trainer.plan`: the VRAM budget per GPU (None: the detected GPU's memory)."""
+
+    vram_gib: float | None = None
+
+
+@dataclass
 class PathsConfig:
     outputs: str = "outputs"
 
@@ -252,6 +259,7 @@ class Config:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     paths: PathsConfig = field(default_factory=PathsConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
     resolved: ResolvedConfig = field(default_factory=ResolvedConfig)
     # Processes of the run; None: from the launcher (WORLD_SIZE), else 1.
     world_size: int | None = None

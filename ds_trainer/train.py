@@ -152,6 +152,21 @@ def _build_cache(cfg: DictConfig, accelerator: Any, dataset: Any, frozen: Any) -
     return cache
 
 
+def _log_memory_plan(cfg: DictConfig, info: Any, world: int) -> None:
+    """Log the planner's estimate for this run; warn when it exceeds the GPU."""
+    from ds_trainer import plan
+
+    zero = f"stage{cfg.zero.stage}" if cfg.resolved.backend == "deepspeed" else "ddp"
+    offload = cfg.offload.device.value if cfg.resolved.optimizer_state_on != "cpu" or zero == "stage3" else "cpu"
+    estimate = plan.estimate(cfg, zero, offload, world)
+    log.info("memory plan (python -m ds_trainer.plan): %s", plan.describe(estimate))
+    total = (info.gpu_memory_mib or 0) * 2**20
+    if info.kind == "cuda" and total and estimate.gpu > total:
+        log.warning("the memory plan (%.1f GiB per rank) exceeds this GPU's %.1f GiB: expect out of memory; "
+                    "`python -m ds_trainer.plan` with the same overrides shows what fits",
+                    estimate.gpu / 2**30, total / 2**30)
+
+
 def run(cfg: DictConfig, ds: dict[str, Any] | None, run_dir: Path, name: str = "default") -> dict[str, Any]:
     """Train as `cfg` says; returns the summary, also written to `summary.json` whatever happens:
     `ok`, `oom` (with what to try next) or `error` (with its message)."""
@@ -201,6 +216,8 @@ def is_oom(exc: BaseException) -> bool:
 def _train(cfg: DictConfig, ds: dict[str, Any] | None, run_dir: Path, accelerator: Any, info: Any,
            tracker: metrics.Tracker, resume_from: Path | None) -> None:
     device, rank, world = accelerator.device, accelerator.process_index, accelerator.num_processes
+    if accelerator.is_main_process:
+        _log_memory_plan(cfg, info, world)
     _prepare_nvme(cfg, accelerator)
     dataset = data.dataset(cfg)  # before any model loads: a folder with nothing usable fails fast
     torch.manual_seed(int(cfg.train.seed))
@@ -210,6 +227,11 @@ def _train(cfg: DictConfig, ds: dict[str, Any] | None, run_dir: Path, accelerato
     frozen.text_encoder_2.to(device, frozen_dtype)
     frozen.vae.to(device, torch.float32 if frozen.vae.config.force_upcast or info.kind == "cpu" else frozen_dtype)
     cache = _build_cache(cfg, accelerator, dataset, frozen)
+    if cache is not None and info.kind == "cuda":
+        # Training reads the cache: the frozen encoders need no GPU memory from here on.
+        for part in (frozen.vae, frozen.text_encoder, frozen.text_encoder_2):
+            part.to("cpu")
+        torch.cuda.empty_cache()
     noise_sched = models.noise_scheduler(cfg)
 
     unet = models.load_unet(cfg)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from ds_trainer import SWEEPS_DIR, ds_config, hardware, nvme, optimizers, schema
+from ds_trainer import ds_config, hardware, nvme, optimizers, schema
 
 # Top-level keys that may hold anything (added by launchers and sweeps).
 _FREE_FORM = frozenset({"hydra"})
@@ -76,10 +76,7 @@ def _unknown_keys(cfg: DictConfig, out: list[Problem]) -> None:
         known = list(ref.keys())
         for key in map(str, node.keys()):
             path = prefix + key
-            if path == "sweep":
-                names = ", ".join(sorted(p.stem for p in SWEEPS_DIR.glob("*.yaml")))
-                out.append(Problem("+sweep", node[key], f"no such named sweep in {SWEEPS_DIR}", f"+sweep=<{names}>"))
-            elif key not in known:
+            if key not in known:
                 if prefix.split(".")[0] not in _FREE_FORM:
                     close = difflib.get_close_matches(str(key), [str(k) for k in known], n=1)
                     hint = f"did you mean {prefix}{close[0]}?" if close else "remove it"

@@ -38,7 +38,7 @@ BAD = [
     (["platform=gpu"], ["platform", "gpu"]),
     (["precision=fp8"], ["precision", "fp8"]),
     (["world_size=0"], ["world_size=0"]),
-    (["+sweep=zero_ofload"], ["+sweep=zero_ofload", "zero_offload"]),
+    (["+sweep=zero_ofload"], ["zero_ofload", "zero_offload"]),
 ]
 
 

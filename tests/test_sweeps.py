@@ -196,3 +196,22 @@ def test_report_on_ok_oom_error_and_running_cells(tmp_path: Path) -> None:
     assert (tmp_path / "report.png").stat().st_size > 10_000
     assert result.stdout.startswith("| cell |")
 
+
+
+@pytest.mark.slow
+def test_report_goes_to_wandb_when_the_cells_used_it(tmp_path: Path) -> None:
+    _cell(tmp_path, 0, {"status": "ok", "zero": "stage2", "median_s_per_it": 0.5, "images_per_s": 2.0})
+    config = yaml.safe_load((tmp_path / "0" / ".hydra" / "config.yaml").read_text())
+    config["logger"] = {"name": "wandb", "mode": "offline", "project": "ds_trainer", "group": "zero_offload"}
+    (tmp_path / "0" / ".hydra" / "config.yaml").write_text(yaml.safe_dump(config))
+    result = subprocess.run([sys.executable, "-m", "ds_trainer.report", str(tmp_path)], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    (wandb_file,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
+    import wandb_log
+
+    assert wandb_log.run_info(wandb_file).run_group == "zero_offload"
+    (row,) = wandb_log.history(wandb_file)
+    assert row["sweep_report._type"] == "table-file" and row["sweep_report.nrows"] == 1
+    table = json.loads((wandb_file.parent / "files" / row["sweep_report.path"]).read_text())
+    assert table["columns"][:2] == ["cell", "zero"] and table["data"][0][:2] == ["0", "stage2"]

@@ -190,3 +190,41 @@ def test_folder_data_with_captions_and_cache_reuse(workdir: Path) -> None:
     assert item["latents"].shape == (4, 16, 16)  # 128 px through the VAE's factor 8
     assert item["time_ids"].tolist()[-2:] == [128, 128]
 
+
+
+@pytest.mark.slow
+def test_pretrained_folder_with_v_prediction_min_snr_and_checkpointing(workdir: Path) -> None:
+    # A diffusers folder made by a first run stands in for a downloaded SDXL checkpoint.
+    first = run_cli("logger=none", "train.max_steps=1", "data.num_samples=2", cwd=workdir)
+    assert first.returncode == 0, first.stderr[-3000:]
+    pipeline = run_dirs(workdir)[0] / "pipeline"
+    scheduler = pipeline / "scheduler" / "scheduler_config.json"
+    scheduler.write_text(scheduler.read_text().replace('"epsilon"', '"v_prediction"'))
+    result = run_cli("logger=none", f"model.pretrained={pipeline}", "train.max_steps=3", "data.num_samples=4",
+                     "train.min_snr_gamma=5", "train.gradient_checkpointing=true", "zero=stage3",
+                     "train.checkpoint_every=1", "train.checkpoints_to_keep=2", cwd=workdir)
+    assert result.returncode == 0, result.stderr[-3000:]
+    run_dir = run_dirs(workdir)[1]
+    assert summary(run_dir)["status"] == "ok"
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_00000002", "step_00000003"]
+    started = unet_weights(pipeline / "unet")
+    trained = unet_weights(run_dir / "unet")
+    assert any(not torch.equal(started[k], trained[k]) for k in started)  # it trained from those weights
+    assert max((started[k] - trained[k]).abs().max().item() for k in started) < 0.05  # ...and not from scratch
+
+
+def test_a_partial_checkpoint_is_never_resumed(tmp_path: Path) -> None:
+    from conftest import make_cfg
+
+    from ds_trainer import checkpoint
+
+    run_dir = tmp_path / "outputs" / "runs" / "2026-01-01" / "00-00-00-aaaaaa"
+    done = run_dir / "checkpoints" / "step_00000004"
+    done.mkdir(parents=True)
+    cfg = make_cfg(f"paths.outputs={tmp_path / 'outputs'}", "resume=latest")
+    (done / checkpoint.MARKER).write_text(json.dumps({"step": 4, "fingerprint": checkpoint.fingerprint(cfg)}))
+    (run_dir / "checkpoints" / ".step_00000008.partial").mkdir()  # a save that crashed
+    (run_dir / "checkpoints" / "step_00000012").mkdir()  # renamed but without its marker: not complete
+    assert checkpoint.find_resume(cfg, tmp_path / "new_run") == done
+    other = make_cfg(f"paths.outputs={tmp_path / 'outputs'}", "resume=latest", "train.seed=1")
+    assert checkpoint.find_resume(other, tmp_path / "new_run") is None  # another experiment's checkpoint

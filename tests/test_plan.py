@@ -1,0 +1,91 @@
+"""The memory planner: its model-state part agrees with DeepSpeed's estimators; the command works."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from conftest import make_cfg
+
+from ds_trainer import plan
+
+pytest.importorskip("torch")
+
+
+@pytest.fixture(scope="module")
+def base() -> plan.UNetStats:
+    return plan.unet_stats(make_cfg("model=sdxl_base").model.architecture)
+
+
+def test_parameter_count_of_the_full_sdxl_unet_from_the_meta_device(base: plan.UNetStats) -> None:
+    assert base.params == 2_567_463_684  # SDXL 1.0's UNet, 2.57 B
+    assert base.largest_layer > 10_000_000
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 8, 64])
+def test_zero2_model_states_match_deepspeed(base: plan.UNetStats, ranks: int) -> None:
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+    for offload in ("none", "cpu"):
+        params, grads, optimizer, host = plan._model_states("stage2", offload, base.params, base.largest_layer,
+                                                            ranks, True, "bf16")
+        cpu, gpu = estimate_zero2_model_states_mem_needs(base.params, num_gpus_per_node=ranks,
+                                                         cpu_offload=offload == "cpu")
+        assert params + grads + optimizer == pytest.approx(gpu, abs=ranks)  # integer division per part
+        if offload == "cpu":
+            assert host == cpu
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 8, 64])
+@pytest.mark.parametrize(("offload", "params_offload"), [("none", True), ("cpu", True), ("cpu", False)])
+def test_zero3_model_states_match_deepspeed(base: plan.UNetStats, ranks: int, offload: str,
+                                            params_offload: bool) -> None:
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+
+    params, grads, optimizer, host = plan._model_states("stage3", offload, base.params, base.largest_layer, ranks,
+                                                        params_offload, "bf16")
+    cpu, gpu, _ = estimate_zero3_model_states_mem_needs(base.params, base.largest_layer, num_gpus_per_node=ranks,
+                                                        cpu_offload=offload == "cpu",
+                                                        cpu_offload_params=params_offload)
+    assert params + grads + optimizer == pytest.approx(gpu, abs=ranks)
+    if offload == "cpu":
+        assert host == cpu
+
+
+def test_activations_scale_with_batch_and_area_and_checkpointing_cuts_them() -> None:
+    arch = make_cfg("model=sdxl_base").model.architecture
+    one = plan.activation_bytes(arch, 1, 1024, 1024, 2, checkpointing=False)
+    two = plan.activation_bytes(arch, 2, 1024, 1024, 2, checkpointing=False)
+    small = plan.activation_bytes(arch, 1, 512, 512, 2, checkpointing=False)
+    ckpt = plan.activation_bytes(arch, 1, 1024, 1024, 2, checkpointing=True)
+    assert two == pytest.approx(2 * one, rel=0.1)
+    assert 3.0 < one / small < 4.5  # attention is counted as memory-efficient kernels keep it: ~linear in area
+    assert ckpt < one / 5
+    assert 2 * 2**30 < one < 30 * 2**30  # SDXL at 1024 px, batch 1, bf16
+
+
+def test_plan_command_prints_every_cell_and_recommends_the_cheapest_that_fits() -> None:
+    result = subprocess.run([sys.executable, "-m", "ds_trainer.plan", "model=sdxl_base", "resolution=px1024",
+                             "train.micro_batch_size=1", "train.gradient_checkpointing=true", "plan.vram_gib=24"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    cells = [line.split()[:2] for line in lines if line.startswith(("ddp", "stage"))]
+    assert cells == [list(c) for c in plan.CELLS]
+    fits = {tuple(line.split()[:2]): line.split()[-1] for line in lines if line.startswith(("ddp", "stage"))}
+    assert fits[("ddp", "none")] == "no"  # 16 bytes per parameter: 38 GiB before activations
+    assert fits[("stage3", "cpu")] == "yes"
+    recommended = lines[-1]
+    assert recommended.startswith("recommended for 24 GiB: zero=stage")
+    zero, offload = recommended.split("zero=")[1].split()[0], recommended.split("offload=")[1].split()[0]
+    first_fit = next(c for c in plan.CELLS if fits[c] == "yes")
+    assert (zero, offload) == first_fit
+
+
+def test_training_logs_the_plan(workdir) -> None:  # type: ignore[no-untyped-def]
+    from conftest import run_cli
+
+    result = run_cli("logger=none", "train.max_steps=1", "data.num_samples=2", cwd=workdir)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "memory plan (python -m ds_trainer.plan): about" in result.stderr
