@@ -8,6 +8,7 @@ at any moment leaves either the previous checkpoints untouched or a `.partial` f
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -17,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
+
+from ds_trainer.errors import TrainingError
 
 log = logging.getLogger(__name__)
 
@@ -101,10 +104,21 @@ def save(accelerator: Any, run_dir: Path, step: int, state: dict[str, Any], keep
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(partial))
-    if accelerator.is_main_process and extra:
-        for name, value in extra.items():
-            torch.save(value, partial / f"{name}.pt")
+    try:
+        accelerator.save_state(str(partial))
+        if accelerator.is_main_process and extra:
+            for name, value in extra.items():
+                torch.save(value, partial / f"{name}.pt")
+    except Exception as exc:
+        if not disk_full(exc, partial.parent):
+            raise
+        shutil.rmtree(partial, ignore_errors=True)  # give the space back; it never looked complete
+        free = shutil.disk_usage(partial.parent).free / 2**20
+        previous = checkpoints(run_dir)
+        kept = f"the previous checkpoint {previous[-1][1]} is intact" if previous else "no earlier checkpoint exists"
+        raise TrainingError(f"disk full while saving the step-{step} checkpoint under {partial.parent} "
+                            f"({free:.0f} MiB free); {kept}. Free space, or move paths.outputs to a larger "
+                            "disk or lower train.checkpoints_to_keep, then run again with resume=latest") from None
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         if final.exists():
@@ -116,6 +130,15 @@ def save(accelerator: Any, run_dir: Path, step: int, state: dict[str, Any], keep
             shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
     return final
+
+
+def disk_full(exc: BaseException, folder: Path) -> bool:
+    """Whether a failed save ran out of space. torch's zip writer reports it without an errno
+    ("iostream error", "unexpected pos"), so a failure with the disk (nearly) full counts too."""
+    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC or "No space left on device" in str(exc):
+        return True
+    usage = shutil.disk_usage(folder)
+    return usage.free < max(256 * 2**20, usage.total // 100)
 
 
 def _fsync_dir(path: Path) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
-from PIL import Image, ImageOps
+from PIL import Image, ImageOps, UnidentifiedImageError
 
 from ds_trainer.errors import DataError
 
@@ -141,8 +141,11 @@ class FolderImages:
             try:
                 with Image.open(path) as image:
                     image.load()
-            except Exception as exc:  # noqa: BLE001 - PIL raises many types for bad files
-                skipped[f"not a readable image ({type(exc).__name__})"] += 1
+            except UnidentifiedImageError:
+                skipped["not an image (unrecognized format)"] += 1
+                continue
+            except Exception:  # noqa: BLE001 - PIL raises many types for damaged files
+                skipped["truncated or corrupt image"] += 1
                 continue
             usable.append(path)
         return usable, skipped

@@ -133,9 +133,13 @@ def summarize(cfg: DictConfig, rows: list[dict[str, Any]], status: str, message:
 
 
 def write_summary(run_dir: Path, summary: dict[str, Any]) -> None:
+    """Best effort: on a full disk the summary cannot be written, and the run's message says why."""
     from ds_trainer.rundir import write_json
 
-    write_json(run_dir / "summary.json", summary)
+    try:
+        write_json(run_dir / "summary.json", summary)
+    except OSError as exc:
+        log.error("could not write %s: %s", run_dir / "summary.json", exc)
 
 
 def print_summary(summary: dict[str, Any], run_dir: Path) -> None:

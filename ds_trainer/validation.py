@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -86,7 +87,17 @@ def _unknown_keys(cfg: DictConfig, out: list[Problem]) -> None:
     walk(cfg, OmegaConf.structured(schema.Config), "")
 
 
+_FLOATS = ("optimizer.lr", "optimizer.eps", "optimizer.weight_decay", "optimizer.momentum", "train.gradient_clipping",
+           "train.ema_decay", "train.noise_offset", "train.min_snr_gamma", "scheduler.warmup_min_lr",
+           "scheduler.cos_min_ratio", "scheduler.warmup_min_ratio", "scheduler.min_lr_ratio")
+
+
 def _numbers(cfg: DictConfig, out: list[Problem]) -> None:
+    infinite = [Problem(key, value, "must be a finite number", f"{key}=<a number>") for key in _FLOATS
+                if (value := OmegaConf.select(cfg, key)) is not None and not math.isfinite(value)]
+    if infinite:
+        out.extend(infinite)
+        return  # the range checks below assume finite numbers
     t = cfg.train
     for key, low in (("max_steps", 1), ("micro_batch_size", 1), ("gradient_accumulation_steps", 1),
                      ("log_every", 1), ("checkpoints_to_keep", 1), ("checkpoint_every", 0)):

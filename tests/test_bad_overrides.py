@@ -26,6 +26,8 @@ BAD = [
     (["optimizer=lamb", "offload=cpu"], ["optimizer.name=lamb", "CPU"]),
     (["zero=ddp", "optimizer=lion"], ["optimizer.name=lion", "torch.optim"]),
     (["optimizer.lr=-1"], ["optimizer.lr=-1.0"]),
+    (["optimizer.lr=nan"], ["optimizer.lr=nan", "finite"]),
+    (["train.gradient_clipping=inf"], ["train.gradient_clipping=inf", "finite"]),
     (["optimizer.betas=[0.9,1.5]"], ["optimizer.betas"]),
     (["resolution.width=1000"], ["resolution.width=1000", "multiple of 32", "resolution.width=992"]),
     (["resolution.height=16"], ["resolution.height=16", "resolution.height=32"]),

@@ -1,0 +1,196 @@
+"""Reliability: bad input, crashes, full disks and bad data lose nothing."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import require, run_cli, run_dirs
+from test_train import metrics, summary, unet_weights
+
+torch = pytest.importorskip("torch")
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 110 MiB tmpfs: room for one checkpoint of the tiny model (73 MiB), not two."""
+    require(os.geteuid() == 0, "mounting a size-limited tmpfs needs root")
+    mount = tmp_path / "small"
+    mount.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=110m", "tmpfs", str(mount)], check=True)
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+@pytest.mark.slow
+def test_checkpoint_on_a_full_disk_stops_cleanly_and_keeps_the_previous_one(small_disk: Path,
+                                                                             tmp_path: Path) -> None:
+    args = ["logger=none", "train.max_steps=6", "train.checkpoint_every=2", "data.num_samples=4",
+            "train.checkpoints_to_keep=3"]
+    result = run_cli(*args, f"paths.outputs={small_disk}/outputs", cwd=tmp_path)
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
+    assert "disk full while saving the step-4 checkpoint" in result.stderr
+    assert "step_00000002 is intact" in result.stderr
+    (run_dir,) = sorted((small_disk / "outputs" / "runs").glob("*/*"))
+    assert summary(run_dir)["status"] == "error"
+    checkpoints = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert checkpoints == ["step_00000002"]  # the failed save left nothing that could pass for a checkpoint
+    # ...and the intact one resumes, on a disk with room.
+    resumed = run_cli(*args, f"resume={run_dir / 'checkpoints' / 'step_00000002'}",
+                      f"paths.outputs={tmp_path}/big", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    (new_run,) = sorted((tmp_path / "big" / "runs").glob("*/*"))
+    assert [r["step"] for r in metrics(new_run)] == [3, 4, 5, 6]
+
+
+def test_nvme_swap_on_a_small_disk_is_refused_before_training(small_disk: Path, tmp_path: Path) -> None:
+    result = run_cli("zero=stage3", "offload=nvme", f"offload.nvme_path={small_disk}/swap", "model=sdxl_base",
+                     "dry_run=true", cwd=tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert f"offload.nvme_path={small_disk}/swap" in result.stderr and "GiB free" in result.stderr
+
+
+def _write_bad_folder(folder: Path) -> None:
+    from PIL import Image
+
+    folder.mkdir()
+    Image.new("RGB", (256, 192), (200, 30, 30)).save(folder / "good.jpg")
+    (folder / "good.txt").write_text("a red picture")
+    Image.new("L", (160, 160), 90).save(folder / "gray.png")
+    Image.new("CMYK", (200, 200), (0, 100, 200, 0)).save(folder / "cmyk.jpg")
+    Image.new("RGBA", (150, 150), (0, 0, 255, 128)).save(folder / "alpha.png")
+    Image.new("I;16", (140, 140), 40000).save(folder / "deep.png")
+    Image.new("RGB", (40, 30), (1, 2, 3)).save(folder / "tiny.webp")  # smaller than the resolution
+    Image.new("RGB", (200, 200), (9, 9, 9)).save(folder / "broken.png")
+    data = (folder / "broken.png").read_bytes()
+    (folder / "broken.png").write_bytes(data[: len(data) // 2])  # truncated
+    (folder / "empty.jpg").write_bytes(b"")
+    (folder / "notes.png").write_text("this is not an image")
+
+
+@pytest.mark.slow
+def test_bad_data_is_converted_or_skipped_with_counts(tmp_path: Path) -> None:
+    _write_bad_folder(tmp_path / "images")
+    result = run_cli("data=folder", f"data.path={tmp_path / 'images'}", "logger=none", "train.max_steps=4",
+                     "train.micro_batch_size=2", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    log = result.stderr
+    assert "skipped 1 file(s): empty file" in log
+    assert "skipped 1 file(s): truncated or corrupt image" in log
+    assert "skipped 1 file(s): not an image (unrecognized format)" in log  # text named .png
+    assert "5 image(s) have no caption" in log  # gray, cmyk, alpha, deep, tiny
+    assert "cached latents and embeddings of 6 samples" in log
+    (run_dir,) = run_dirs(tmp_path)
+    assert summary(run_dir)["status"] == "ok"
+
+
+def test_a_folder_with_nothing_usable_fails_before_training(tmp_path: Path) -> None:
+    images = tmp_path / "images"
+    images.mkdir()
+    (images / "a.jpg").write_bytes(b"")
+    (images / "b.png").write_text("no")
+    result = run_cli("data=folder", f"data.path={images}", "logger=none", cwd=tmp_path)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert f"data.path={images}: 2 image file(s), none readable; nothing to train on" in result.stderr
+    (run_dir,) = run_dirs(tmp_path)
+    assert summary(run_dir)["status"] == "error" and summary(run_dir)["steps"] == 0
+
+
+
+
+def _train_args(zero: str, offload: str) -> list[str]:
+    return [f"zero={zero}", f"offload={offload}", "logger=none", "train.max_steps=8", "train.checkpoint_every=1",
+            "train.checkpoints_to_keep=2", "data.num_samples=8", "train.export=true"]
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], dict]:
+    """Final weights of uninterrupted runs, one per zero x offload."""
+    out = {}
+    for zero in ("stage2", "stage3"):
+        for offload in ("none", "cpu"):
+            cwd = tmp_path_factory.mktemp(f"ref-{zero}-{offload}")
+            result = run_cli(*_train_args(zero, offload), cwd=cwd)
+            assert result.returncode == 0, result.stderr[-3000:]
+            out[(zero, offload)] = unet_weights(run_dirs(cwd)[0] / "unet")
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("zero", "offload", "moment"), [
+    (zero, offload, moment) for zero in ("stage2", "stage3") for offload in ("none", "cpu")
+    for moment in ("step", "step", "save", "save", "save")])
+def test_kill_9_then_resume_matches_an_uninterrupted_run(tmp_path: Path, references: dict, zero: str, offload: str,
+                                                         moment: str) -> None:
+    rng = random.Random(f"{zero}{offload}{moment}{tmp_path.name}")
+    proc = subprocess.Popen([sys.executable, "-m", "ds_trainer", *_train_args(zero, offload)], cwd=tmp_path,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    target = rng.randint(2, 6)
+    while True:  # kill while step `target` trains, or while its checkpoint is being written
+        assert proc.poll() is None and time.time() < deadline, "the run ended before the kill"
+        ckpt = list(tmp_path.glob("outputs/runs/*/*/checkpoints"))
+        if ckpt:
+            names = {p.name for p in ckpt[0].iterdir()}
+            if moment == "save" and f".step_{target:08d}.partial" in names:
+                break
+            if moment == "step" and f"step_{target - 1:08d}" in names:
+                time.sleep(rng.uniform(0.0, 0.15))
+                break
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    resumed = run_cli(*_train_args(zero, offload), "resume=latest", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    first, second = run_dirs(tmp_path)
+    start = metrics(second)[0]["step"]
+    complete = sorted(int(p.name[5:]) for p in (first / "checkpoints").glob("step_*") if (p / "COMPLETE").exists())
+    assert start == complete[-1] + 1  # resumed from the newest complete checkpoint, never a partial one
+    got, expected = unet_weights(second / "unet"), references[(zero, offload)]
+    for key in expected:
+        torch.testing.assert_close(got[key], expected[key], rtol=0, atol=1e-6, msg=key)
+
+
+def test_two_ranks_never_write_the_same_file(tmp_path: Path) -> None:
+    """Every file a rank opens for writing (through Python) is logged by an audit hook; the logs of the
+    two ranks of one run share no path under the run's outputs."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(
+        "import os, sys\n"
+        "log = open(os.path.join(os.environ['WRITE_LOG_DIR'], f'{os.getpid()}.log'), 'a', buffering=1)\n"
+        "def audit(event, args):\n"
+        "    path = None\n"
+        "    if event == 'open' and isinstance(args[0], str) and args[1] and any(c in str(args[1]) for c in 'wax+'):\n"
+        "        path = args[0]\n"
+        "    elif event == 'os.rename':\n"
+        "        path = os.fsdecode(args[1])\n"
+        "    if path:\n"
+        "        log.write(f\"{os.environ.get('RANK', '-')} {os.path.abspath(path)}\\n\")\n"
+        "sys.addaudithook(audit)\n")
+    logs = tmp_path / "writes"
+    logs.mkdir()
+    env = {**os.environ, "PYTHONPATH": f"{hook}:{os.environ.get('PYTHONPATH', '')}", "WRITE_LOG_DIR": str(logs)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "ds_trainer", "zero=stage3",
+           "train.max_steps=2", "data.num_samples=4", "train.checkpoint_every=1"]
+    result = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    by_rank: dict[str, set[str]] = {}
+    for line in "".join(p.read_text() for p in logs.iterdir()).splitlines():
+        rank, path = line.split(" ", 1)
+        if path.startswith(str(tmp_path / "outputs")):
+            by_rank.setdefault(rank, set()).add(path)
+    assert set(by_rank) >= {"0", "1"}, by_rank.keys()  # both wrote (rank 1: its share of the latent cache)
+    assert not by_rank["0"] & by_rank["1"], by_rank["0"] & by_rank["1"]
+    assert any(p.endswith("metrics.jsonl") for p in by_rank["0"])
+    assert not any(p.endswith(("metrics.jsonl", "summary.json", "config.yaml")) for p in by_rank["1"])
