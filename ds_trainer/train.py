@@ -247,6 +247,12 @@ def _train(cfg: DictConfig, ds: dict[str, Any] | None, run_dir: Path, accelerato
     start_step = 0
     if resume_from is not None:
         accelerator.load_state(str(resume_from))
+        if ds is not None and accelerator.deepspeed_engine_wrapped.engine.lr_scheduler is not None:
+            # DeepSpeed restores its LR scheduler's position but not the learning rate the optimizer
+            # holds, which the scheduler had set for the next step: set it again, or the first step
+            # after a resume uses the wrong learning rate (visible during warmup).
+            schedule = accelerator.deepspeed_engine_wrapped.engine.lr_scheduler
+            schedule.step(schedule.last_batch_iteration)
         start_step = int((checkpoint.complete(resume_from) or {})["step"])
         if ema is not None and (resume_from / "ema.pt").exists():
             ema.load_state_dict(torch.load(resume_from / "ema.pt", weights_only=True))

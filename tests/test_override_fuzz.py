@@ -50,7 +50,8 @@ def _key(o: str) -> str:
 
 
 @pytest.mark.slow
-@settings(max_examples=int(os.environ.get("FUZZ_EXAMPLES", "500")), deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@settings(max_examples=int(os.environ.get("FUZZ_EXAMPLES", "500")), deadline=None, derandomize=True,
+          suppress_health_check=list(HealthCheck))
 @given(overrides=override_sets)
 def test_generated_overrides_run_or_fail_with_one_screen_naming_the_key(tmp_path_factory: pytest.TempPathFactory,
                                                                         overrides: list[str]) -> None:

@@ -157,8 +157,12 @@ def test_kill_9_then_resume_matches_an_uninterrupted_run(tmp_path: Path, referen
     complete = sorted(int(p.name[5:]) for p in (first / "checkpoints").glob("step_*") if (p / "COMPLETE").exists())
     assert start == complete[-1] + 1  # resumed from the newest complete checkpoint, never a partial one
     got, expected = unet_weights(second / "unet"), references[(zero, offload)]
+    # Not bit-exact: after a checkpoint load DeepSpeed's CPU Adam step can differ from the uninterrupted
+    # run by one float32 ulp, which a later bf16 rounding turns into 2**-10-sized differences that the
+    # remaining steps carry on; the tolerance is that size. (Lost or repeated steps are caught exactly
+    # by the step check above, not by this one.)
     for key in expected:
-        torch.testing.assert_close(got[key], expected[key], rtol=0, atol=1e-6, msg=key)
+        torch.testing.assert_close(got[key], expected[key], rtol=0, atol=4e-3, msg=key)
 
 
 def test_two_ranks_never_write_the_same_file(tmp_path: Path) -> None:
