@@ -157,8 +157,14 @@ def _log_memory_plan(cfg: DictConfig, info: Any, world: int) -> None:
     from ds_trainer import plan
 
     zero = f"stage{cfg.zero.stage}" if cfg.resolved.backend == "deepspeed" else "ddp"
-    offload = cfg.offload.device.value if cfg.resolved.optimizer_state_on != "cpu" or zero == "stage3" else "cpu"
-    estimate = plan.estimate(cfg, zero, offload, world)
+    # The effective offload: below stage 3 an NVMe request runs as cpu.
+    offload = "none" if cfg.resolved.optimizer_state_on == "gpu" else (
+        cfg.offload.device.value if zero == "stage3" else "cpu")
+    try:
+        estimate = plan.estimate(cfg, zero, offload, world)
+    except Exception as exc:  # noqa: BLE001 - a plan is advice; training goes on without it
+        log.warning("no memory plan for this model (%s)", exc)
+        return
     log.info("memory plan (python -m ds_trainer.plan): %s", plan.describe(estimate))
     total = (info.gpu_memory_mib or 0) * 2**20
     if info.kind == "cuda" and total and estimate.gpu > total:
@@ -206,8 +212,6 @@ def run(cfg: DictConfig, ds: dict[str, Any] | None, run_dir: Path, name: str = "
 
 def is_oom(exc: BaseException) -> bool:
     """CUDA's OutOfMemoryError, and the same failure as other allocators word it."""
-    import torch
-
     text = str(exc).lower()
     return isinstance(exc, torch.OutOfMemoryError) or any(
         words in text for words in ("out of memory", "not enough memory", "can't allocate memory"))
