@@ -108,3 +108,14 @@ def make_accelerator(cfg: DictConfig, ds: dict[str, Any] | None, platform_kind: 
                        log_with="wandb" if wandb else None,
                        project_config=ProjectConfiguration(project_dir=str(run_dir)),
                        step_scheduler_with_optimizer=False, **kwargs)
+
+
+def from_main(accelerator: Any, value: Any) -> Any:
+    """`value` as the main process has it, on every process (a collective)."""
+    from accelerate.utils import broadcast_object_list
+
+    if accelerator.num_processes == 1:
+        return value
+    holder = [value]
+    broadcast_object_list(holder, from_process=0)
+    return holder[0]

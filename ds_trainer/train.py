@@ -136,18 +136,22 @@ def _prepare_nvme(cfg: DictConfig, accelerator: Any) -> None:
 
 
 def _build_cache(cfg: DictConfig, accelerator: Any, dataset: Any, frozen: Any) -> data.LatentCache | None:
+    """Every rank encodes its share of what is missing; rank 0 then marks the cache complete.
+
+    No rank branches on whether the cache looks complete: another run may finish it between two
+    ranks' looks (a sweep's cells run at once), and ranks that disagree would wait on different
+    barriers forever. Encoding what is already there is a no-op.
+    """
     if not cfg.data.cache:
         return None
     cache = data.LatentCache(cfg, dataset)
-    if not cache.complete:
-        start = time.time()
-        count = cache.build(dataset, frozen, accelerator.process_index, accelerator.num_processes, accelerator.device)
-        accelerator.wait_for_everyone()
-        if accelerator.is_main_process:
-            cache.finish()
-            log.info("cached latents and embeddings of %d samples in %.1fs: %s", len(dataset), time.time() - start,
-                     cache.dir)
-        log.debug("rank %d encoded %d samples", accelerator.process_index, count)
+    start = time.time()
+    cache.build(dataset, frozen, accelerator.process_index, accelerator.num_processes, accelerator.device)
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process and not cache.complete:
+        cache.finish()
+        log.info("cached latents and embeddings of %d samples in %.1fs: %s", len(dataset), time.time() - start,
+                 cache.dir)
     accelerator.wait_for_everyone()
     return cache
 
@@ -179,7 +183,10 @@ def run(cfg: DictConfig, ds: dict[str, Any] | None, run_dir: Path, name: str = "
     _single_process_env()
     info = hardware.confirm_with_torch(hardware.detect(cfg.resolved.platform))
     accelerator = accel.make_accelerator(cfg, ds, info.kind, run_dir)
-    resume_from = checkpoint.find_resume(cfg, run_dir)
+    # Rank 0 decides what to resume from and tells the others: ranks looking at the file system at
+    # different moments could otherwise disagree and then load different checkpoints.
+    resume_from = accel.from_main(accelerator, checkpoint.find_resume(cfg, run_dir) if accelerator.is_main_process
+                                  else None)
     wandb_id = (checkpoint.complete(resume_from) or {}).get("wandb_id") if resume_from else None
     tracker = metrics.Tracker(accelerator, cfg, run_dir, ds, name, wandb_id)
     status, message, failure = "ok", None, None
