@@ -30,6 +30,11 @@ def placement(cfg: DictConfig) -> tuple[str, str]:
     return optimizer_on, params_on
 
 
+def zero_option(cfg: DictConfig) -> str:
+    """The `zero` option a config runs as: `ddp` or `stageN` (after validation, any fallback included)."""
+    return "ddp" if cfg.zero.backend.value == "ddp" else f"stage{cfg.zero.stage}"
+
+
 def warmup_steps(cfg: DictConfig) -> int:
     """The scheduler's warmup length: as set, else 10% of `train.max_steps` (at most 500)."""
     if cfg.scheduler.warmup_steps is not None:

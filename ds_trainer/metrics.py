@@ -17,6 +17,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from ds_trainer import ds_config
+
 log = logging.getLogger(__name__)
 
 # Overrides that do not define a run (its name and W&B name leave them out).
@@ -121,7 +123,7 @@ def summarize(cfg: DictConfig, rows: list[dict[str, Any]], status: str, message:
         "gpu_mem_peak_reserved_mib": peak("gpu_mem_peak_reserved_mib"),
         "host_rss_peak_mib": peak("host_rss_peak_mib"),
         "final_loss": rows[-1]["loss"] if rows else None,
-        "world_size": world_size, "zero": f"stage{cfg.zero.stage}" if cfg.resolved.backend == "deepspeed" else "ddp",
+        "world_size": world_size, "zero": ds_config.zero_option(cfg),
         "offload": cfg.offload.device.value,
         "resolution": f"{cfg.resolution.width}x{cfg.resolution.height}",
         "micro_batch_size": int(cfg.train.micro_batch_size),

@@ -19,7 +19,7 @@ from hydra.core.config_store import ConfigStore
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from ds_trainer import SWEEPS_DIR
+from ds_trainer import SWEEPS_DIR, ds_config
 
 log = logging.getLogger("ds_trainer")
 
@@ -36,9 +36,7 @@ def failed_cell(cfg: DictConfig, run_dir: Path, status: str, message: str) -> No
     from ds_trainer.rundir import write_json
     from ds_trainer.validation import world_size_of
 
-    zero = cfg.zero
-    summary = {"status": status, "message": message,
-               "zero": "ddp" if zero.backend.value == "ddp" else f"stage{zero.stage}",
+    summary = {"status": status, "message": message, "zero": ds_config.zero_option(cfg),
                "offload": cfg.offload.device.value,
                "resolution": f"{cfg.resolution.width}x{cfg.resolution.height}",
                "micro_batch_size": int(cfg.train.micro_batch_size), "precision": cfg.precision.name.value,

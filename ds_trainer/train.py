@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from ds_trainer import accel, checkpoint, data, hardware, metrics, models, nvme
+from ds_trainer import accel, checkpoint, data, ds_config, hardware, metrics, models, nvme
 from ds_trainer.ema import EMA
 from ds_trainer.errors import TrainingError
 
@@ -46,8 +46,6 @@ def _optimizer_and_scheduler(cfg: DictConfig, ds: dict[str, Any] | None, params:
         scheduler = DummyScheduler(optimizer) if "scheduler" in ds else None
         return optimizer, scheduler
     from deepspeed.runtime import lr_schedules
-
-    from ds_trainer import ds_config
 
     block = ds_config.optimizer_block(cfg)
     torch_class = {"Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW, "Adagrad": torch.optim.Adagrad}
@@ -160,7 +158,7 @@ def _log_memory_plan(cfg: DictConfig, info: Any, world: int) -> None:
     """Log the planner's estimate for this run; warn when it exceeds the GPU."""
     from ds_trainer import plan
 
-    zero = f"stage{cfg.zero.stage}" if cfg.resolved.backend == "deepspeed" else "ddp"
+    zero = ds_config.zero_option(cfg)
     # The effective offload: below stage 3 an NVMe request runs as cpu.
     offload = "none" if cfg.resolved.optimizer_state_on == "gpu" else (
         cfg.offload.device.value if zero == "stage3" else "cpu")
@@ -344,7 +342,7 @@ def _mem_text(values: dict[str, Any]) -> str:
 
 def oom_message(cfg: DictConfig, device: str) -> str:
     """One line: the memory settings of the run and what to try next."""
-    zero = f"zero=stage{cfg.zero.stage}" if cfg.resolved.backend == "deepspeed" else "zero=ddp"
+    zero = f"zero={ds_config.zero_option(cfg)}"
     tries = []
     if cfg.resolved.backend != "deepspeed" or int(cfg.zero.stage) < 3:
         tries.append("a higher ZeRO stage (zero=stage3)")
