@@ -132,6 +132,43 @@ def save(accelerator: Any, run_dir: Path, step: int, state: dict[str, Any], keep
     return final
 
 
+def restore_optimizer_clocks(engine: Any) -> None:
+    """After a DeepSpeed checkpoint load, restore what `load_checkpoint` leaves out, so that a resumed run
+    takes the same steps as an uninterrupted one, bit for bit.
+
+    - The learning rate the optimizer holds: DeepSpeed restores its LR scheduler's position but not the
+      rate the scheduler had set for the next step (visible during warmup).
+    - DeepSpeed's C++ Adam (`DeepSpeedCPUAdam` for CPU offload, `FusedAdam` on the CPU accelerator) keeps
+      beta1**t and beta2**t as running float32 products inside a C++ object that a new process creates
+      afresh; its first step after a resume computes them with pow() instead, which differs from the
+      running product in the last bit for most t, and the bias correction with it. Replaying steps 1..t
+      on empty tensors rebuilds the same running products. (CUDA's FusedAdam computes pow() every step
+      and needs nothing.)
+    """
+    import torch
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
+
+    if engine.lr_scheduler is not None:
+        engine.lr_scheduler.step(engine.lr_scheduler.last_batch_iteration)
+    base = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    steps = {int(s["step"]) for s in base.state.values() if isinstance(s, dict) and "step" in s}
+    if len(steps) != 1 or not base.param_groups:
+        return
+    (t,), group, empty = steps, base.param_groups[0], torch.empty(0)
+    beta1, beta2 = group["betas"]
+    hyper = (group["lr"], beta1, beta2, group["eps"])
+    if isinstance(base, DeepSpeedCPUAdam):
+        for s in range(1, t + 1):
+            base.ds_opt_adam.adam_update(base.opt_id, s, *hyper, group["weight_decay"], group["bias_correction"],
+                                         empty, empty, empty, empty)
+    elif isinstance(base, FusedAdam) and get_accelerator().device_name() == "cpu":
+        lists = [[empty] for _ in range(4)]
+        for s in range(1, t + 1):
+            base.multi_tensor_adam(2048, base._dummy_overflow_buf, lists, *hyper, s, base.adam_w_mode,
+                                   int(group["bias_correction"]), group["weight_decay"])
+
+
 def disk_full(exc: BaseException, folder: Path) -> bool:
     """Whether a failed save ran out of space. torch's zip writer reports it without an errno
     ("iostream error", "unexpected pos"), so a failure with the disk (nearly) full counts too."""

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import hydra
+import hydra_plugins.ds_trainer_launcher
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
@@ -20,6 +21,7 @@ log = logging.getLogger("ds_trainer")
 
 schema.register()
 sweep.register()
+hydra_plugins.ds_trainer_launcher.register()
 rundir.register_resolvers()
 
 

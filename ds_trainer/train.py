@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 import time
 from pathlib import Path
@@ -23,6 +24,36 @@ from ds_trainer.ema import EMA
 from ds_trainer.errors import TrainingError
 
 log = logging.getLogger("ds_trainer")
+
+
+class Interrupted(Exception):
+    """SIGTERM stopped the run after a step; its checkpoint is saved."""
+
+    def __init__(self, step: int, path: Path | None) -> None:
+        where = f"checkpoint {path}" if path else "no checkpoint (it stopped before the first step)"
+        super().__init__(f"stopped by SIGTERM after step {step}; {where}. resume=latest continues from it")
+
+
+class _StopRequest:
+    """SIGTERM (scancel, a scheduler's preemption, `kill`, `docker stop`) asks the run to stop at the end of
+    the current step with a checkpoint, instead of dying mid-step: nothing is lost. The ranks agree on
+    the step through the loss all-reduce, so a signal that reaches one rank stops them all together."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous: Any = None
+
+    def __enter__(self) -> _StopRequest:
+        self._previous = signal.signal(signal.SIGTERM, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        signal.signal(signal.SIGTERM, self._previous)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if not self.requested:
+            log.warning("SIGTERM: stopping after this step with a checkpoint")
+        self.requested = True
 
 
 def _single_process_env() -> None:
@@ -195,7 +226,9 @@ def run(cfg: DictConfig, ds: dict[str, Any] | None, run_dir: Path, name: str = "
         _train(cfg, ds, run_dir, accelerator, info, tracker, resume_from)
     except Exception as exc:  # noqa: BLE001 - every failure is recorded in summary.json first
         failure = exc
-        if is_oom(exc):
+        if isinstance(exc, Interrupted):
+            status, message = "interrupted", str(exc)
+        elif is_oom(exc):
             status, message = "oom", oom_message(cfg, info.kind)
         else:
             ours = isinstance(exc, TrainingError)
@@ -208,7 +241,7 @@ def run(cfg: DictConfig, ds: dict[str, Any] | None, run_dir: Path, name: str = "
         metrics.print_summary(summary, run_dir)
     if failure is None:
         _shutdown(accelerator)
-    elif status == "oom" or isinstance(failure, TrainingError):
+    elif status in ("oom", "interrupted") or isinstance(failure, TrainingError):
         raise TrainingError(message or "") from None
     else:
         raise failure
@@ -256,12 +289,8 @@ def _train(cfg: DictConfig, ds: dict[str, Any] | None, run_dir: Path, accelerato
     start_step = 0
     if resume_from is not None:
         accelerator.load_state(str(resume_from))
-        if ds is not None and accelerator.deepspeed_engine_wrapped.engine.lr_scheduler is not None:
-            # DeepSpeed restores its LR scheduler's position but not the learning rate the optimizer
-            # holds, which the scheduler had set for the next step: set it again, or the first step
-            # after a resume uses the wrong learning rate (visible during warmup).
-            schedule = accelerator.deepspeed_engine_wrapped.engine.lr_scheduler
-            schedule.step(schedule.last_batch_iteration)
+        if ds is not None:
+            checkpoint.restore_optimizer_clocks(accelerator.deepspeed_engine_wrapped.engine)
         start_step = int((checkpoint.complete(resume_from) or {})["step"])
         if ema is not None and (resume_from / "ema.pt").exists():
             ema.load_state_dict(torch.load(resume_from / "ema.pt", weights_only=True))
@@ -272,55 +301,62 @@ def _train(cfg: DictConfig, ds: dict[str, Any] | None, run_dir: Path, accelerato
     images_per_step = micro * accum * world
     ckpt_state = {"backend": cfg.resolved.backend, "stage": int(cfg.zero.stage), "world_size": world,
                   "fingerprint": checkpoint.fingerprint(cfg), "wandb_id": tracker.wandb_id}
-    progress = None
+    progress, last_saved = None, resume_from
     if accelerator.is_main_process:
         from tqdm.auto import tqdm
 
         progress = tqdm(total=max_steps, initial=start_step, desc="train", dynamic_ncols=True)
-    try:
-        for step in range(start_step + 1, max_steps + 1):
-            step_start, data_wait, losses = time.perf_counter(), 0.0, []
-            for m in range(accum):
-                b = (step - 1) * accum + m
-                fetch = time.perf_counter()
-                indices = data.batch_indices(b, rank, world, micro, n, seed)
-                batch = cache.load(indices) if cache else data.encode_batch(dataset, frozen, indices, device)
-                data_wait += time.perf_counter() - fetch
-                gen = torch.Generator().manual_seed((seed * 1_000_003 + b) * 1009 + rank)
-                with accelerator.accumulate(unet), accelerator.autocast():
-                    loss = _loss(cfg, unet, noise_sched, batch, gen, device, dtype)
-                    accelerator.backward(loss)
-                    grad_norm = _grad_norm(unet, accelerator, ds, float(cfg.train.gradient_clipping))
-                    optimizer.step()
-                    optimizer.zero_grad()
-                losses.append(loss.detach())
-            if scheduler is not None:
-                scheduler.step()
-            if ema is not None:
-                ema.update(accelerator.unwrap_model(unet))
-            mean_loss = accelerator.reduce(torch.stack(losses).mean(), reduction="mean").item()
-            elapsed = time.perf_counter() - step_start
-            if step % int(cfg.train.log_every) == 0 or step == max_steps:
-                values: dict[str, Any] = {"loss": mean_loss, "lr": _lr(optimizer, scheduler),
-                                          "s_per_it": elapsed, "data_wait_s": data_wait,
-                                          "images_per_s": images_per_step / elapsed,
-                                          "host_rss_peak_mib": metrics.host_rss_peak_mib(),
-                                          **metrics.gpu_memory(device)}
-                if grad_norm is not None:
-                    values["grad_norm"] = grad_norm
-                tracker.log(step, values)
+    with _StopRequest() as stop:
+        try:
+            for step in range(start_step + 1, max_steps + 1):
+                step_start, data_wait, losses = time.perf_counter(), 0.0, []
+                for m in range(accum):
+                    b = (step - 1) * accum + m
+                    fetch = time.perf_counter()
+                    indices = data.batch_indices(b, rank, world, micro, n, seed)
+                    batch = cache.load(indices) if cache else data.encode_batch(dataset, frozen, indices, device)
+                    data_wait += time.perf_counter() - fetch
+                    gen = torch.Generator().manual_seed((seed * 1_000_003 + b) * 1009 + rank)
+                    with accelerator.accumulate(unet), accelerator.autocast():
+                        loss = _loss(cfg, unet, noise_sched, batch, gen, device, dtype)
+                        accelerator.backward(loss)
+                        grad_norm = _grad_norm(unet, accelerator, ds, float(cfg.train.gradient_clipping))
+                        optimizer.step()
+                        optimizer.zero_grad()
+                    losses.append(loss.detach())
+                if scheduler is not None:
+                    scheduler.step()
+                if ema is not None:
+                    ema.update(accelerator.unwrap_model(unet))
+                # One all-reduce carries the loss and whether any rank was asked to stop.
+                flag = torch.tensor(float(stop.requested), device=losses[0].device)
+                mean_loss, stopping = accelerator.reduce(torch.stack([torch.stack(losses).mean().float(), flag]),
+                                                         reduction="mean").tolist()
+                elapsed = time.perf_counter() - step_start
+                if step % int(cfg.train.log_every) == 0 or step == max_steps:
+                    values: dict[str, Any] = {"loss": mean_loss, "lr": _lr(optimizer, scheduler),
+                                              "s_per_it": elapsed, "data_wait_s": data_wait,
+                                              "images_per_s": images_per_step / elapsed,
+                                              "host_rss_peak_mib": metrics.host_rss_peak_mib(),
+                                              **metrics.gpu_memory(device)}
+                    if grad_norm is not None:
+                        values["grad_norm"] = grad_norm
+                    tracker.log(step, values)
+                    if progress is not None:
+                        progress.set_postfix(loss=f"{mean_loss:.4f}", s_it=f"{elapsed:.2f}",
+                                             mem=_mem_text(values), refresh=False)
                 if progress is not None:
-                    progress.set_postfix(loss=f"{mean_loss:.4f}", s_it=f"{elapsed:.2f}",
-                                         mem=_mem_text(values), refresh=False)
+                    progress.update(1)
+                every = int(cfg.train.checkpoint_every)
+                if (step == max_steps and cfg.train.final_checkpoint) or (every and step % every == 0) or stopping:
+                    extra = {"ema": ema.state_dict()} if ema else None
+                    last_saved = checkpoint.save(accelerator, run_dir, step, ckpt_state,
+                                                 int(cfg.train.checkpoints_to_keep), extra)
+                if stopping and step < max_steps:
+                    raise Interrupted(step, last_saved)
+        finally:
             if progress is not None:
-                progress.update(1)
-            every = int(cfg.train.checkpoint_every)
-            if (step == max_steps and cfg.train.final_checkpoint) or (every and step % every == 0):
-                checkpoint.save(accelerator, run_dir, step, ckpt_state, int(cfg.train.checkpoints_to_keep),
-                                {"ema": ema.state_dict()} if ema else None)
-    finally:
-        if progress is not None:
-            progress.close()
+                progress.close()
     if cfg.train.export:
         _export(cfg, accelerator, unet, ema, frozen, run_dir)
 

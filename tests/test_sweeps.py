@@ -55,12 +55,14 @@ def test_named_sweeps_required_by_the_docs_exist() -> None:
 def test_launcher_presets_compose(preset: str) -> None:
     from hydra import compose, initialize_config_dir
 
+    import ds_trainer.cli  # noqa: F401 - registers the schemas and the launcher configs, as the CLI does
     from ds_trainer import CONF_DIR
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose(config_name="config", overrides=[f"hydra/launcher={preset}"], return_hydra_config=True)
     launcher = cfg.hydra.launcher
-    assert "submitit" in launcher._target_
+    assert launcher._target_.startswith("hydra_plugins.ds_trainer_launcher.launcher.")  # resubmits lost cells
+    assert launcher.max_resubmits >= 1
     assert launcher.tasks_per_node >= 1 and launcher.timeout_min > 0
 
 
@@ -162,6 +164,68 @@ def test_a_preempted_slurm_job_is_requeued_and_resumes_into_the_same_wandb_run(
     # process, so the first instance's offline file may hold only what it had flushed.)
     assert wandb_log.run_info(wandb_files[1]).run_id == (cell / "wandb_id.txt").read_text()
     assert wandb_log.history(wandb_files[1])[0]["_step"] == int(resumed.group(2)) + 1
+
+
+def _start_sweep(workdir: Path, env: dict[str, str], *args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "ds_trainer", "-m", "zero=stage2", "hydra/launcher=slurm_localtest",
+                             "data.num_samples=8", *args], cwd=workdir, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _cell_steps(cell: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in (cell / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_a_slurm_job_cancelled_with_scancel_comes_back_and_resumes(workdir: Path,
+                                                                   slurm_cluster: dict[str, str]) -> None:
+    # No periodic checkpoints: scancel's SIGTERM makes the run save after its step, and the launcher
+    # submits the cell again, which resumes from that checkpoint; not one step is trained twice.
+    proc = _start_sweep(workdir, slurm_cluster, "train.max_steps=40")
+    deadline = time.time() + 600
+    while not (cells := list((workdir / "outputs" / "sweeps").glob("*/*/0/metrics.jsonl"))) or \
+            len(_cell_steps(cells[0].parent)) < 5:
+        assert proc.poll() is None and time.time() < deadline, "the job ended before scancel"
+        time.sleep(0.2)
+    squeue = subprocess.run(["squeue", "-h", "-o", "%i"], env=slurm_cluster, capture_output=True, text=True)
+    jobs = squeue.stdout.split()
+    assert len(jobs) == 1
+    subprocess.run(["scancel", jobs[0]], env=slurm_cluster, check=True)
+    _, err = proc.communicate(timeout=900)
+    assert proc.returncode == 0, err[-3000:]
+    assert re.search(rf"cell #0: job {jobs[0]} stopped on SIGTERM; submitted again as job \d+", err)
+    cell = cells[0].parent
+    log_text = (cell / "ds_trainer.log").read_text()
+    stopped = re.search(r"stopped by SIGTERM after step (\d+)", log_text)
+    resumed = re.search(r"resumed from \S+/step_(\d+) at step (\d+)", log_text)
+    assert stopped and resumed and resumed.group(2) == stopped.group(1)
+    steps = _cell_steps(cell)
+    assert steps == list(range(1, 41))  # each step once: none lost, none repeated
+    assert json.loads((cell / "summary.json").read_text())["status"] == "ok"
+    (sweep_dir,) = sweep_dirs(workdir)
+    assert report_rows(sweep_dir)[0]["status"] == "ok"
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_a_slurm_job_at_its_time_limit_is_requeued_and_resumes(workdir: Path, slurm_cluster: dict[str, str]) -> None:
+    # A one-minute limit; Slurm itself signals the job 30 s before it (submitit asks for USR2), submitit
+    # requeues the job, and each instance continues from the latest checkpoint until all steps are done.
+    proc = _start_sweep(workdir, slurm_cluster, "train.max_steps=250", "train.checkpoint_every=5",
+                        "hydra.launcher.timeout_min=1", "hydra.launcher.signal_delay_s=30",
+                        "hydra.launcher.max_num_timeout=12")
+    _, err = proc.communicate(timeout=1500)
+    assert proc.returncode == 0, err[-3000:]
+    (sweep_dir,) = sweep_dirs(workdir)
+    cell = sweep_dir / "0"
+    log_text = (cell / "ds_trainer.log").read_text()
+    starts = [int(m) for m in re.findall(r"resumed from \S+/step_\d+ at step (\d+)", log_text)]
+    assert starts and min(starts) > 0  # each instance after the first continued from a checkpoint
+    assert "timed-out" in "".join(p.read_text() for p in (sweep_dir / ".submitit").glob("*/*.err"))
+    steps = _cell_steps(cell)
+    assert steps[-1] == 250 and sorted(set(steps)) == list(range(1, 251))
+    assert json.loads((cell / "summary.json").read_text())["status"] == "ok"
 
 
 def _cell(root: Path, num: int, summary: dict | None, zero: str = "stage2") -> None:
