@@ -103,18 +103,23 @@ class FolderImages:
     Unreadable files are skipped with a count in the log; a folder with no usable image is a DataError.
     """
 
-    def __init__(self, cfg: DictConfig) -> None:
+    def __init__(self, cfg: DictConfig, accelerator: Any = None) -> None:
         self.root = Path(cfg.data.path)
         self.width, self.height = int(cfg.resolution.width), int(cfg.resolution.height)
         self.center, self.flip, self.seed = bool(cfg.data.center_crop), bool(cfg.data.random_flip), int(cfg.train.seed)
         self.caption_ext = str(cfg.data.caption_ext)
         self.metadata = self._metadata()
-        files = sorted(p for p in self.root.rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file())
-        self.files, self.skipped = self._usable(files)
+        folder_key = hashlib.sha256(str(self.root.resolve()).encode()).hexdigest()[:16]
+        record = Path(cfg.data.cache_dir) / f"scan-{folder_key}.json"
+        checks, checked_now = _check_images(self.root, record, accelerator)
+        self.files = [self.root / rel for rel, (_, _, problem) in sorted(checks.items()) if problem is None]
+        self.skipped = Counter(problem for _, _, problem in checks.values() if problem is not None)
+        log.info("data.path=%s: %d image file(s); %d decoded now to check them, %d known from %s", self.root,
+                 len(checks), checked_now, len(checks) - checked_now, record)
         for reason, count in sorted(self.skipped.items()):
             log.warning("data.path=%s: skipped %d file(s): %s", self.root, count, reason)
         if not self.files:
-            found = f"{len(files)} image file(s), none readable" if files else "no jpg/png/webp files"
+            found = f"{len(checks)} image file(s), none readable" if checks else "no jpg/png/webp files"
             raise DataError(f"data.path={self.root}: {found}; nothing to train on")
         missing = sum(1 for f in self.files if not self._caption(f))
         if missing:
@@ -130,25 +135,6 @@ class FolderImages:
                     row = json.loads(line)
                     captions[str(row.get("file_name", ""))] = str(row.get("text", row.get("caption", "")))
         return captions
-
-    @staticmethod
-    def _usable(files: list[Path]) -> tuple[list[Path], Counter[str]]:
-        usable, skipped = [], Counter[str]()
-        for path in files:
-            if path.stat().st_size == 0:
-                skipped["empty file"] += 1
-                continue
-            try:
-                with Image.open(path) as image:
-                    image.load()
-            except UnidentifiedImageError:
-                skipped["not an image (unrecognized format)"] += 1
-                continue
-            except Exception:  # noqa: BLE001 - PIL raises many types for damaged files
-                skipped["truncated or corrupt image"] += 1
-                continue
-            usable.append(path)
-        return usable, skipped
 
     def _caption(self, path: Path) -> str:
         text = path.with_suffix(f".{self.caption_ext}")
@@ -173,8 +159,66 @@ class FolderImages:
         return Example(_pixels(image), self._caption(path), torch.tensor(time_ids))
 
 
-def dataset(cfg: DictConfig) -> SyntheticImages | FolderImages:
-    return SyntheticImages(cfg) if cfg.data.source.value == "synthetic" else FolderImages(cfg)
+def _problem(path: Path) -> str | None:
+    """Why an image file cannot be trained on (decoding it whole), or None."""
+    if path.stat().st_size == 0:
+        return "empty file"
+    try:
+        with Image.open(path) as image:
+            image.load()
+    except UnidentifiedImageError:
+        return "not an image (unrecognized format)"
+    except Exception:  # noqa: BLE001 - PIL raises many types for damaged files
+        return "truncated or corrupt image"
+    return None
+
+
+def _check_images(root: Path, record: Path, accelerator: Any) -> tuple[dict[str, list[Any]], int]:
+    """{relative path: [size, mtime_ns, problem or None]} of every image file under `root`, and how many
+    were decoded now.
+
+    Decoding every image is the only sure check, and slow on a large folder, so it is done once: the
+    results are kept in `record` (under data.cache_dir) and only new or changed files are decoded on a
+    later start (a resumed or requeued job). The ranks split that work. Rank 0 lists the folder and reads
+    the record for all of them, so every rank ends with the same list of files.
+    """
+    from ds_trainer import accel
+
+    rank, world = (accelerator.process_index, accelerator.num_processes) if accelerator else (0, 1)
+    listing: tuple[dict[str, list[int]], dict[str, list[Any]]] = ({}, {})
+    if rank == 0:
+        stats = {}
+        for path in sorted(root.rglob("*")):
+            if path.suffix.lower() in IMAGE_EXTENSIONS and path.is_file():
+                st = path.stat()
+                stats[str(path.relative_to(root))] = [st.st_size, st.st_mtime_ns]
+        try:
+            known = json.loads(record.read_text())
+        except (OSError, ValueError):
+            known = {}
+        listing = (stats, known)
+    stats, known = accel.from_main(accelerator, listing) if world > 1 else listing
+    checks = {rel: known[rel] for rel, stat in stats.items() if known.get(rel, [None, None])[:2] == stat}
+    todo = [rel for rel in stats if rel not in checks]
+    mine = {rel: [*stats[rel], _problem(root / rel)] for rel in todo[rank::world]}
+    if world > 1:
+        from accelerate.utils import gather_object
+
+        for part in gather_object([mine]):
+            checks.update(part)
+    else:
+        checks.update(mine)
+    if rank == 0 and todo:
+        record.parent.mkdir(parents=True, exist_ok=True)
+        tmp = record.with_name(f".{record.name}.tmp{os.getpid()}")
+        tmp.write_text(json.dumps(checks))
+        tmp.replace(record)
+    return checks, len(todo)
+
+
+def dataset(cfg: DictConfig, accelerator: Any = None) -> SyntheticImages | FolderImages:
+    """The configured dataset; `accelerator` (optional) lets the ranks share the work of checking a folder."""
+    return SyntheticImages(cfg) if cfg.data.source.value == "synthetic" else FolderImages(cfg, accelerator)
 
 
 def batch_indices(batch: int, rank: int, world: int, micro: int, n: int, seed: int) -> list[int]:

@@ -261,7 +261,7 @@ def _train(cfg: DictConfig, ds: dict[str, Any] | None, run_dir: Path, accelerato
     if accelerator.is_main_process:
         _log_memory_plan(cfg, info, world)
     _prepare_nvme(cfg, accelerator)
-    dataset = data.dataset(cfg)  # before any model loads: a folder with nothing usable fails fast
+    dataset = data.dataset(cfg, accelerator)  # before any model loads: a folder with nothing usable fails fast
     torch.manual_seed(int(cfg.train.seed))
     frozen = models.load_frozen(cfg, accelerator.state.deepspeed_plugin)
     frozen_dtype = torch.float32 if info.kind == "cpu" else torch.bfloat16

@@ -79,10 +79,13 @@ def _write_bad_folder(folder: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.multiproc
 def test_bad_data_is_converted_or_skipped_with_counts(tmp_path: Path) -> None:
     _write_bad_folder(tmp_path / "images")
-    result = run_cli("data=folder", f"data.path={tmp_path / 'images'}", "logger=none", "train.max_steps=4",
-                     "train.micro_batch_size=2", cwd=tmp_path)
+    # Two ranks: they split the work of decoding the folder and must end with the same file list.
+    result = run_cli("--nproc_per_node", "2", "-m", "ds_trainer", "data=folder", f"data.path={tmp_path / 'images'}",
+                     "logger=none", "train.max_steps=4", "train.micro_batch_size=2", cwd=tmp_path,
+                     module="torch.distributed.run")
     assert result.returncode == 0, result.stderr[-3000:]
     log = result.stderr
     assert "skipped 1 file(s): empty file" in log
@@ -90,8 +93,38 @@ def test_bad_data_is_converted_or_skipped_with_counts(tmp_path: Path) -> None:
     assert "skipped 1 file(s): not an image (unrecognized format)" in log  # text named .png
     assert "5 image(s) have no caption" in log  # gray, cmyk, alpha, deep, tiny
     assert "cached latents and embeddings of 6 samples" in log
+    assert "9 image file(s); 9 decoded now to check them" in log
     (run_dir,) = run_dirs(tmp_path)
     assert summary(run_dir)["status"] == "ok"
+
+
+def test_a_folder_is_decoded_once_and_only_changed_files_again(tmp_path: Path,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
+    """Checking every image is a full decode: a restart (a resumed or requeued job) must not pay it again."""
+    import logging
+
+    from conftest import make_cfg
+
+    from ds_trainer import data
+
+    images = tmp_path / "images"
+    _write_bad_folder(images)
+    cfg = make_cfg("data=folder", f"data.path={images}", f"data.cache_dir={tmp_path / 'cache'}")
+    caplog.set_level(logging.INFO, logger="ds_trainer.data")
+    first = data.dataset(cfg)
+    assert len(first) == 6 and sum(first.skipped.values()) == 3
+    assert "9 image file(s); 9 decoded now to check them, 0 known" in caplog.text
+    caplog.clear()
+    second = data.dataset(cfg)
+    assert second.files == first.files and second.skipped == first.skipped
+    assert "9 image file(s); 0 decoded now to check them, 9 known" in caplog.text
+    assert "skipped 1 file(s): truncated or corrupt image" in caplog.text  # still reported
+    caplog.clear()
+    good = images / "good.jpg"
+    good.write_bytes(good.read_bytes()[:100])  # the same name, now truncated
+    third = data.dataset(cfg)
+    assert "9 image file(s); 1 decoded now to check them, 8 known" in caplog.text
+    assert good not in third.files and third.skipped["truncated or corrupt image"] == 2
 
 
 def test_a_folder_with_nothing_usable_fails_before_training(tmp_path: Path) -> None:
