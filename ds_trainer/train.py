@@ -27,33 +27,53 @@ log = logging.getLogger("ds_trainer")
 
 
 class Interrupted(Exception):
-    """SIGTERM stopped the run after a step; its checkpoint is saved."""
+    """A signal stopped the run after a step; its checkpoint is saved."""
 
-    def __init__(self, step: int, path: Path | None) -> None:
+    def __init__(self, step: int, path: Path | None, stop: _StopRequest) -> None:
         where = f"checkpoint {path}" if path else "no checkpoint (it stopped before the first step)"
-        super().__init__(f"stopped by SIGTERM after step {step}; {where}. resume=latest continues from it")
+        super().__init__(f"stopped by {stop.name} after step {step}; {where}. resume=latest continues from it")
+        self.stop = stop
 
 
 class _StopRequest:
-    """SIGTERM (scancel, a scheduler's preemption, `kill`, `docker stop`) asks the run to stop at the end of
-    the current step with a checkpoint, instead of dying mid-step: nothing is lost. The ranks agree on
-    the step through the loss all-reduce, so a signal that reaches one rank stops them all together."""
+    """SIGTERM (scancel, a scheduler's preemption, `kill`, `docker stop`) or SIGUSR2 (what submitit has
+    Slurm send before a time limit) asks the run to stop at the end of the current step with a
+    checkpoint, instead of dying mid-step: nothing is lost. The ranks agree on the step through the loss
+    all-reduce, so a signal that reaches one rank stops them all together. Whoever handled the signal
+    before the run (submitit: requeue the job on SIGUSR2) gets it once the checkpoint is saved."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR2)
 
     def __init__(self) -> None:
-        self.requested = False
-        self._previous: Any = None
+        self.signum: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name if self.signum else "a signal"
 
     def __enter__(self) -> _StopRequest:
-        self._previous = signal.signal(signal.SIGTERM, self._handle)
+        self._previous = {signum: signal.signal(signum, self._handle) for signum in self.SIGNALS}
         return self
 
     def __exit__(self, *exc: object) -> None:
-        signal.signal(signal.SIGTERM, self._previous)
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
 
     def _handle(self, signum: int, frame: Any) -> None:
-        if not self.requested:
-            log.warning("SIGTERM: stopping after this step with a checkpoint")
-        self.requested = True
+        if self.signum is None:
+            log.warning("%s: stopping after this step with a checkpoint", signal.Signals(signum).name)
+            self.signum = signum
+
+    def forward(self) -> None:
+        """Call the handler the signal had before the run, if it was a Python function."""
+        handler = self._previous.get(self.signum) if self.signum else None
+        if callable(handler):
+            handler(self.signum, None)
 
 
 def _single_process_env() -> None:
@@ -239,6 +259,9 @@ def run(cfg: DictConfig, ds: dict[str, Any] | None, run_dir: Path, name: str = "
     if accelerator.is_main_process:
         metrics.write_summary(run_dir, summary)
         metrics.print_summary(summary, run_dir)
+    if isinstance(failure, Interrupted):
+        log.warning("%s", message)
+        failure.stop.forward()  # under submitit, SIGUSR2 requeues the job (and exits) from here
     if failure is None:
         _shutdown(accelerator)
     elif status in ("oom", "interrupted") or isinstance(failure, TrainingError):
@@ -353,7 +376,7 @@ def _train(cfg: DictConfig, ds: dict[str, Any] | None, run_dir: Path, accelerato
                     last_saved = checkpoint.save(accelerator, run_dir, step, ckpt_state,
                                                  int(cfg.train.checkpoints_to_keep), extra)
                 if stopping and step < max_steps:
-                    raise Interrupted(step, last_saved)
+                    raise Interrupted(step, last_saved, stop)
         finally:
             if progress is not None:
                 progress.close()
