@@ -119,3 +119,12 @@ def from_main(accelerator: Any, value: Any) -> Any:
     holder = [value]
     broadcast_object_list(holder, from_process=0)
     return holder[0]
+
+
+def any_rank(accelerator: Any, flag: bool) -> bool:
+    """Whether `flag` holds on any process (a collective: every rank calls it)."""
+    if accelerator.num_processes == 1:
+        return flag
+    import torch
+
+    return bool(accelerator.reduce(torch.tensor(float(flag), device=accelerator.device), reduction="sum").item() > 0)

@@ -74,10 +74,16 @@ def check_path(path: str, need_bytes: int) -> str | None:
             pass
     except OSError as exc:
         return f"is not writable ({exc.strerror})"
-    free = shutil.disk_usage(target).free
+    # Swap folders of earlier runs are removed before DeepSpeed starts: their space counts as free.
+    free = shutil.disk_usage(target).free + sum(_size(p) for p in target.glob("zero_stage_*") if p.is_dir())
     if free < need_bytes:
-        return f"has {free / 2**30:.2f} GiB free, the swap needs about {need_bytes / 2**30:.2f} GiB"
+        return (f"has {free / 2**30:.2f} GiB free, the swap needs about {need_bytes / 2**30:.2f} GiB "
+                "(estimate x offload.free_space_margin)")
     return None
+
+
+def _size(folder: Path) -> int:
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
 
 
 def remove_stale_swap(path: str) -> list[Path]:
@@ -88,3 +94,4 @@ def remove_stale_swap(path: str) -> list[Path]:
     for folder in stale:
         shutil.rmtree(folder, ignore_errors=True)
     return stale
+

@@ -184,6 +184,23 @@ def _prepare_nvme(cfg: DictConfig, accelerator: Any) -> None:
     accelerator.wait_for_everyone()
 
 
+def _check_swap_space(cfg: DictConfig, accelerator: Any) -> None:
+    """Right before DeepSpeed writes its NVMe swap, check the room again: the disk may have filled up since
+    the configuration was checked, and DeepSpeed does not notice a full swap disk (the files end short
+    and it aborts the process on reading one back: no message, no summary)."""
+    from ds_trainer import validation
+
+    why = None
+    if accelerator.local_process_index == 0:
+        margin = float(cfg.offload.free_space_margin)
+        why = nvme.check_path(str(cfg.offload.nvme_path), int(validation.swap_need(cfg) * margin))
+    if accel.any_rank(accelerator, why is not None):
+        raise TrainingError(f"offload.nvme_path={cfg.offload.nvme_path} {why or 'is full on another node'}: the disk "
+                            "filled up after the configuration was checked; nothing was trained and no checkpoint "
+                            "was touched. Free space there or set offload.nvme_path to a larger disk, then run "
+                            "again (resume=latest continues)")
+
+
 def _build_cache(cfg: DictConfig, accelerator: Any, dataset: Any, frozen: Any) -> data.LatentCache | None:
     """Every rank encodes its share of what is missing; rank 0 then marks the cache complete.
 
@@ -303,6 +320,8 @@ def _train(cfg: DictConfig, ds: dict[str, Any] | None, run_dir: Path, accelerato
     ema = EMA(unet, float(cfg.train.ema_decay), "cpu" if cfg.train.ema_device == "cpu" else str(device)) \
         if cfg.train.ema else None
     optimizer, scheduler = _optimizer_and_scheduler(cfg, ds, unet.parameters())
+    if ds is not None and "nvme" in (cfg.resolved.optimizer_state_on, cfg.resolved.params_on):
+        _check_swap_space(cfg, accelerator)
     if scheduler is None:
         unet, optimizer = accelerator.prepare(unet, optimizer)
     else:

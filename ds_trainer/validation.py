@@ -200,14 +200,27 @@ def _offload(cfg: DictConfig, out: list[Problem], warnings: list[str]) -> None:
                         "to offload.nvme_path). For real NVMe swap use zero=stage3.")
 
 
+def swap_need(cfg: DictConfig, optimizer: str | None = None) -> int:
+    """Estimated bytes DeepSpeed writes to offload.nvme_path for this config, before the margin."""
+    _, params_on = ds_config.placement(cfg)
+    param_bytes = 4 if cfg.precision.name.value == "fp32" else 2
+    return nvme.swap_bytes(int(cfg.model.param_count), optimizer or str(cfg.resolved.optimizer or "adamw"),
+                           params_on == "nvme", param_bytes)
+
+
 def _nvme(cfg: DictConfig, optimizer: str | None, out: list[Problem]) -> int:
     optimizer_on, params_on = ds_config.placement(cfg)
     if "nvme" not in (optimizer_on, params_on):
         return 0
     path = str(cfg.offload.nvme_path)
-    param_bytes = 4 if cfg.precision.name.value == "fp32" else 2
-    need = nvme.swap_bytes(int(cfg.model.param_count), optimizer or "adamw", params_on == "nvme", param_bytes)
-    why = nvme.check_path(path, int(need * float(cfg.offload.free_space_margin)))
+    need = swap_need(cfg, optimizer or "adamw")
+    margin = float(cfg.offload.free_space_margin)
+    if margin < 1.0:
+        out.append(Problem("offload.free_space_margin", margin, "below 1.0 the swap may not fit; DeepSpeed does not "
+                           "notice a full swap disk and later aborts the process on reading a short file",
+                           "offload.free_space_margin=1.2 (the default)"))
+        return need
+    why = nvme.check_path(path, int(need * margin))
     if why:
         out.append(Problem("offload.nvme_path", path, why, "offload.nvme_path=<a writable folder on a fast disk>"))
     why = nvme.aio_prerequisites()

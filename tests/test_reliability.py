@@ -15,20 +15,31 @@ import pytest
 from conftest import require, run_cli, run_dirs
 from test_train import metrics, summary, unet_weights
 
+from ds_trainer import nvme
+
 torch = pytest.importorskip("torch")
+
+
+def _tmpfs(folder: Path, size: str) -> Iterator[Path]:
+    require(os.geteuid() == 0, "mounting a size-limited tmpfs needs root")
+    folder.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)], check=True)
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], check=False)
 
 
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[Path]:
     """A 110 MiB tmpfs: room for one checkpoint of the tiny model (73 MiB), not two."""
-    require(os.geteuid() == 0, "mounting a size-limited tmpfs needs root")
-    mount = tmp_path / "small"
-    mount.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=110m", "tmpfs", str(mount)], check=True)
-    try:
-        yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
+    yield from _tmpfs(tmp_path / "small", "110m")
+
+
+@pytest.fixture
+def swap_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 150 MiB tmpfs: room for the tiny model's NVMe swap (64 MiB written, 118 MiB asked for)."""
+    yield from _tmpfs(tmp_path / "swap_disk", "150m")
 
 
 @pytest.mark.slow
@@ -51,6 +62,45 @@ def test_checkpoint_on_a_full_disk_stops_cleanly_and_keeps_the_previous_one(smal
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     (new_run,) = sorted((tmp_path / "big" / "runs").glob("*/*"))
     assert [r["step"] for r in metrics(new_run)] == [3, 4, 5, 6]
+
+
+@pytest.mark.slow
+@pytest.mark.nvme
+def test_an_nvme_swap_disk_that_fills_up_stops_the_run_and_the_checkpoint_resumes(swap_disk: Path,
+                                                                                   tmp_path: Path) -> None:
+    # DeepSpeed does not notice a full swap disk: its files end short and reading one back aborts the
+    # process (SIGABRT, nothing recorded). The run checks the room again right before DeepSpeed starts.
+    require(nvme.aio_load_error() is None, f"DeepSpeed's async_io op: {nvme.aio_load_error()}")
+    args = ["zero=stage3", "offload=nvme", f"offload.nvme_path={swap_disk}/swap", "logger=none",
+            "train.checkpoint_every=2", "data.num_samples=4"]
+    first = run_cli(*args, "train.max_steps=4", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    saved = run_dirs(tmp_path)[0] / "checkpoints" / "step_00000004"
+    before = {p.name: p.stat().st_mtime_ns for p in saved.rglob("*")}
+    # Another process fills the disk after the resume's configuration check passed.
+    proc = subprocess.Popen([sys.executable, "-m", "ds_trainer", *args, "train.max_steps=8", "resume=latest"],
+                            cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while len(list(tmp_path.glob("outputs/runs/*/*/ds_config.json"))) < 2:
+        assert proc.poll() is None and time.time() < deadline, "the resume ended before the disk filled"
+        time.sleep(0.02)
+    subprocess.run(["dd", "if=/dev/zero", f"of={swap_disk}/filler", "bs=1M"], capture_output=True)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 1 and "Traceback" not in err
+    assert f"offload.nvme_path={swap_disk}/swap has " in err  # (its earlier swap, to be replaced, counts as free)
+    assert "the disk filled up after the configuration was checked; nothing was trained" in err
+    assert summary(run_dirs(tmp_path)[1])["status"] == "error"
+    assert {p.name: p.stat().st_mtime_ns for p in saved.rglob("*")} == before  # untouched
+    (swap_disk / "filler").unlink()
+    resumed = run_cli(*args, "train.max_steps=8", "resume=latest", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert [r["step"] for r in metrics(run_dirs(tmp_path)[2])] == [5, 6, 7, 8]
+
+
+def test_a_swap_margin_below_one_is_refused() -> None:
+    result = run_cli("zero=stage3", "offload=nvme", "offload.free_space_margin=0.5", "dry_run=true", cwd=Path.cwd())
+    assert result.returncode == 2 and "offload.free_space_margin=0.5" in result.stderr
+    assert "aborts the process" in result.stderr
 
 
 def test_nvme_swap_on_a_small_disk_is_refused_before_training(small_disk: Path, tmp_path: Path) -> None:
