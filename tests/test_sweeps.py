@@ -8,6 +8,7 @@ import io
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -208,6 +209,64 @@ def test_a_slurm_job_cancelled_with_scancel_comes_back_and_resumes(workdir: Path
     assert json.loads((cell / "summary.json").read_text())["status"] == "ok"
     (sweep_dir,) = sweep_dirs(workdir)
     assert report_rows(sweep_dir)[0]["status"] == "ok"
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_a_slurm_job_killed_outright_is_submitted_again_and_resumes(workdir: Path,
+                                                                    slurm_cluster: dict[str, str]) -> None:
+    # SIGKILL, as from the out-of-memory killer or a node that dies: no checkpoint on the way out, no
+    # result; the launcher sees the job gone and submits the cell again, from its periodic checkpoint.
+    proc = _start_sweep(workdir, slurm_cluster, "train.max_steps=30", "train.checkpoint_every=5")
+    deadline = time.time() + 600
+    while not list((workdir / "outputs" / "sweeps").glob("*/*/0/checkpoints/step_00000010/COMPLETE")):
+        assert proc.poll() is None and time.time() < deadline, "no checkpoint before the job ended"
+        time.sleep(0.2)
+    squeue = subprocess.run(["squeue", "-h", "-o", "%i"], env=slurm_cluster, capture_output=True, text=True)
+    (job,) = squeue.stdout.split()
+    # kill -9 the ranks themselves (scancel --signal=KILL would send SIGTERM first).
+    pids = subprocess.run(["scontrol", "listpids", job], env=slurm_cluster, capture_output=True, text=True).stdout
+    ranks = [line.split()[0] for line in pids.splitlines()[1:] if line.split()[2] == "0" and line.split()[3].isdigit()]
+    assert len(ranks) == 2, pids
+    subprocess.run(["kill", "-9", *ranks], check=True)
+    _, err = proc.communicate(timeout=900)
+    assert proc.returncode == 0, err[-3000:]
+    assert re.search(rf"cell #0: job {job} ended \w+ without a result; submitted again as job \d+", err)
+    (sweep_dir,) = sweep_dirs(workdir)
+    cell = sweep_dir / "0"
+    resumed = re.search(r"resumed from \S+/step_\d+ at step (\d+)", (cell / "ds_trainer.log").read_text())
+    assert resumed and int(resumed.group(1)) % 5 == 0 and int(resumed.group(1)) >= 10
+    assert sorted(set(_cell_steps(cell))) == list(range(1, 31))
+    assert report_rows(sweep_dir)[0]["status"] == "ok"
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_ctrl_c_on_a_slurm_sweep_cancels_its_jobs_and_they_save(workdir: Path, slurm_cluster: dict[str, str]) -> None:
+    proc = _start_sweep(workdir, slurm_cluster, "train.max_steps=200")
+    deadline = time.time() + 600
+    while not (cells := list((workdir / "outputs" / "sweeps").glob("*/*/0/metrics.jsonl"))) or \
+            len(_cell_steps(cells[0].parent)) < 3:
+        assert proc.poll() is None and time.time() < deadline, "the job ended before Ctrl-C"
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130 and "Traceback" not in err
+    assert "ds_trainer: sweep interrupted; cancelled job(s)" in err
+    cell = cells[0].parent
+    deadline = time.time() + 120
+    while not (cell / "summary.json").exists():  # the job saves after the launcher has gone
+        assert time.time() < deadline, "the cancelled run wrote no summary"
+        time.sleep(0.2)
+    stopped = json.loads((cell / "summary.json").read_text())
+    assert stopped["status"] == "interrupted" and stopped["steps"] < 200
+    assert (cell / "checkpoints" / f"step_{stopped['steps']:08d}" / "COMPLETE").is_file()
+    while subprocess.run(["squeue", "-h", "-o", "%i"], env=slurm_cluster, capture_output=True, text=True).stdout:
+        assert time.time() < deadline, "the cancelled job is still there"
+        time.sleep(0.5)
+    time.sleep(5)  # nothing is submitted again: the launcher is gone
+    squeue = subprocess.run(["squeue", "-h", "-o", "%i"], env=slurm_cluster, capture_output=True, text=True)
+    assert not squeue.stdout.split()
 
 
 @pytest.mark.slow

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import subprocess
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -80,11 +81,13 @@ class _Resubmitting(submitit_launcher.BaseSubmititLauncher):
         try:
             self._wait(executor, cells, resubmits)
         except KeyboardInterrupt:
-            for cell in cells:
-                if cell.result is None:
-                    cell.job.cancel(check=False)
-            log.warning("interrupted: cancelled the sweep's unfinished jobs (their runs save a checkpoint)")
-            raise
+            cancelled = [cell.job for cell in cells if cell.result is None]
+            for job in cancelled:
+                job.cancel(check=False)
+            ids = " ".join(str(job.job_id) for job in cancelled)
+            print(f"ds_trainer: sweep interrupted; cancelled job(s) {ids} (each run saves a checkpoint on the way "
+                  f"out; the cell folders under {self.config.hydra.sweep.dir} keep them)", file=sys.stderr, flush=True)
+            raise SystemExit(130) from None
         return [cell.result for cell in cells if cell.result is not None]
 
     def _executor(self) -> tuple[Any, int]:
