@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import hydra
-import hydra_plugins.ds_trainer_launcher
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
@@ -21,7 +20,12 @@ log = logging.getLogger("ds_trainer")
 
 schema.register()
 sweep.register()
-hydra_plugins.ds_trainer_launcher.register()
+try:  # installed from ds_trainer/hydra_plugin by `pip install`; a bare source checkout lacks it
+    import hydra_plugins.ds_trainer_launcher as _launcher_plugin
+
+    _launcher_plugin.register()
+except ImportError:
+    log.debug("hydra_plugins.ds_trainer_launcher is not installed: only the stock submitit launchers")
 rundir.register_resolvers()
 
 

@@ -348,6 +348,8 @@ def _train(cfg: DictConfig, ds: dict[str, Any] | None, run_dir: Path, accelerato
         from tqdm.auto import tqdm
 
         progress = tqdm(total=max_steps, initial=start_step, desc="train", dynamic_ncols=True)
+    if info.kind == "cuda":  # peaks from here on are training's (not the cache build's or DeepSpeed's setup)
+        torch.cuda.reset_peak_memory_stats(device)
     with _StopRequest() as stop:
         try:
             for step in range(start_step + 1, max_steps + 1):

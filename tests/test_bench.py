@@ -1,0 +1,39 @@
+"""The GPU benchmark script: its FLOP count, and its mechanics on the CPU with the tiny model."""
+
+from __future__ import annotations
+
+import csv
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+
+
+@pytest.mark.parametrize(("res", "published"), [(1024, 20.2), (512, 4.7)])
+def test_sdxl_unet_flops_per_image_match_the_published_figures(res: int, published: float) -> None:
+    from ds_trainer import bench
+
+    assert bench.tflop_per_image("sdxl_base", res) == pytest.approx(published, rel=0.01)
+
+
+@pytest.mark.slow
+def test_bench_runs_the_target_cells_writes_results_and_continues(tmp_path: Path) -> None:
+    out = tmp_path / "bench"
+    cmd = [sys.executable, "-m", "ds_trainer.bench", "--out", str(out), "--model", "sdxl_tiny", "--resolutions", "128",
+           "--batches", "1", "2", "--cells", "targets", "--steps", "4"]
+    first = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    rows = list(csv.DictReader((out / "results.csv").open()))
+    assert [r["status"] for r in rows] == ["ok"] * 7, [(r["cell"], r["message"]) for r in rows]
+    assert all(float(r["mfu"]) > 0 and float(r["images_per_s"]) > 0 for r in rows)
+    (raw,) = [r for r in rows if r["overhead"]]
+    assert raw["cell"] == "stage2-none-px128-b2-gc0-acc1" and 0.5 < float(raw["overhead"]) < 3
+    text = (out / "results.md").read_text()
+    assert "| 128px, batch 1, grad ckpt, stage2 + offload=cpu: peak allocated <= 7.0 GiB | " in text
+    assert text.count("no GPU figures (not a CUDA run)") == 3  # memory targets need a GPU
+    assert (out / "cells" / "report.png").stat().st_size > 0
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert again.returncode == 0 and "0 cell(s) to run" in again.stdout  # finished cells are kept
