@@ -198,7 +198,7 @@ def test_a_slurm_job_cancelled_with_scancel_comes_back_and_resumes(workdir: Path
     subprocess.run(["scancel", jobs[0]], env=slurm_cluster, check=True)
     _, err = proc.communicate(timeout=900)
     assert proc.returncode == 0, err[-3000:]
-    assert re.search(rf"cell #0: job {jobs[0]} stopped on SIGTERM; submitted again as job \d+", err)
+    assert re.search(rf"cell #0: job {jobs[0]} stopped on a signal with a checkpoint; submitted again as job \d+", err)
     cell = cells[0].parent
     log_text = (cell / "ds_trainer.log").read_text()
     stopped = re.search(r"stopped by SIGTERM after step (\d+)", log_text)
@@ -236,6 +236,32 @@ def test_a_slurm_job_killed_outright_is_submitted_again_and_resumes(workdir: Pat
     cell = sweep_dir / "0"
     resumed = re.search(r"resumed from \S+/step_\d+ at step (\d+)", (cell / "ds_trainer.log").read_text())
     assert resumed and int(resumed.group(1)) % 5 == 0 and int(resumed.group(1)) >= 10
+    assert sorted(set(_cell_steps(cell))) == list(range(1, 31))
+    assert report_rows(sweep_dir)[0]["status"] == "ok"
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_a_submitit_local_job_killed_outright_is_submitted_again_and_resumes(workdir: Path) -> None:
+    # Here submitit knows the job ended (its process is gone), as it does through sacct on a cluster with
+    # accounting: the job is "done" without a result, and the launcher submits the cell again.
+    proc = subprocess.Popen([sys.executable, "-m", "ds_trainer", "-m", "zero=stage2", "hydra/launcher=local_2proc",
+                             "data.num_samples=8", "train.max_steps=30", "train.checkpoint_every=5"], cwd=workdir,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 600
+    while not list((workdir / "outputs" / "sweeps").glob("*/*/0/checkpoints/step_00000010/COMPLETE")):
+        assert proc.poll() is None and time.time() < deadline, "no checkpoint before the job ended"
+        time.sleep(0.2)
+    ranks = subprocess.run(["pgrep", "-f", "submitit.core._submit"], capture_output=True, text=True).stdout.split()
+    assert len(ranks) == 2
+    subprocess.run(["kill", "-9", *ranks], check=True)
+    _, err = proc.communicate(timeout=900)
+    assert proc.returncode == 0, err[-3000:]
+    assert re.search(r"cell #0: job \d+ ended \w+ without a result; submitted again as job \d+", err)
+    (sweep_dir,) = sweep_dirs(workdir)
+    cell = sweep_dir / "0"
+    resumed = re.search(r"resumed from \S+/step_\d+ at step (\d+)", (cell / "ds_trainer.log").read_text())
+    assert resumed and int(resumed.group(1)) >= 10
     assert sorted(set(_cell_steps(cell))) == list(range(1, 31))
     assert report_rows(sweep_dir)[0]["status"] == "ok"
 

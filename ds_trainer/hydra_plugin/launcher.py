@@ -111,11 +111,13 @@ class _Resubmitting(submitit_launcher.BaseSubmititLauncher):
                 outcome = self._outcome(cell)
                 if outcome is None:
                     continue
+                if outcome == "done" and not self._has_result(cell):
+                    outcome = "lost"  # over (sacct or the local process says so) but killed before a result
                 # Killed mid-run (no summary yet, or the one an earlier SIGTERM left) or stopped on SIGTERM:
                 # worth another attempt. A run that failed on its own (oom, error) would fail again.
                 status = self._summary(cell).get("status")
                 if (status == "interrupted" or (outcome == "lost" and status is None)) and cell.attempt <= resubmits:
-                    why = "stopped on SIGTERM" if status == "interrupted" else \
+                    why = "stopped on a signal with a checkpoint" if status == "interrupted" else \
                         f"ended {self._state(cell.job)} without a result"
                     old = cell.job.job_id
                     cell.job = executor.submit(self, *cell.args)
@@ -138,6 +140,18 @@ class _Resubmitting(submitit_launcher.BaseSubmititLauncher):
         now = time.time()
         cell.lost_since = cell.lost_since or now
         return "lost" if now - cell.lost_since >= LOST_AFTER_S else None
+
+    @staticmethod
+    def _has_result(cell: _Cell) -> bool:
+        from submitit.core.utils import UncompletedJobError
+
+        try:
+            cell.job.results()
+        except UncompletedJobError:
+            return False
+        except Exception:  # noqa: BLE001 - the job raised: that is its result
+            return True
+        return True
 
     @staticmethod
     def _state(job: Any) -> str:
