@@ -5,8 +5,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hydra import compose, initialize_config_dir
@@ -31,6 +33,16 @@ def group_options() -> list[tuple[str, str]]:
 def make_cfg(*overrides: str) -> DictConfig:
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return compose(config_name="config", overrides=list(overrides))
+
+
+def wait_until(condition: Callable[[], Any], message: str, *, deadline: float,
+               proc: subprocess.Popen | None = None, interval: float = 0.2) -> Any:
+    """Poll `condition` until it returns something true, and return that; fail with `message` when the
+    deadline passes or `proc` (the process expected to make it true) ends first."""
+    while not (value := condition()):
+        assert (proc is None or proc.poll() is None) and time.time() < deadline, message
+        time.sleep(interval)
+    return value
 
 
 def require(ok: bool, reason: str) -> None:

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import require, run_cli, run_dirs
+from conftest import require, run_cli, run_dirs, wait_until
 from test_train import metrics, summary, unet_weights
 
 from ds_trainer import nvme
@@ -80,10 +80,8 @@ def test_an_nvme_swap_disk_that_fills_up_stops_the_run_and_the_checkpoint_resume
     # Another process fills the disk after the resume's configuration check passed.
     proc = subprocess.Popen([sys.executable, "-m", "ds_trainer", *args, "train.max_steps=8", "resume=latest"],
                             cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 120
-    while len(list(tmp_path.glob("outputs/runs/*/*/ds_config.json"))) < 2:
-        assert proc.poll() is None and time.time() < deadline, "the resume ended before the disk filled"
-        time.sleep(0.02)
+    wait_until(lambda: len(list(tmp_path.glob("outputs/runs/*/*/ds_config.json"))) >= 2,
+               "the resume ended before the disk filled", proc=proc, deadline=time.time() + 120, interval=0.02)
     subprocess.run(["dd", "if=/dev/zero", f"of={swap_disk}/filler", "bs=1M"], capture_output=True)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 1 and "Traceback" not in err
@@ -253,10 +251,11 @@ def test_sigterm_stops_after_a_step_with_a_checkpoint_and_resume_continues(tmp_p
     args = ["zero=stage2", "offload=cpu", "logger=none", "train.max_steps=40", "data.num_samples=8"]
     proc = subprocess.Popen([sys.executable, "-m", "ds_trainer", *args], cwd=tmp_path,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 300
-    while not list(tmp_path.glob("outputs/runs/*/*/metrics.jsonl")) or len(metrics(run_dirs(tmp_path)[0])) < 3:
-        assert proc.poll() is None and time.time() < deadline, "the run ended before the signal"
-        time.sleep(0.05)
+
+    def three_steps() -> bool:
+        return bool(list(tmp_path.glob("outputs/runs/*/*/metrics.jsonl"))) and len(metrics(run_dirs(tmp_path)[0])) >= 3
+
+    wait_until(three_steps, "the run ended before the signal", proc=proc, deadline=time.time() + 300, interval=0.05)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 1 and "Traceback" not in err

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import require, run_cli
+from conftest import require, run_cli, wait_until
 
 from ds_trainer import SWEEPS_DIR, slurm_local
 
@@ -130,20 +130,38 @@ def test_two_cell_sweep_on_a_real_slurm_cluster(workdir: Path, slurm_cluster: di
     assert list((sweep_dir / ".submitit").glob("*/*.out"))  # submitted through sbatch
 
 
+def _start_sweep(workdir: Path, env: dict[str, str], *args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "ds_trainer", "-m", "zero=stage2", "hydra/launcher=slurm_localtest",
+                             "data.num_samples=8", *args], cwd=workdir, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _cell_steps(cell: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in (cell / "metrics.jsonl").read_text().splitlines()]
+
+
+def _wait_for_step_10_checkpoint(workdir: Path, proc: subprocess.Popen) -> None:
+    wait_until(lambda: list((workdir / "outputs" / "sweeps").glob("*/*/0/checkpoints/step_00000010/COMPLETE")),
+               "no checkpoint before the job ended", proc=proc, deadline=time.time() + 600)
+
+
+def _wait_for_steps(workdir: Path, proc: subprocess.Popen, steps: int, message: str) -> Path:
+    """The first cell's folder, once its metrics.jsonl holds `steps` steps."""
+    def cell() -> Path | None:
+        found = list((workdir / "outputs" / "sweeps").glob("*/*/0/metrics.jsonl"))
+        return found[0].parent if found and len(_cell_steps(found[0].parent)) >= steps else None
+
+    return wait_until(cell, message, proc=proc, deadline=time.time() + 600)
+
+
 @pytest.mark.slow
 @pytest.mark.multiproc
 def test_a_preempted_slurm_job_is_requeued_and_resumes_into_the_same_wandb_run(
         workdir: Path, slurm_cluster: dict[str, str]) -> None:
     # SIGUSR2 is what Slurm sends ahead of a time limit (submitit asks for it): the run saves after its
     # step, then submitit requeues the job with scontrol and exits; the requeued job runs the cell again.
-    args = ["-m", "zero=stage2", "hydra/launcher=slurm_localtest", "train.max_steps=40", "train.checkpoint_every=5",
-            "data.num_samples=8"]
-    proc = subprocess.Popen([sys.executable, "-m", "ds_trainer", *args], cwd=workdir, env=slurm_cluster,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 600
-    while not list((workdir / "outputs" / "sweeps").glob("*/*/0/checkpoints/step_00000010/COMPLETE")):
-        assert proc.poll() is None and time.time() < deadline, "no checkpoint before the job ended"
-        time.sleep(0.2)
+    proc = _start_sweep(workdir, slurm_cluster, "train.max_steps=40", "train.checkpoint_every=5")
+    _wait_for_step_10_checkpoint(workdir, proc)
     squeue = subprocess.run(["squeue", "-h", "-o", "%i"], env=slurm_cluster, capture_output=True, text=True)
     jobs = squeue.stdout.split()
     assert jobs
@@ -152,8 +170,7 @@ def test_a_preempted_slurm_job_is_requeued_and_resumes_into_the_same_wandb_run(
     assert proc.returncode == 0, err[-3000:]
     (sweep_dir,) = sweep_dirs(workdir)
     cell = sweep_dir / "0"
-    steps = [json.loads(line)["step"] for line in (cell / "metrics.jsonl").read_text().splitlines()]
-    assert steps == list(range(1, 41))  # each step trained once: none lost at the signal, none repeated
+    assert _cell_steps(cell) == list(range(1, 41))  # each step trained once: none lost at the signal, none repeated
     log_text = (cell / "ds_trainer.log").read_text()
     stopped = re.search(r"stopped by SIGUSR2 after step (\d+)", log_text)
     resumed = re.search(r"resumed from \S+/step_(\d+) at step (\d+)", log_text)
@@ -170,16 +187,6 @@ def test_a_preempted_slurm_job_is_requeued_and_resumes_into_the_same_wandb_run(
     assert wandb_log.history(wandb_files[1])[0]["_step"] == int(resumed.group(2)) + 1
 
 
-def _start_sweep(workdir: Path, env: dict[str, str], *args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "ds_trainer", "-m", "zero=stage2", "hydra/launcher=slurm_localtest",
-                             "data.num_samples=8", *args], cwd=workdir, env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
-
-
-def _cell_steps(cell: Path) -> list[int]:
-    return [json.loads(line)["step"] for line in (cell / "metrics.jsonl").read_text().splitlines()]
-
-
 @pytest.mark.slow
 @pytest.mark.multiproc
 def test_a_slurm_job_cancelled_with_scancel_comes_back_and_resumes(workdir: Path,
@@ -187,11 +194,7 @@ def test_a_slurm_job_cancelled_with_scancel_comes_back_and_resumes(workdir: Path
     # No periodic checkpoints: scancel's SIGTERM makes the run save after its step, and the launcher
     # submits the cell again, which resumes from that checkpoint; not one step is trained twice.
     proc = _start_sweep(workdir, slurm_cluster, "train.max_steps=40")
-    deadline = time.time() + 600
-    while not (cells := list((workdir / "outputs" / "sweeps").glob("*/*/0/metrics.jsonl"))) or \
-            len(_cell_steps(cells[0].parent)) < 5:
-        assert proc.poll() is None and time.time() < deadline, "the job ended before scancel"
-        time.sleep(0.2)
+    cell = _wait_for_steps(workdir, proc, 5, "the job ended before scancel")
     squeue = subprocess.run(["squeue", "-h", "-o", "%i"], env=slurm_cluster, capture_output=True, text=True)
     jobs = squeue.stdout.split()
     assert len(jobs) == 1
@@ -199,7 +202,6 @@ def test_a_slurm_job_cancelled_with_scancel_comes_back_and_resumes(workdir: Path
     _, err = proc.communicate(timeout=900)
     assert proc.returncode == 0, err[-3000:]
     assert re.search(rf"cell #0: job {jobs[0]} stopped on a signal with a checkpoint; submitted again as job \d+", err)
-    cell = cells[0].parent
     log_text = (cell / "ds_trainer.log").read_text()
     stopped = re.search(r"stopped by SIGTERM after step (\d+)", log_text)
     resumed = re.search(r"resumed from \S+/step_(\d+) at step (\d+)", log_text)
@@ -218,10 +220,7 @@ def test_a_slurm_job_killed_outright_is_submitted_again_and_resumes(workdir: Pat
     # SIGKILL, as from the out-of-memory killer or a node that dies: no checkpoint on the way out, no
     # result; the launcher sees the job gone and submits the cell again, from its periodic checkpoint.
     proc = _start_sweep(workdir, slurm_cluster, "train.max_steps=30", "train.checkpoint_every=5")
-    deadline = time.time() + 600
-    while not list((workdir / "outputs" / "sweeps").glob("*/*/0/checkpoints/step_00000010/COMPLETE")):
-        assert proc.poll() is None and time.time() < deadline, "no checkpoint before the job ended"
-        time.sleep(0.2)
+    _wait_for_step_10_checkpoint(workdir, proc)
     squeue = subprocess.run(["squeue", "-h", "-o", "%i"], env=slurm_cluster, capture_output=True, text=True)
     (job,) = squeue.stdout.split()
     # kill -9 the ranks themselves (scancel --signal=KILL would send SIGTERM first).
@@ -248,10 +247,7 @@ def test_a_submitit_local_job_killed_outright_is_submitted_again_and_resumes(wor
     proc = subprocess.Popen([sys.executable, "-m", "ds_trainer", "-m", "zero=stage2", "hydra/launcher=local_2proc",
                              "data.num_samples=8", "train.max_steps=30", "train.checkpoint_every=5"], cwd=workdir,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 600
-    while not list((workdir / "outputs" / "sweeps").glob("*/*/0/checkpoints/step_00000010/COMPLETE")):
-        assert proc.poll() is None and time.time() < deadline, "no checkpoint before the job ended"
-        time.sleep(0.2)
+    _wait_for_step_10_checkpoint(workdir, proc)
     ranks = subprocess.run(["pgrep", "-f", "submitit.core._submit"], capture_output=True, text=True).stdout.split()
     assert len(ranks) == 2
     subprocess.run(["kill", "-9", *ranks], check=True)
@@ -270,26 +266,19 @@ def test_a_submitit_local_job_killed_outright_is_submitted_again_and_resumes(wor
 @pytest.mark.multiproc
 def test_ctrl_c_on_a_slurm_sweep_cancels_its_jobs_and_they_save(workdir: Path, slurm_cluster: dict[str, str]) -> None:
     proc = _start_sweep(workdir, slurm_cluster, "train.max_steps=200")
-    deadline = time.time() + 600
-    while not (cells := list((workdir / "outputs" / "sweeps").glob("*/*/0/metrics.jsonl"))) or \
-            len(_cell_steps(cells[0].parent)) < 3:
-        assert proc.poll() is None and time.time() < deadline, "the job ended before Ctrl-C"
-        time.sleep(0.2)
+    cell = _wait_for_steps(workdir, proc, 3, "the job ended before Ctrl-C")
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 130 and "Traceback" not in err
     assert "ds_trainer: sweep interrupted; cancelled job(s)" in err
-    cell = cells[0].parent
-    deadline = time.time() + 120
-    while not (cell / "summary.json").exists():  # the job saves after the launcher has gone
-        assert time.time() < deadline, "the cancelled run wrote no summary"
-        time.sleep(0.2)
+    deadline = time.time() + 120  # the job saves after the launcher has gone
+    wait_until((cell / "summary.json").exists, "the cancelled run wrote no summary", deadline=deadline)
     stopped = json.loads((cell / "summary.json").read_text())
     assert stopped["status"] == "interrupted" and stopped["steps"] < 200
     assert (cell / "checkpoints" / f"step_{stopped['steps']:08d}" / "COMPLETE").is_file()
-    while subprocess.run(["squeue", "-h", "-o", "%i"], env=slurm_cluster, capture_output=True, text=True).stdout:
-        assert time.time() < deadline, "the cancelled job is still there"
-        time.sleep(0.5)
+    wait_until(lambda: not subprocess.run(["squeue", "-h", "-o", "%i"], env=slurm_cluster, capture_output=True,
+                                          text=True).stdout, "the cancelled job is still there", deadline=deadline,
+               interval=0.5)
     time.sleep(5)  # nothing is submitted again: the launcher is gone
     squeue = subprocess.run(["squeue", "-h", "-o", "%i"], env=slurm_cluster, capture_output=True, text=True)
     assert not squeue.stdout.split()
