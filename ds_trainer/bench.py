@@ -83,18 +83,12 @@ def all_cells(resolutions: list[int], batches: list[int]) -> list[Cell]:
 @cache
 def tflop_per_image(model: str, res: int) -> float:
     """Model FLOPs of one image through the UNet, forward and backward, counted on the meta device."""
-    import torch
     from torch.utils.flop_counter import FlopCounterMode
 
     from ds_trainer import ASSETS_DIR, plan
 
-    unet = plan._meta_unet(str(ASSETS_DIR / model))
-    cross = int(unet.config.cross_attention_dim)
-    pooled = int(unet.config.projection_class_embeddings_input_dim) - 6 * int(unet.config.addition_time_embed_dim)
-    with torch.device("meta"):
-        latents = torch.randn(1, int(unet.config.in_channels), res // 8, res // 8)
-        embeds, cond = torch.randn(1, 77, cross), {"text_embeds": torch.randn(1, pooled), "time_ids": torch.randn(1, 6)}
-        t = torch.tensor([500])
+    unet = plan._meta_unet(str(ASSETS_DIR / model))  # shared and cached: the planner may have cast it to bf16
+    latents, t, embeds, cond = plan.unet_inputs(unet.config, 1, res, res, unet.dtype, "meta")
     with FlopCounterMode(display=False) as counter:
         unet(latents, t, embeds, added_cond_kwargs=cond).sample.sum().backward()
     unet.zero_grad(set_to_none=True)
@@ -169,7 +163,7 @@ def raw_loop(folder: Path, steps: int, warmup: int = 2) -> float:
     import torch
     from omegaconf import DictConfig, OmegaConf
 
-    from ds_trainer import models, train
+    from ds_trainer import models, plan, train
 
     cfg = OmegaConf.load(folder / "config.yaml")
     assert isinstance(cfg, DictConfig)
@@ -179,16 +173,10 @@ def raw_loop(folder: Path, steps: int, warmup: int = 2) -> float:
     unet = models.load_unet(cfg)
     engine, _, _, _ = deepspeed.initialize(model=unet, model_parameters=unet.parameters(), config=ds)
     micro, accum = int(cfg.train.micro_batch_size), int(cfg.train.gradient_accumulation_steps)
-    h, w = int(cfg.resolution.height) // 8, int(cfg.resolution.width) // 8
-    dtype, device = torch.bfloat16 if ds.get("bf16", {}).get("enabled") else torch.float32, engine.device
-    conf = unet.config
-    pooled = int(conf.projection_class_embeddings_input_dim) - 6 * int(conf.addition_time_embed_dim)
-    latents = torch.randn(micro, int(conf.in_channels), h, w, device=device, dtype=dtype)
+    dtype = torch.bfloat16 if ds.get("bf16", {}).get("enabled") else torch.float32
+    latents, t, embeds, cond = plan.unet_inputs(unet.config, micro, int(cfg.resolution.height),
+                                                int(cfg.resolution.width), dtype, engine.device)
     noise = torch.randn_like(latents)
-    embeds = torch.randn(micro, 77, int(conf.cross_attention_dim), device=device, dtype=dtype)
-    cond = {"text_embeds": torch.randn(micro, pooled, device=device, dtype=dtype),
-            "time_ids": torch.randn(micro, 6, device=device, dtype=dtype)}
-    t = torch.randint(0, 1000, (micro,), device=device)
     times = []
     for _ in range(steps):
         start = time.perf_counter()

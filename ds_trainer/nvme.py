@@ -94,4 +94,3 @@ def remove_stale_swap(path: str) -> list[Path]:
     for folder in stale:
         shutil.rmtree(folder, ignore_errors=True)
     return stale
-

@@ -86,6 +86,20 @@ def _meta_unet(architecture: str) -> Any:
         return UNet2DConditionModel.from_config(UNet2DConditionModel.load_config(architecture, subfolder="unet"))
 
 
+def unet_inputs(config: Any, batch: int, height: int, width: int, dtype: Any = None, device: Any = None,
+                tokens: int = 77) -> tuple[Any, Any, Any, dict[str, Any]]:
+    """Random SDXL UNet inputs for images of height x width pixels: latents, timesteps, prompt embeddings
+    and the added conditions (pooled text embedding, time ids)."""
+    import torch
+
+    pooled = int(config.projection_class_embeddings_input_dim) - 6 * int(config.addition_time_embed_dim)
+    kw = {"dtype": dtype, "device": device}
+    latents = torch.randn(batch, int(config.in_channels), height // 8, width // 8, **kw)
+    embeds = torch.randn(batch, tokens, int(config.cross_attention_dim), **kw)
+    cond = {"text_embeds": torch.randn(batch, pooled, **kw), "time_ids": torch.randn(batch, 6, **kw)}
+    return latents, torch.randint(0, 1000, (batch,), device=device), embeds, cond
+
+
 @contextlib.contextmanager
 def _efficient_attention_counted(count: list[int]) -> Iterator[None]:
     """Replace SDPA while counting: on meta it would take the math path and save the full attention
@@ -153,17 +167,11 @@ def activation_bytes(architecture: str, batch: int, width: int, height: int, dty
 
     blocks = [m for m in unet.modules() if isinstance(m, ResnetBlock2D | Transformer2DModel)]
     handles = [h for m in blocks for h in (m.register_forward_pre_hook(before), m.register_forward_hook(after))]
-    latent_w, latent_h = width // 8, height // 8
-    cross = unet.config.cross_attention_dim
-    pooled = unet.config.projection_class_embeddings_input_dim - 6 * unet.config.addition_time_embed_dim
     try:
         with torch.device("meta"), _efficient_attention_counted(total), \
                 torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            x = torch.randn(batch, unet.config.in_channels, latent_h, latent_w, dtype=dtype)
-            enc = torch.randn(batch, cross_dim_tokens, cross, dtype=dtype)
-            cond = {"text_embeds": torch.randn(batch, pooled, dtype=dtype),
-                    "time_ids": torch.randn(batch, 6, dtype=dtype)}
-            unet(x, torch.zeros(batch, dtype=torch.long), enc, added_cond_kwargs=cond)
+            x, t, enc, cond = unet_inputs(unet.config, batch, height, width, dtype, tokens=cross_dim_tokens)
+            unet(x, t, enc, added_cond_kwargs=cond)
     finally:
         for h in handles:
             h.remove()

@@ -190,10 +190,7 @@ def _check_swap_space(cfg: DictConfig, accelerator: Any) -> None:
     and it aborts the process on reading one back: no message, no summary)."""
     from ds_trainer import validation
 
-    why = None
-    if accelerator.local_process_index == 0:
-        margin = float(cfg.offload.free_space_margin)
-        why = nvme.check_path(str(cfg.offload.nvme_path), int(validation.swap_need(cfg) * margin))
+    why = validation.swap_problem(cfg) if accelerator.local_process_index == 0 else None
     if accel.any_rank(accelerator, why is not None):
         raise TrainingError(f"offload.nvme_path={cfg.offload.nvme_path} {why or 'is full on another node'}: the disk "
                             "filled up after the configuration was checked; nothing was trained and no checkpoint "

@@ -208,6 +208,12 @@ def swap_need(cfg: DictConfig, optimizer: str | None = None) -> int:
                            params_on == "nvme", param_bytes)
 
 
+def swap_problem(cfg: DictConfig, optimizer: str | None = None) -> str | None:
+    """Why offload.nvme_path cannot take the swap (estimate x offload.free_space_margin), or None."""
+    need = swap_need(cfg, optimizer)
+    return nvme.check_path(str(cfg.offload.nvme_path), int(need * float(cfg.offload.free_space_margin)))
+
+
 def _nvme(cfg: DictConfig, optimizer: str | None, out: list[Problem]) -> int:
     optimizer_on, params_on = ds_config.placement(cfg)
     if "nvme" not in (optimizer_on, params_on):
@@ -220,7 +226,7 @@ def _nvme(cfg: DictConfig, optimizer: str | None, out: list[Problem]) -> int:
                            "notice a full swap disk and later aborts the process on reading a short file",
                            "offload.free_space_margin=1.2 (the default)"))
         return need
-    why = nvme.check_path(path, int(need * margin))
+    why = swap_problem(cfg, optimizer or "adamw")
     if why:
         out.append(Problem("offload.nvme_path", path, why, "offload.nvme_path=<a writable folder on a fast disk>"))
     why = nvme.aio_prerequisites()

@@ -165,12 +165,12 @@ class _Resubmitting(submitit_launcher.BaseSubmititLauncher):
             cfg.hydra.job.num = cell.num
         return cfg
 
-    def _cell_dir(self, cell: _Cell) -> Path:
-        cfg = self._cell_config(cell)
+    @staticmethod
+    def _cell_dir(cfg: Any) -> Path:
         return Path(str(cfg.hydra.sweep.dir)) / str(cfg.hydra.sweep.subdir)
 
     def _summary(self, cell: _Cell) -> dict[str, Any]:
-        path = self._cell_dir(cell) / "summary.json"
+        path = self._cell_dir(self._cell_config(cell)) / "summary.json"
         try:
             summary: dict[str, Any] = json.loads(path.read_text())
         except (OSError, ValueError):
@@ -192,7 +192,7 @@ class _Resubmitting(submitit_launcher.BaseSubmititLauncher):
         from ds_trainer import sweep
 
         cfg = self._cell_config(cell)
-        run_dir = Path(str(cfg.hydra.sweep.dir)) / str(cfg.hydra.sweep.subdir)
+        run_dir = self._cell_dir(cfg)
         sweep.failed_cell(cfg, run_dir, "error", message)
         return JobReturn(overrides=list(cell.args[0]), working_dir=str(run_dir), status=JobStatus.COMPLETED,
                          _return_value=None)
