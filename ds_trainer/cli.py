@@ -13,8 +13,10 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from ds_trainer import CONF_DIR, accel, distributed, ds_config, rundir, schema, sweep, validation
+from ds_trainer import CONF_DIR
+from ds_trainer.config import accelerate_file, distributed, ds_config, rundir, schema, validation
 from ds_trainer.errors import TrainingError
+from ds_trainer.launch import sweep
 
 log = logging.getLogger("ds_trainer")
 
@@ -41,7 +43,7 @@ def prepare(cfg: DictConfig, run_dir: Path) -> tuple[DictConfig, dict | None]:
     ds = ds_config.build(cfg, world_size) if cfg.resolved.backend == "deepspeed" else None
     ds_json = run_dir / "ds_config.json" if ds is not None else None
     if distributed.is_main():
-        rundir.write_run_files(run_dir, cfg, ds, accel.config_file(cfg, ds_json, world_size))
+        rundir.write_run_files(run_dir, cfg, ds, accelerate_file.config_file(cfg, ds_json, world_size))
     return cfg, ds
 
 
@@ -55,9 +57,10 @@ def run(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> None:
             print(f"zero=ddp: plain Accelerate data parallel, no DeepSpeed config ({cfg.resolved.platform})")
         print(f"run files written to {run_dir}", file=sys.stderr)
         return
-    from ds_trainer import metrics, train
+    from ds_trainer.tools import plan
+    from ds_trainer.train import metrics, recipe
 
-    train.run(cfg, ds, run_dir, metrics.run_name(overrides))
+    recipe.run(cfg, ds, run_dir, metrics.run_name(overrides), memory_plan=plan.log_for_run)
 
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")

@@ -14,7 +14,9 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
-from ds_trainer import CONF_DIR, rundir, schema, sweep
+from ds_trainer import CONF_DIR
+from ds_trainer.config import rundir, schema
+from ds_trainer.launch import sweep
 
 REPO = Path(__file__).resolve().parent.parent
 IN_CI = os.environ.get("CI", "").lower() == "true"

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from conftest import make_cfg, run_cli
 
-from ds_trainer import hardware, nvme, validation
+from ds_trainer.config import hardware, nvme, validation
 
 # (overrides, text the message must contain: the key or the value at fault, and the fix)
 BAD = [

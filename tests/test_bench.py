@@ -14,7 +14,7 @@ pytest.importorskip("torch")
 
 @pytest.mark.parametrize(("res", "published"), [(1024, 20.2), (512, 4.7)])
 def test_sdxl_unet_flops_per_image_match_the_published_figures(res: int, published: float) -> None:
-    from ds_trainer import bench
+    from ds_trainer.tools import bench
 
     assert bench.tflop_per_image("sdxl_base", res) == pytest.approx(published, rel=0.01)
 

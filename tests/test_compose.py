@@ -17,7 +17,8 @@ from hydra.errors import ConfigCompositionException, MissingConfigException
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
 
-from ds_trainer import CONF_DIR, ds_config, validation
+from ds_trainer import CONF_DIR
+from ds_trainer.config import ds_config, validation
 
 
 @pytest.mark.parametrize(("group", "option"), group_options())

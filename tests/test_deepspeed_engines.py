@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 from conftest import make_cfg, require
 
-from ds_trainer import cli, nvme, validation
+from ds_trainer import cli
+from ds_trainer.config import nvme, validation
 
 torch = pytest.importorskip("torch")
 deepspeed = pytest.importorskip("deepspeed")

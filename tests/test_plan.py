@@ -8,7 +8,7 @@ import sys
 import pytest
 from conftest import make_cfg
 
-from ds_trainer import plan
+from ds_trainer.tools import plan
 
 pytest.importorskip("torch")
 

@@ -15,7 +15,7 @@ import pytest
 from conftest import require, run_cli, run_dirs, wait_until
 from test_train import metrics, summary, unet_weights
 
-from ds_trainer import nvme
+from ds_trainer.config import nvme
 
 torch = pytest.importorskip("torch")
 
@@ -153,12 +153,12 @@ def test_a_folder_is_decoded_once_and_only_changed_files_again(tmp_path: Path,
 
     from conftest import make_cfg
 
-    from ds_trainer import data
+    from ds_trainer.train import data
 
     images = tmp_path / "images"
     _write_bad_folder(images)
     cfg = make_cfg("data=folder", f"data.path={images}", f"data.cache_dir={tmp_path / 'cache'}")
-    caplog.set_level(logging.INFO, logger="ds_trainer.data")
+    caplog.set_level(logging.INFO, logger="ds_trainer.train.data")
     first = data.dataset(cfg)
     assert len(first) == 6 and sum(first.skipped.values()) == 3
     assert "9 image file(s); 9 decoded now to check them, 0 known" in caplog.text

@@ -19,7 +19,8 @@ import pytest
 import yaml
 from conftest import require, run_cli, wait_until
 
-from ds_trainer import SWEEPS_DIR, slurm_local
+from ds_trainer import SWEEPS_DIR
+from ds_trainer.launch import slurm_local
 
 FAST = ["logger=none", "train.max_steps=3", "data.num_samples=4"]
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import require, run_cli, run_dirs
 
-from ds_trainer import nvme
+from ds_trainer.config import nvme
 
 torch = pytest.importorskip("torch")
 
@@ -216,7 +216,7 @@ def test_pretrained_folder_with_v_prediction_min_snr_and_checkpointing(workdir: 
 def test_a_partial_checkpoint_is_never_resumed(tmp_path: Path) -> None:
     from conftest import make_cfg
 
-    from ds_trainer import checkpoint
+    from ds_trainer.train import checkpoint
 
     run_dir = tmp_path / "outputs" / "runs" / "2026-01-01" / "00-00-00-aaaaaa"
     done = run_dir / "checkpoints" / "step_00000004"

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from ds_trainer import ds_config, hardware, nvme, optimizers, schema
+from ds_trainer.config import ds_config, hardware, nvme, optimizers, schema
 
 # Top-level keys that may hold anything (added by launchers and sweeps).
 _FREE_FORM = frozenset({"hydra"})

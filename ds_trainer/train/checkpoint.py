@@ -132,6 +132,24 @@ def save(accelerator: Any, run_dir: Path, step: int, state: dict[str, Any], keep
     return final
 
 
+class Saver:
+    """When the recipe saves: every `train.checkpoint_every` steps, at the last step (unless
+    `train.final_checkpoint=false`) and when the ranks agreed to stop. Collective, like `save`."""
+
+    def __init__(self, cfg: DictConfig, accelerator: Any, run_dir: Path, ema: Any, wandb_id: str | None,
+                 last: Path | None) -> None:
+        self.accelerator, self.run_dir, self.ema, self.last = accelerator, run_dir, ema, last
+        self.every, self.keep = int(cfg.train.checkpoint_every), int(cfg.train.checkpoints_to_keep)
+        self.final = int(cfg.train.max_steps) if cfg.train.final_checkpoint else None
+        self.state = {"backend": cfg.resolved.backend, "stage": int(cfg.zero.stage),
+                      "world_size": accelerator.num_processes, "fingerprint": fingerprint(cfg), "wandb_id": wandb_id}
+
+    def after_step(self, step: int, stopping: bool) -> None:
+        if step == self.final or (self.every and step % self.every == 0) or stopping:
+            extra = {"ema": self.ema.state_dict()} if self.ema is not None else None
+            self.last = save(self.accelerator, self.run_dir, step, self.state, self.keep, extra)
+
+
 def restore_optimizer_clocks(engine: Any) -> None:
     """After a DeepSpeed checkpoint load, restore what `load_checkpoint` leaves out, so that a resumed run
     takes the same steps as an uninterrupted one, bit for bit.

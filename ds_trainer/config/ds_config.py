@@ -10,7 +10,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from ds_trainer import nvme, optimizers
+from ds_trainer.config import nvme, optimizers
 
 # Keeps DeepSpeed's own periodic stdout logging out of the way; we log steps ourselves.
 _STEPS_PER_PRINT = 2**31 - 1

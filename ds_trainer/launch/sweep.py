@@ -19,7 +19,8 @@ from hydra.core.config_store import ConfigStore
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from ds_trainer import SWEEPS_DIR, ds_config
+from ds_trainer import SWEEPS_DIR
+from ds_trainer.config import ds_config
 
 log = logging.getLogger("ds_trainer")
 
@@ -33,8 +34,8 @@ def register() -> None:
 
 def failed_cell(cfg: DictConfig, run_dir: Path, status: str, message: str) -> None:
     """Record a cell that did not train (invalid config, crash) so the report lists it."""
-    from ds_trainer.rundir import write_json
-    from ds_trainer.validation import world_size_of
+    from ds_trainer.config.rundir import write_json
+    from ds_trainer.config.validation import world_size_of
 
     summary = {"status": status, "message": message, "zero": ds_config.zero_option(cfg),
                "offload": cfg.offload.device.value,
@@ -67,7 +68,7 @@ def run_cell_process(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> No
     text = "".join(tail)
     report = re.search(r"^ds_trainer: \d+ problems? in the configuration.*", text, flags=re.M | re.S)
     if code == 2 and report:
-        from ds_trainer.validation import first_problem
+        from ds_trainer.config.validation import first_problem
 
         message = first_problem(report.group(0))
     else:
@@ -77,7 +78,7 @@ def run_cell_process(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> No
 
 def failures(sweep_dir: Path) -> tuple[int, int]:
     """(failed, total) cells of a finished sweep, from their summary.json files."""
-    from ds_trainer import report
+    from ds_trainer.launch import report
 
     statuses = [r.get("status") for r in report.rows(sweep_dir)]
     return sum(1 for s in statuses if s != "ok"), len(statuses)
@@ -87,7 +88,8 @@ class SweepEnd(Callback):
     """At the end of a multirun: write the report, and exit with the number of failed cells."""
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        from ds_trainer import distributed, report
+        from ds_trainer.config import distributed
+        from ds_trainer.launch import report
 
         if not distributed.is_main():
             return

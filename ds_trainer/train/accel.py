@@ -11,54 +11,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-# precision group -> Accelerate's mixed_precision
-MIXED_PRECISION = {"bf16": "bf16", "fp16": "fp16", "fp32": "no"}
-
-
-def mixed_precision(cfg: DictConfig) -> str:
-    return MIXED_PRECISION[cfg.precision.name.value]
-
-
-def config_file(cfg: DictConfig, ds_json: Path | None, world_size: int) -> dict[str, Any]:
-    """The content of `accelerate_config.yaml`: usable as is with `accelerate launch --config_file`.
-
-    DeepSpeed runs point at the written `ds_config.json` and carry none of the fields Accelerate
-    refuses next to a config file (stage, offload, accumulation, clipping, mixed precision: the JSON
-    has them all). `use_cpu` stays false for DeepSpeed, which would otherwise bypass its launcher;
-    DeepSpeed picks its CPU accelerator by itself.
-    """
-    on_cpu = cfg.resolved.platform == "cpu"
-    deepspeed = cfg.resolved.backend == "deepspeed"
-    if deepspeed:
-        distributed_type = "DEEPSPEED"
-    elif world_size > 1:
-        # Accelerate starts N local processes (torchrun) only for the GPU types; its MULTI_CPU type
-        # wants mpirun. On a CPU-only machine ds_trainer asks Accelerate for the CPU (gloo) itself.
-        distributed_type = "MULTI_GPU"
-    else:
-        distributed_type = "NO"
-    out: dict[str, Any] = {
-        "compute_environment": "LOCAL_MACHINE",
-        "distributed_type": distributed_type,
-        "num_machines": 1,
-        "num_processes": int(world_size),
-        "machine_rank": 0,
-        "main_training_function": "main",
-        "rdzv_backend": "static",
-        "same_network": True,
-        "use_cpu": on_cpu and world_size == 1 and not deepspeed,
-        "downcast_bf16": "no",
-        "debug": False,
-    }
-    if not deepspeed:
-        out["mixed_precision"] = mixed_precision(cfg)
-    else:
-        assert ds_json is not None
-        out["deepspeed_config"] = {
-            "deepspeed_config_file": str(ds_json.resolve()),
-            "zero3_init_flag": int(cfg.zero.stage) == 3,
-        }
-    return out
+from ds_trainer.config.accelerate_file import mixed_precision
 
 
 def deepspeed_plugin(cfg: DictConfig, ds: dict[str, Any]) -> Any:

@@ -20,7 +20,8 @@ from typing import Any
 import yaml
 from omegaconf import DictConfig, OmegaConf
 
-from ds_trainer import ASSETS_DIR, distributed
+from ds_trainer import ASSETS_DIR
+from ds_trainer.config import distributed
 
 
 def _process_start(pid: int) -> float | None:

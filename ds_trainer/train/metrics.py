@@ -17,7 +17,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from ds_trainer import ds_config
+from ds_trainer.config import ds_config
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +136,7 @@ def summarize(cfg: DictConfig, rows: list[dict[str, Any]], status: str, message:
 
 def write_summary(run_dir: Path, summary: dict[str, Any]) -> None:
     """Best effort: on a full disk the summary cannot be written, and the run's message says why."""
-    from ds_trainer.rundir import write_json
+    from ds_trainer.config.rundir import write_json
 
     try:
         write_json(run_dir / "summary.json", summary)

@@ -189,7 +189,7 @@ class _Resubmitting(submitit_launcher.BaseSubmititLauncher):
             message = (f"job {cell.job.job_id} ended {self._state(cell.job)} without a result "
                        f"after {cell.attempt} attempt(s)")
         log.error(f"cell #{cell.num}: {message}")
-        from ds_trainer import sweep
+        from ds_trainer.launch import sweep
 
         cfg = self._cell_config(cell)
         run_dir = self._cell_dir(cfg)

@@ -182,7 +182,7 @@ def _check_images(root: Path, record: Path, accelerator: Any) -> tuple[dict[str,
     later start (a resumed or requeued job). The ranks split that work. Rank 0 lists the folder and reads
     the record for all of them, so every rank ends with the same list of files.
     """
-    from ds_trainer import accel
+    from ds_trainer.train import accel
 
     rank, world = (accelerator.process_index, accelerator.num_processes) if accelerator else (0, 1)
     listing: tuple[dict[str, list[int]], dict[str, list[Any]]] = ({}, {})
@@ -268,7 +268,7 @@ class LatentCache:
     def build(self, data: SyntheticImages | FolderImages, frozen: Any, rank: int, world: int,
               device: torch.device, batch_size: int = 8) -> int:
         """Encode this rank's share of the samples not cached yet; returns how many it encoded."""
-        from ds_trainer.models import encode_images, encode_prompts
+        from ds_trainer.train.models import encode_images, encode_prompts
 
         self.dir.mkdir(parents=True, exist_ok=True)
         todo = [i for i in range(rank, self.n, world) if not self.path(i).exists()]
@@ -302,11 +302,28 @@ class LatentCache:
 def encode_batch(data: SyntheticImages | FolderImages, frozen: Any, indices: list[int],
                  device: torch.device) -> dict[str, torch.Tensor]:
     """The same tensors as LatentCache.load, computed now (data.cache=false)."""
-    from ds_trainer.models import encode_images, encode_prompts
+    from ds_trainer.train.models import encode_images, encode_prompts
 
     examples = [data[i] for i in indices]
     latents = encode_images(frozen, torch.stack([e.pixels for e in examples]))
     embeds, pooled = encode_prompts(frozen, [e.caption for e in examples], device)
     return {"latents": latents.float(), "prompt_embeds": embeds.float(), "pooled": pooled.float(),
             "time_ids": torch.stack([e.time_ids for e in examples])}
+
+
+class Loader:
+    """The micro-batches of one rank: `loader(b)` is this rank's part of global micro-batch `b`, from the
+    latent cache, or encoded now when there is none (`data.cache=false`)."""
+
+    def __init__(self, cfg: DictConfig, data: SyntheticImages | FolderImages, cache: LatentCache | None,
+                 frozen: Any, rank: int, world: int, device: torch.device) -> None:
+        self.data, self.cache, self.frozen, self.device = data, cache, frozen, device
+        self.rank, self.world = rank, world
+        self.micro, self.seed = int(cfg.train.micro_batch_size), int(cfg.train.seed)
+
+    def __call__(self, b: int) -> dict[str, torch.Tensor]:
+        indices = batch_indices(b, self.rank, self.world, self.micro, len(self.data), self.seed)
+        if self.cache is not None:
+            return self.cache.load(indices)
+        return encode_batch(self.data, self.frozen, indices, self.device)
 

@@ -1,0 +1,161 @@
+"""Sweep report: one row per cell, as markdown, CSV and a PNG chart (and a W&B table when W&B is on).
+
+    python -m ds_trainer.report outputs/sweeps/<date>/<time>-<id>
+
+Works on a sweep that is still running or partly failed: a cell without `summary.json` is `running`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+COLUMNS = ("cell", "zero", "offload", "resolution", "micro_batch_size", "world_size", "precision", "status",
+           "gpu_mem_peak_allocated_mib", "gpu_mem_peak_reserved_mib", "host_rss_peak_mib", "median_s_per_it",
+           "images_per_s", "message")
+HEADERS = {"micro_batch_size": "micro batch", "world_size": "world", "gpu_mem_peak_allocated_mib": "peak VRAM MiB",
+           "gpu_mem_peak_reserved_mib": "reserved MiB", "host_rss_peak_mib": "host RSS MiB",
+           "median_s_per_it": "median s/it", "images_per_s": "images/s"}
+
+
+def _cell_config(cell: Path) -> dict[str, Any]:
+    for path in (cell / "config.yaml", cell / ".hydra" / "config.yaml"):
+        if path.exists():
+            return yaml.safe_load(path.read_text()) or {}
+    return {}
+
+
+def _row(cell: Path, root: Path) -> dict[str, Any]:
+    summary_path = cell / "summary.json"
+    row: dict[str, Any] = json.loads(summary_path.read_text()) if summary_path.exists() else {"status": "running"}
+    cfg = _cell_config(cell)
+    if cfg and "zero" not in row:
+        zero = cfg.get("zero", {})
+        row["zero"] = "ddp" if zero.get("backend") == "ddp" else f"stage{zero.get('stage')}"
+        row["offload"] = cfg.get("offload", {}).get("device")
+        res = cfg.get("resolution", {})
+        row["resolution"] = f"{res.get('width')}x{res.get('height')}"
+        row["micro_batch_size"] = cfg.get("train", {}).get("micro_batch_size")
+        row["precision"] = cfg.get("precision", {}).get("name")
+        row["world_size"] = (cfg.get("resolved") or {}).get("world_size") or cfg.get("world_size")
+    row["cell"] = str(cell.relative_to(root))
+    return row
+
+
+def cells(sweep_dir: Path) -> list[Path]:
+    """Cell folders of a sweep: those Hydra made (`.hydra/`) or that hold a run's files."""
+    found = {p.parent for p in sweep_dir.rglob(".hydra")} | {p.parent for p in sweep_dir.rglob("summary.json")}
+    found = {c for c in found if ".submitit" not in c.parts}
+    return sorted(found, key=lambda c: [int(p) if p.isdigit() else p for p in c.relative_to(sweep_dir).parts])
+
+
+def rows(sweep_dir: Path) -> list[dict[str, Any]]:
+    return [_row(c, sweep_dir) for c in cells(sweep_dir)]
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return f"{value:.3f}" if value < 100 else f"{value:.0f}"
+    return str(value).replace("|", "/").replace("\n", " ")
+
+
+def markdown(table: list[dict[str, Any]]) -> str:
+    head = [HEADERS.get(c, c) for c in COLUMNS]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(_fmt(r.get(c)) for c in COLUMNS) + " |" for r in table]
+    failed = sum(1 for r in table if r.get("status") not in ("ok", "running"))
+    lines.append(f"\n{len(table)} cells: {sum(1 for r in table if r.get('status') == 'ok')} ok, {failed} failed, "
+                 f"{sum(1 for r in table if r.get('status') == 'running')} running")
+    return "\n".join(lines) + "\n"
+
+
+def csv_text(table: list[dict[str, Any]]) -> str:
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=COLUMNS, extrasaction="ignore")
+    writer.writeheader()
+    writer.writerows(table)
+    return out.getvalue()
+
+
+def chart(table: list[dict[str, Any]], path: Path) -> None:
+    """Peak memory and median s/it per cell, side by side; a failed cell shows its status instead of a bar."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    gpu = any(r.get("gpu_mem_peak_allocated_mib") for r in table)
+    mem_key, mem_label = (("gpu_mem_peak_allocated_mib", "peak VRAM allocated (MiB)") if gpu
+                          else ("host_rss_peak_mib", "peak host RSS (MiB), no GPU"))
+    labels = [f"{r.get('zero')}/{r.get('offload')}\n{r.get('resolution')} b{r.get('micro_batch_size')}" for r in table]
+    fig, axes = plt.subplots(1, 2, figsize=(max(8, 1.2 * len(table) + 4), 5))
+    for ax, key, title in ((axes[0], mem_key, mem_label), (axes[1], "median_s_per_it", "median s/it")):
+        values = [float(r.get(key) or 0) for r in table]
+        bars = ax.bar(range(len(table)), values, color=["tab:blue" if r.get("status") == "ok" else "tab:gray"
+                                                       for r in table])
+        for bar, r in zip(bars, table, strict=True):
+            if r.get("status") != "ok":
+                ax.text(bar.get_x() + bar.get_width() / 2, 0, r.get("status", "?"), ha="center", va="bottom",
+                        rotation=90, color="tab:red")
+        ax.set_xticks(range(len(table)), labels, rotation=45, ha="right", fontsize=8)
+        ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def to_wandb(sweep_dir: Path, table: list[dict[str, Any]]) -> bool:
+    """Log the table to W&B when the sweep's cells used W&B (same project and mode, the sweep as group)."""
+    configs = [_cell_config(c) for c in cells(sweep_dir)]
+    logger = next((c.get("logger") for c in configs if c.get("logger")), None)
+    if not logger or logger.get("name") != "wandb" or logger.get("mode") == "disabled":
+        return False
+    import wandb
+
+    run = wandb.init(project=logger.get("project"), entity=logger.get("entity"), mode=logger.get("mode"),
+                     group=logger.get("group") or sweep_dir.name, name=f"report {sweep_dir.name}",
+                     job_type="sweep_report", dir=str(sweep_dir))
+    run.log({"sweep_report": wandb.Table(columns=list(COLUMNS),
+                                         data=[[r.get(c) for c in COLUMNS] for r in table])})
+    run.finish()
+    return True
+
+
+def write(sweep_dir: Path, use_wandb: bool = True) -> dict[str, Path]:
+    """Write report.md, report.csv and report.png into the sweep folder."""
+    table = rows(sweep_dir)
+    out = {"md": sweep_dir / "report.md", "csv": sweep_dir / "report.csv", "png": sweep_dir / "report.png"}
+    out["md"].write_text(f"# Sweep {sweep_dir}\n\n" + markdown(table) + "\n![peak memory and s/it](report.png)\n")
+    out["csv"].write_text(csv_text(table))
+    if table:
+        chart(table, out["png"])
+    if use_wandb:
+        to_wandb(sweep_dir, table)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ds_trainer.report", description=__doc__.splitlines()[0])
+    parser.add_argument("sweep_dir", type=Path)
+    parser.add_argument("--no-wandb", action="store_true", help="do not log the table to W&B")
+    args = parser.parse_args(argv)
+    if not args.sweep_dir.is_dir():
+        print(f"report: {args.sweep_dir} is not a folder", file=sys.stderr)
+        return 2
+    out = write(args.sweep_dir, use_wandb=not args.no_wandb)
+    print(markdown(rows(args.sweep_dir)))
+    print(f"written: {out['md']}, {out['csv']}" + (f", {out['png']}" if out["png"].exists() else ""), file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Tools around runs: the memory planner and the GPU benchmark."""

@@ -1,0 +1,333 @@
+"""Memory planner: before a run, which ZeRO stage and offload fit, per rank, and why.
+
+    python -m ds_trainer.plan resolution=px1024 train.micro_batch_size=8 [plan.vram_gib=24]
+
+Takes the same overrides as training. For every zero x offload cell it estimates the peak GPU memory
+per rank (torch's allocated bytes: parameters, gradients, optimizer state, activations, DeepSpeed's
+buffers), host RAM and NVMe bytes, marks what fits `plan.vram_gib` (default: the detected GPU) and
+recommends the cheapest cell that fits (each higher stage or offload costs speed).
+
+Method, per part (bytes; P = UNet parameters, N = ranks, L = largest layer's parameters):
+- model states: DeepSpeed's own accounting, split into parts whose sums equal
+  `estimate_zero2_model_states_mem_needs` / `estimate_zero3_model_states_mem_needs` (a test checks):
+  stage 0-2 no offload 2P + 18P/N (stage 1 keeps full 16-bit gradients: + 2P - 2P/N), stage 1-2 with
+  offload 2P, stage 3 4L + 18P/N, 4L + 2P/N (optimizer offloaded), 4L (parameters offloaded too);
+  DDP keeps fp32 weights, gradients and AdamW state: 16P. fp32 precision doubles the 16-bit parts.
+- activations: counted, not guessed: the UNet runs forward on the meta device (no memory, no
+  download) under autograd's saved-tensor hooks, which see every tensor kept for backward. Attention
+  is counted as memory-efficient kernels store it (q, k, v, output, log-sum-exp), not as the full
+  attention matrix. With gradient checkpointing: what is saved across checkpointed blocks plus the
+  largest block's own activations, recomputed one at a time in backward.
+- DeepSpeed buffers: stage 1-2 reduce + allgather buckets (x4.5 with overlap_comm, DeepSpeed's rule of
+  thumb), stage 3 prefetch + reduce buckets, in 16-bit elements.
+- host RAM: offloaded optimizer state (DeepSpeed's estimate, x1.5 buffer factor) and pinned NVMe swap
+  buffers; NVMe bytes: the ZeRO-3 swap estimate of `nvme.swap_bytes`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from functools import cache
+from typing import Any
+
+from omegaconf import DictConfig
+
+from ds_trainer.config import nvme
+
+GIB = 2**30
+CELLS = [("ddp", "none"), ("stage0", "none"), ("stage1", "none"), ("stage2", "none"), ("stage3", "none"),
+         ("stage1", "cpu"), ("stage2", "cpu"), ("stage3", "cpu"), ("stage3", "nvme")]
+
+
+@dataclass
+class Estimate:
+    """Peak memory of one cell, per rank, in bytes."""
+
+    zero: str
+    offload: str
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    buffers: int
+    host: int
+    nvme: int
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def gpu(self) -> int:
+        return self.params + self.grads + self.optimizer + self.activations + self.buffers
+
+
+@dataclass(frozen=True)
+class UNetStats:
+    params: int
+    largest_layer: int
+
+
+@cache
+def unet_stats(architecture: str) -> UNetStats:
+    """Parameter count and largest layer (a module's own parameters) of the UNet, built on meta."""
+    unet = _meta_unet(architecture)
+    params = sum(p.numel() for p in unet.parameters())
+    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in unet.modules())
+    return UNetStats(params, largest)
+
+
+@cache
+def _meta_unet(architecture: str) -> Any:
+    import torch
+    from diffusers import UNet2DConditionModel
+
+    with torch.device("meta"):
+        return UNet2DConditionModel.from_config(UNet2DConditionModel.load_config(architecture, subfolder="unet"))
+
+
+def unet_inputs(config: Any, batch: int, height: int, width: int, dtype: Any = None, device: Any = None,
+                tokens: int = 77) -> tuple[Any, Any, Any, dict[str, Any]]:
+    """Random SDXL UNet inputs for images of height x width pixels: latents, timesteps, prompt embeddings
+    and the added conditions (pooled text embedding, time ids)."""
+    import torch
+
+    pooled = int(config.projection_class_embeddings_input_dim) - 6 * int(config.addition_time_embed_dim)
+    kw = {"dtype": dtype, "device": device}
+    latents = torch.randn(batch, int(config.in_channels), height // 8, width // 8, **kw)
+    embeds = torch.randn(batch, tokens, int(config.cross_attention_dim), **kw)
+    cond = {"text_embeds": torch.randn(batch, pooled, **kw), "time_ids": torch.randn(batch, 6, **kw)}
+    return latents, torch.randint(0, 1000, (batch,), device=device), embeds, cond
+
+
+@contextlib.contextmanager
+def _efficient_attention_counted(count: list[int]) -> Iterator[None]:
+    """Replace SDPA while counting: on meta it would take the math path and save the full attention
+    matrix; memory-efficient kernels keep q, k, v, the output and a log-sum-exp per query."""
+    import torch
+    import torch.nn.functional as F
+
+    real = F.scaled_dot_product_attention
+
+    def counted(q: Any, k: Any, v: Any, *args: Any, **kwargs: Any) -> Any:
+        with torch.no_grad():
+            out = real(q, k, v, *args, **kwargs)
+        out = out.detach().requires_grad_(q.requires_grad or k.requires_grad or v.requires_grad)
+        lse = q.shape[0] * q.shape[1] * q.shape[2] * 4
+        count[0] += sum(t.numel() * t.element_size() for t in (q, k, v, out)) + lse
+        return out
+
+    F.scaled_dot_product_attention = counted  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = real
+
+
+def activation_bytes(architecture: str, batch: int, width: int, height: int, dtype_bytes: int,
+                     checkpointing: bool, cross_dim_tokens: int = 77) -> int:
+    """Bytes autograd keeps for backward in one UNet forward (see the module docstring)."""
+    import torch
+    from diffusers.models.resnet import ResnetBlock2D
+    from diffusers.models.transformers.transformer_2d import Transformer2DModel
+    from diffusers.utils import logging as diffusers_logging
+
+    dtype = {2: torch.bfloat16, 4: torch.float32}[dtype_bytes]
+    verbosity = diffusers_logging.get_verbosity()
+    diffusers_logging.set_verbosity_error()  # its note on casting with .to() concerns real weights, not meta
+    try:
+        unet = _meta_unet(architecture).to(dtype)
+    finally:
+        diffusers_logging.set_verbosity(verbosity)
+    unet.train()
+    unet.disable_gradient_checkpointing()
+    total, segments = [0], list[int]()
+    # A tensor saved by several ops (or through views) counts once: keyed by the tensor a view is of,
+    # kept referenced so its id stays unique. (Meta tensors have no storage address to key on.)
+    # Weights saved for backward (and views of them) are parameters, counted as such already.
+    params = {id(p) for p in unet.parameters()}
+    seen: set[int] = set()
+    keep: list[Any] = []
+
+    def pack(t: Any) -> Any:
+        base = t
+        while base._base is not None:
+            base = base._base
+        if id(base) not in seen and id(base) not in params:
+            seen.add(id(base))
+            keep.append(base)
+            total[0] += base.numel() * base.element_size()
+        return t
+
+    def before(module: Any, args: Any) -> None:
+        module._ds_trainer_start = total[0]
+
+    def after(module: Any, args: Any, out: Any) -> None:
+        segments.append(total[0] - module._ds_trainer_start)
+
+    blocks = [m for m in unet.modules() if isinstance(m, ResnetBlock2D | Transformer2DModel)]
+    handles = [h for m in blocks for h in (m.register_forward_pre_hook(before), m.register_forward_hook(after))]
+    try:
+        with torch.device("meta"), _efficient_attention_counted(total), \
+                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            x, t, enc, cond = unet_inputs(unet.config, batch, height, width, dtype, tokens=cross_dim_tokens)
+            unet(x, t, enc, added_cond_kwargs=cond)
+    finally:
+        for h in handles:
+            h.remove()
+    if not checkpointing:
+        return total[0]
+    # Checkpointing keeps each block's input (counted by the outer forward) and recomputes one block at
+    # a time: the saved total minus what the blocks keep inside, plus the largest block.
+    # (A block's input is the previous block's output, already counted where it was saved.)
+    return total[0] - sum(segments) + max(segments, default=0)
+
+
+def _model_states(zero: str, offload: str, p: int, layer: int, n: int, params_offload: bool,
+                  precision: str) -> tuple[int, int, int, int]:
+    """(params, grads, optimizer, host) bytes per rank; sums match DeepSpeed's estimators."""
+    half = 2 if precision != "fp32" else 4
+    if zero == "ddp":
+        return 4 * p, 4 * p, 8 * p, 0
+    stage = int(zero[-1])
+    if stage in (0, 1, 2):
+        ranks = 1 if stage == 0 else n
+        if offload == "none":
+            full_grads = 2 * p - 2 * p // ranks if stage == 1 else 0
+            return half * p, (2 + 4) * p // ranks + full_grads, (4 + 8) * p // ranks, 0
+        host = int(p * max(4 * n, 16) * 1.5)
+        return half * p, 0, 0, host
+    gathered = 4 * layer
+    if offload == "none":
+        return gathered + 2 * p // n, 4 * p // n, 12 * p // n, 0
+    if not params_offload:
+        return gathered + 2 * p // n, 0, 0, int(p * 16 * 1.5)
+    return gathered, 0, 0, int(p * 18 * 1.5)
+
+
+def _architecture(cfg: DictConfig) -> str:
+    return str(cfg.model.pretrained or cfg.model.architecture)
+
+
+def estimate(cfg: DictConfig, zero: str, offload: str, world_size: int) -> Estimate:
+    """The estimate of one zero x offload cell for the composed config."""
+    stats = unet_stats(_architecture(cfg))
+    precision = cfg.precision.name.value
+    params_offload = cfg.offload.params is not False
+    params, grads, optimizer, host = _model_states(zero, offload, stats.params, stats.largest_layer, world_size,
+                                                   params_offload, precision)
+    act_bytes = 4 if precision == "fp32" else 2
+    activations = activation_bytes(_architecture(cfg), int(cfg.train.micro_batch_size),
+                                   int(cfg.resolution.width), int(cfg.resolution.height), act_bytes,
+                                   bool(cfg.train.gradient_checkpointing))
+    z = cfg.zero
+    buffers = 0
+    if zero in ("stage1", "stage2"):
+        buffers = 2 * (int(z.reduce_bucket_size) + int(z.allgather_bucket_size))
+        buffers = int(buffers * (4.5 if z.overlap_comm else 1.0))
+        buffers = min(buffers, 2 * (2 * stats.params))  # never more than the gradients they carry
+    elif zero == "stage3":
+        buffers = min(2 * (int(z.stage3_prefetch_bucket_size) + int(z.reduce_bucket_size)), 4 * stats.params)
+    nvme_bytes, notes = 0, []
+    if offload == "nvme" and zero == "stage3":
+        nvme_bytes = nvme.swap_bytes(stats.params, "adamw", params_offload, act_bytes) // world_size
+        count, size = nvme.buffers(stats.largest_layer, int(z.stage3_prefetch_bucket_size))
+        host = count * size * act_bytes * (2 if params_offload else 1)
+    elif offload == "nvme":
+        notes.append("below stage 3 NVMe offload keeps the optimizer state in host memory")
+    return Estimate(zero, offload, params, grads, optimizer, activations, buffers, host, nvme_bytes, notes)
+
+
+def plan(cfg: DictConfig, world_size: int) -> list[Estimate]:
+    return [estimate(cfg, zero, offload, world_size) for zero, offload in CELLS]
+
+
+def describe(e: Estimate) -> str:
+    """One line for the training log."""
+    parts = ", ".join(f"{name} {value / GIB:.2f}" for name, value in (
+        ("params", e.params), ("grads", e.grads), ("optimizer", e.optimizer), ("activations", e.activations),
+        ("buffers", e.buffers)))
+    return f"about {e.gpu / GIB:.2f} GiB GPU per rank ({parts} GiB), host {e.host / GIB:.2f} GiB"
+
+
+def recommend(estimates: list[Estimate], budget: float) -> Estimate | None:
+    """The cheapest cell that fits: CELLS is ordered from fastest to slowest."""
+    return next((e for e in estimates if e.gpu <= budget), None)
+
+
+def table(estimates: list[Estimate], budget: float | None) -> str:
+    head = ("zero", "offload", "GPU/rank", "params", "grads", "optim", "activ", "buffers", "host RAM", "NVMe",
+            "fits")
+    rows: list[tuple[str, ...]] = [head]
+    for e in estimates:
+        fits = "" if budget is None else ("yes" if e.gpu <= budget else "no")
+        rows.append((e.zero, e.offload, *(f"{v / GIB:.2f}" for v in (e.gpu, e.params, e.grads, e.optimizer,
+                                                                     e.activations, e.buffers, e.host, e.nvme)),
+                     fits))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    lines = ["  ".join(c.rjust(w) if i > 1 else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
+             for r in rows]
+    return "\n".join(lines[:1] + ["-" * len(lines[0])] + lines[1:])
+
+
+def log_for_run(cfg: DictConfig, info: Any, world: int) -> None:
+    """Log this run's estimate at its start (training calls it on rank 0); warn when it exceeds the GPU."""
+    import logging
+
+    from ds_trainer.config import ds_config
+
+    log = logging.getLogger("ds_trainer")
+    zero = ds_config.zero_option(cfg)
+    # The effective offload: below stage 3 an NVMe request runs as cpu.
+    offload = "none" if cfg.resolved.optimizer_state_on == "gpu" else (
+        cfg.offload.device.value if zero == "stage3" else "cpu")
+    try:
+        result = estimate(cfg, zero, offload, world)
+    except Exception as exc:  # noqa: BLE001 - a plan is advice; training goes on without it
+        log.warning("no memory plan for this model (%s)", exc)
+        return
+    log.info("memory plan (python -m ds_trainer.plan): %s", describe(result))
+    total = (info.gpu_memory_mib or 0) * 2**20
+    if info.kind == "cuda" and total and result.gpu > total:
+        log.warning("the memory plan (%.1f GiB per rank) exceeds this GPU's %.1f GiB: expect out of memory; "
+                    "`python -m ds_trainer.plan` with the same overrides shows what fits",
+                    result.gpu / 2**30, total / 2**30)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Compose the overrides like training does, print the table and the recommendation."""
+    from hydra import compose, initialize_config_dir
+
+    from ds_trainer import CONF_DIR
+    from ds_trainer.config import hardware, rundir, schema, validation
+
+    overrides = list(sys.argv[1:] if argv is None else argv)
+    schema.register()
+    rundir.register_resolvers()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=overrides)
+    info = hardware.detect(cfg.platform.value)
+    world = validation.world_size_of(cfg)
+    budget_gib = cfg.plan.vram_gib if cfg.plan.vram_gib is not None else (
+        info.gpu_memory_mib / 1024 if info.gpu_memory_mib else None)
+    budget = budget_gib * GIB if budget_gib is not None else None
+    estimates = plan(cfg, world)
+    print(f"ds_trainer plan: {cfg.model.name} {cfg.resolution.width}x{cfg.resolution.height}, micro batch "
+          f"{cfg.train.micro_batch_size}, {cfg.precision.name.value}, gradient checkpointing "
+          f"{'on' if cfg.train.gradient_checkpointing else 'off'}, {world} rank(s); GiB per rank")
+    print(table(estimates, budget))
+    if budget is None:
+        print("no GPU detected: pass plan.vram_gib=<GiB per GPU> to see what fits")
+        return 0
+    best = recommend(estimates, budget)
+    if best is None:
+        print(f"nothing fits {budget_gib:.0f} GiB: lower train.micro_batch_size or the resolution, or turn on "
+              "train.gradient_checkpointing=true")
+        return 1
+    print(f"recommended for {budget_gib:.0f} GiB: zero={best.zero} offload={best.offload} "
+          f"(about {best.gpu / GIB:.1f} GiB per rank)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

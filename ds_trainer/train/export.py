@@ -1,0 +1,41 @@
+"""The end of a run: the UNet (and EMA UNet) in diffusers format; for sdxl_tiny a whole pipeline."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+
+from ds_trainer.train import models
+from ds_trainer.train.ema import EMA
+
+
+def diffusers(cfg: DictConfig, accelerator: Any, unet: Any, ema: EMA | None, frozen: models.Frozen,
+              run_dir: Path) -> None:
+    """Collective: under ZeRO-3 every rank takes part in gathering the 16-bit weights
+    (`get_state_dict`); rank 0 writes `<run>/unet`, `<run>/unet_ema` and, for sdxl_tiny, `<run>/pipeline`."""
+    from diffusers import StableDiffusionXLPipeline, UNet2DConditionModel
+
+    state = accelerator.get_state_dict(unet)
+    if not accelerator.is_main_process:
+        return
+    config = accelerator.unwrap_model(unet).config
+    exported = {}
+    for name, weights in (("unet", state), ("unet_ema", ema.shadow if ema else None)):
+        if weights is None:
+            continue
+        model = UNet2DConditionModel.from_config(config)
+        model.load_state_dict({k: v.float() for k, v in weights.items()})
+        model.save_pretrained(run_dir / name)
+        exported[name] = model
+    if cfg.model.name == "sdxl_tiny":
+        for part in (frozen.vae, frozen.text_encoder, frozen.text_encoder_2):
+            part.to("cpu", torch.float32)
+        pipe = StableDiffusionXLPipeline(vae=frozen.vae, text_encoder=frozen.text_encoder,
+                                         text_encoder_2=frozen.text_encoder_2, tokenizer=frozen.tokenizer,
+                                         tokenizer_2=frozen.tokenizer_2,
+                                         unet=exported.get("unet_ema", exported["unet"]),
+                                         scheduler=models.inference_scheduler(cfg))
+        pipe.save_pretrained(run_dir / "pipeline")  # type: ignore[attr-defined]

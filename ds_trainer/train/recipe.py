@@ -1,0 +1,249 @@
+"""The SDXL training recipe, top to bottom: setup, loop, save.
+
+Only the UNet goes through `accelerator.prepare`, with the optimizer and scheduler the DeepSpeed JSON
+defines (DummyOptim/DummyScheduler stand in for them); the VAE and text encoders stay frozen and out
+of ZeRO. The loop's body is one call to `step.TrainStep` (micro-batches, backward, optimizer, stop
+signal, metrics); checkpoints and the export come after it at named points.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+
+from ds_trainer.config import ds_config, hardware, nvme
+from ds_trainer.errors import TrainingError
+from ds_trainer.train import accel, checkpoint, data, export, metrics, models, oom
+from ds_trainer.train.ema import EMA
+from ds_trainer.train.step import TrainStep
+from ds_trainer.train.stop import Interrupted, StopRequest
+
+log = logging.getLogger("ds_trainer")
+
+# Called on rank 0 at the start with (cfg, hardware info, world size): the memory planner's advice
+# (cli passes `tools.plan.log_for_run`; the recipe never imports a tool).
+MemoryPlan = Callable[[DictConfig, Any, int], None]
+
+
+def _single_process_env() -> None:
+    """`python -m ds_trainer` without a launcher: a one-rank group, like torchrun would set up."""
+    if "RANK" in os.environ or "LOCAL_RANK" in os.environ:
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+
+
+def _optimizer_and_scheduler(cfg: DictConfig, ds: dict[str, Any] | None, params: Any) -> tuple[Any, Any]:
+    """DeepSpeed builds both from its JSON (placeholders here); DDP gets torch.optim and DeepSpeed's
+    LR schedule classes from the same blocks, so one config owns both backends."""
+    from accelerate.utils import DummyOptim, DummyScheduler
+
+    if ds is not None:
+        optimizer = DummyOptim(params, lr=ds["optimizer"]["params"]["lr"])
+        scheduler = DummyScheduler(optimizer) if "scheduler" in ds else None
+        return optimizer, scheduler
+    from deepspeed.runtime import lr_schedules
+
+    block = ds_config.optimizer_block(cfg)
+    torch_class = {"Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW, "Adagrad": torch.optim.Adagrad}
+    optimizer = torch_class[block["type"]](params, **block["params"])
+    schedule = ds_config.scheduler_block(cfg)
+    scheduler = getattr(lr_schedules, schedule["type"])(optimizer, **schedule["params"]) if schedule else None
+    return optimizer, scheduler
+
+
+def _prepare_nvme(cfg: DictConfig, accelerator: Any) -> None:
+    """Before DeepSpeed starts: the async_io op must load, and stale swap from earlier runs must go."""
+    if "nvme" not in (cfg.resolved.optimizer_state_on, cfg.resolved.params_on):
+        return
+    if accelerator.local_process_index == 0:
+        error = nvme.aio_load_error()
+        if error:
+            raise TrainingError(f"offload=nvme: {error}")
+        for stale in nvme.remove_stale_swap(cfg.offload.nvme_path):
+            log.warning("removed stale NVMe swap folder %s (left by an earlier run; it breaks resumes)", stale)
+    accelerator.wait_for_everyone()
+
+
+def _check_swap_space(cfg: DictConfig, accelerator: Any) -> None:
+    """Right before DeepSpeed writes its NVMe swap, check the room again: the disk may have filled up since
+    the configuration was checked, and DeepSpeed does not notice a full swap disk (the files end short
+    and it aborts the process on reading one back: no message, no summary)."""
+    from ds_trainer.config import validation
+
+    why = validation.swap_problem(cfg) if accelerator.local_process_index == 0 else None
+    if accel.any_rank(accelerator, why is not None):
+        raise TrainingError(f"offload.nvme_path={cfg.offload.nvme_path} {why or 'is full on another node'}: the disk "
+                            "filled up after the configuration was checked; nothing was trained and no checkpoint "
+                            "was touched. Free space there or set offload.nvme_path to a larger disk, then run "
+                            "again (resume=latest continues)")
+
+
+def _build_cache(cfg: DictConfig, accelerator: Any, dataset: Any, frozen: Any) -> data.LatentCache | None:
+    """Every rank encodes its share of what is missing; rank 0 then marks the cache complete.
+
+    No rank branches on whether the cache looks complete: another run may finish it between two
+    ranks' looks (a sweep's cells run at once), and ranks that disagree would wait on different
+    barriers forever. Encoding what is already there is a no-op.
+    """
+    if not cfg.data.cache:
+        return None
+    cache = data.LatentCache(cfg, dataset)
+    start = time.time()
+    cache.build(dataset, frozen, accelerator.process_index, accelerator.num_processes, accelerator.device)
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process and not cache.complete:
+        cache.finish()
+        log.info("cached latents and embeddings of %d samples in %.1fs: %s", len(dataset), time.time() - start,
+                 cache.dir)
+    accelerator.wait_for_everyone()
+    return cache
+
+
+def run(cfg: DictConfig, ds: dict[str, Any] | None, run_dir: Path, name: str = "default",
+        memory_plan: MemoryPlan | None = None) -> dict[str, Any]:
+    """Train as `cfg` says; returns the summary, also written to `summary.json` whatever happens:
+    `ok`, `oom` (with what to try next), `interrupted` or `error` (with its message)."""
+    _single_process_env()
+    info = hardware.confirm_with_torch(hardware.detect(cfg.resolved.platform))
+    accelerator = accel.make_accelerator(cfg, ds, info.kind, run_dir)
+    # Rank 0 decides what to resume from and tells the others: ranks looking at the file system at
+    # different moments could otherwise disagree and then load different checkpoints.
+    resume_from = accel.from_main(accelerator, checkpoint.find_resume(cfg, run_dir) if accelerator.is_main_process
+                                  else None)
+    wandb_id = (checkpoint.complete(resume_from) or {}).get("wandb_id") if resume_from else None
+    tracker = metrics.Tracker(accelerator, cfg, run_dir, ds, name, wandb_id)
+    status, message, failure = "ok", None, None
+    try:
+        if accelerator.num_processes != int(cfg.resolved.world_size):
+            raise TrainingError(f"the launcher started {accelerator.num_processes} processes but the DeepSpeed "
+                                f"config was built for {cfg.resolved.world_size}; leave world_size unset")
+        if memory_plan is not None and accelerator.is_main_process:
+            memory_plan(cfg, info, accelerator.num_processes)
+        _train(cfg, ds, run_dir, accelerator, info, tracker, resume_from)
+    except Exception as exc:  # noqa: BLE001 - every failure is recorded in summary.json first
+        failure = exc
+        if isinstance(exc, Interrupted):
+            status, message = "interrupted", str(exc)
+        elif oom.is_oom(exc):
+            status, message = "oom", oom.message(cfg, info.kind)
+        else:
+            ours = isinstance(exc, TrainingError)
+            status, message = "error", str(exc) if ours else f"{type(exc).__name__}: {exc}"
+    finally:
+        tracker.close()
+    summary = metrics.summarize(cfg, tracker.rows, status, message, accelerator.num_processes)
+    if accelerator.is_main_process:
+        metrics.write_summary(run_dir, summary)
+        metrics.print_summary(summary, run_dir)
+    if isinstance(failure, Interrupted):
+        log.warning("%s", message)
+        failure.stop.forward()  # under submitit, SIGUSR2 requeues the job (and exits) from here
+    if failure is None:
+        _shutdown(accelerator)
+    elif status in ("oom", "interrupted") or isinstance(failure, TrainingError):
+        raise TrainingError(message or "") from None
+    else:
+        raise failure
+    return summary
+
+
+def _train(cfg: DictConfig, ds: dict[str, Any] | None, run_dir: Path, accelerator: Any, info: Any,
+           tracker: metrics.Tracker, resume_from: Path | None) -> None:
+    # --- setup: data and frozen encoders, the latent cache, the UNet under DeepSpeed, the resume point
+    _prepare_nvme(cfg, accelerator)
+    dataset = data.dataset(cfg, accelerator)  # before any model loads: a folder with nothing usable fails fast
+    torch.manual_seed(int(cfg.train.seed))
+    frozen = _load_frozen(cfg, accelerator, info.kind)
+    cache = _build_cache(cfg, accelerator, dataset, frozen)
+    if cache is not None and info.kind == "cuda":
+        # Training reads the cache: the frozen encoders need no GPU memory from here on.
+        for part in (frozen.vae, frozen.text_encoder, frozen.text_encoder_2):
+            part.to("cpu")
+        torch.cuda.empty_cache()
+    unet = models.load_unet(cfg)
+    ema = EMA(unet, float(cfg.train.ema_decay), "cpu" if cfg.train.ema_device == "cpu" else str(accelerator.device)) \
+        if cfg.train.ema else None
+    optimizer, scheduler = _optimizer_and_scheduler(cfg, ds, unet.parameters())
+    if ds is not None and "nvme" in (cfg.resolved.optimizer_state_on, cfg.resolved.params_on):
+        _check_swap_space(cfg, accelerator)
+    if scheduler is None:
+        unet, optimizer = accelerator.prepare(unet, optimizer)
+    else:
+        unet, optimizer, scheduler = accelerator.prepare(unet, optimizer, scheduler)
+    start_step = _resume(accelerator, ds, ema, resume_from)
+    loader = data.Loader(cfg, dataset, cache, frozen, accelerator.process_index, accelerator.num_processes,
+                         accelerator.device)
+    max_steps = int(cfg.train.max_steps)
+    saver = checkpoint.Saver(cfg, accelerator, run_dir, ema, wandb_id=tracker.wandb_id, last=resume_from)
+    progress = _progress_bar(accelerator, max_steps, start_step)
+    if info.kind == "cuda":  # peaks from here on are training's (not the cache build's or DeepSpeed's setup)
+        torch.cuda.reset_peak_memory_stats(accelerator.device)
+
+    # --- the loop: one call per optimizer step
+    with StopRequest() as stop:
+        train_step = TrainStep(cfg, accelerator, unet, optimizer, scheduler, ema, models.noise_scheduler(cfg),
+                               loader, stop, tracker, progress, deepspeed=ds is not None)
+        try:
+            for step in range(start_step + 1, max_steps + 1):
+                stopping = train_step(step)
+                saver.after_step(step, stopping)
+                if stopping and step < max_steps:
+                    raise Interrupted(step, saver.last, stop)
+        finally:
+            if progress is not None:
+                progress.close()
+
+    # --- the end: the model in diffusers format
+    if cfg.train.export:
+        export.diffusers(cfg, accelerator, unet, ema, frozen, run_dir)
+
+
+def _load_frozen(cfg: DictConfig, accelerator: Any, kind: str) -> models.Frozen:
+    """The VAE and text encoders, outside ZeRO-3, on the training device (float32 on the CPU)."""
+    frozen = models.load_frozen(cfg, accelerator.state.deepspeed_plugin)
+    dtype = torch.float32 if kind == "cpu" else torch.bfloat16
+    frozen.text_encoder.to(accelerator.device, dtype)
+    frozen.text_encoder_2.to(accelerator.device, dtype)
+    frozen.vae.to(accelerator.device, torch.float32 if frozen.vae.config.force_upcast or kind == "cpu" else dtype)
+    return frozen
+
+
+def _resume(accelerator: Any, ds: dict[str, Any] | None, ema: EMA | None, resume_from: Path | None) -> int:
+    """Load a checkpoint (DeepSpeed's native load); returns the step it was saved at (0: a fresh start)."""
+    if resume_from is None:
+        return 0
+    accelerator.load_state(str(resume_from))
+    if ds is not None:
+        checkpoint.restore_optimizer_clocks(accelerator.deepspeed_engine_wrapped.engine)
+    start_step = int((checkpoint.complete(resume_from) or {})["step"])
+    if ema is not None and (resume_from / "ema.pt").exists():
+        ema.load_state_dict(torch.load(resume_from / "ema.pt", weights_only=True))
+    log.info("resumed from %s at step %d", resume_from, start_step)
+    return start_step
+
+
+def _progress_bar(accelerator: Any, total: int, initial: int) -> Any:
+    if not accelerator.is_main_process:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=initial, desc="train", dynamic_ncols=True)
+
+
+def _shutdown(accelerator: Any) -> None:
+    """Finish the trackers and destroy the process group (gloo threads left alive abort the exit)."""
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+

@@ -1,0 +1,153 @@
+"""One optimizer step: its micro-batches, backward, the optimizer and LR step, EMA, the stop signal and
+the metrics. `TrainStep.__call__` is the body of the recipe's loop.
+
+Noise and timesteps come from a generator seeded by (seed, micro-batch, rank), and the data of a
+micro-batch is a function of its index, so a resumed run repeats an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+
+from ds_trainer.train import metrics
+from ds_trainer.train.data import Loader
+from ds_trainer.train.ema import EMA
+from ds_trainer.train.stop import StopRequest
+
+
+def diffusion_loss(cfg: DictConfig, unet: Any, noise_sched: Any, batch: dict[str, torch.Tensor],
+                   gen: torch.Generator, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """The denoising loss of one micro-batch (epsilon or v-prediction, optional min-SNR weighting)."""
+    latents = batch["latents"]
+    noise = torch.randn(latents.shape, generator=gen)
+    if cfg.train.noise_offset:
+        noise += cfg.train.noise_offset * torch.randn((*latents.shape[:2], 1, 1), generator=gen)
+    t = torch.randint(0, noise_sched.config.num_train_timesteps, (latents.shape[0],), generator=gen)
+    noisy = noise_sched.add_noise(latents, noise, t)
+    prediction_type = noise_sched.config.prediction_type
+    target = noise if prediction_type == "epsilon" else noise_sched.get_velocity(latents, noise, t)
+    cond = {"text_embeds": batch["pooled"].to(device, dtype), "time_ids": batch["time_ids"].to(device, dtype)}
+    pred = unet(noisy.to(device, dtype), t.to(device), batch["prompt_embeds"].to(device, dtype),
+                added_cond_kwargs=cond).sample
+    per_sample = torch.nn.functional.mse_loss(pred.float(), target.to(device).float(), reduction="none")
+    per_sample = per_sample.mean(dim=list(range(1, per_sample.ndim)))
+    if cfg.train.min_snr_gamma:
+        from diffusers.training_utils import compute_snr
+
+        snr = compute_snr(noise_sched, t).to(device)
+        clipped = snr.clamp(max=float(cfg.train.min_snr_gamma))
+        per_sample = per_sample * (clipped / snr if prediction_type == "epsilon" else clipped / (snr + 1))
+    return per_sample.mean()
+
+
+@dataclass
+class TrainStep:
+    """Everything one step touches. Calling it trains step `step` and returns whether the ranks agreed to
+    stop after it (a signal reached one of them)."""
+
+    cfg: DictConfig
+    accelerator: Any
+    unet: Any
+    optimizer: Any
+    scheduler: Any
+    ema: EMA | None
+    noise_sched: Any
+    loader: Loader
+    stop: StopRequest
+    tracker: metrics.Tracker
+    progress: Any
+    deepspeed: bool
+
+    def __post_init__(self) -> None:
+        self.device = self.accelerator.device
+        self.dtype = next(self.unet.parameters()).dtype if self.deepspeed else torch.float32
+        self.accum = int(self.cfg.train.gradient_accumulation_steps)
+        self.seed = int(self.cfg.train.seed)
+        self.rank = self.accelerator.process_index
+        self.world = self.accelerator.num_processes
+        self.images_per_step = int(self.cfg.train.micro_batch_size) * self.accum * self.world
+        self.log_every, self.max_steps = int(self.cfg.train.log_every), int(self.cfg.train.max_steps)
+        self.clip = float(self.cfg.train.gradient_clipping)
+        # Reused every step: the stop flag travels with the loss in one all-reduce.
+        self._flag = torch.zeros((), device=self.device)
+        self._ddp_norm: torch.Tensor | None = None
+
+    def __call__(self, step: int) -> bool:
+        start, data_wait = time.perf_counter(), 0.0
+        logging = step % self.log_every == 0 or step == self.max_steps
+        loss_sum = None
+        for m in range(self.accum):
+            b = (step - 1) * self.accum + m
+            fetch = time.perf_counter()
+            batch = self.loader(b)
+            data_wait += time.perf_counter() - fetch
+            loss = self._micro_step(b, batch, logging)
+            loss_sum = loss if loss_sum is None else loss_sum + loss
+        grad_norm = self._grad_norm() if logging else None
+        if self.scheduler is not None:
+            self.scheduler.step()
+        if self.ema is not None:
+            self.ema.update(self.accelerator.unwrap_model(self.unet))
+        # One all-reduce (and one host sync) per step carries the loss and whether any rank must stop.
+        assert loss_sum is not None
+        self._flag.fill_(float(self.stop.requested))
+        both = torch.stack([loss_sum.detach().float() / self.accum, self._flag])
+        mean_loss, stopping = self.accelerator.reduce(both, reduction="mean").tolist()
+        elapsed = time.perf_counter() - start
+        if logging:
+            self._log(step, mean_loss, grad_norm, elapsed, data_wait)
+        if self.progress is not None:
+            self.progress.update(1)
+        return bool(stopping)
+
+    def _micro_step(self, b: int, batch: dict[str, torch.Tensor], logging: bool) -> torch.Tensor:
+        gen = torch.Generator().manual_seed((self.seed * 1_000_003 + b) * 1009 + self.rank)
+        with self.accelerator.accumulate(self.unet), self.accelerator.autocast():
+            loss = diffusion_loss(self.cfg, self.unet, self.noise_sched, batch, gen, self.device, self.dtype)
+            self.accelerator.backward(loss)
+            if not self.deepspeed and self.accelerator.sync_gradients and (self.clip > 0 or logging):
+                # DeepSpeed clips inside its step; DDP clips here (an infinite limit only measures).
+                limit = self.clip if self.clip > 0 else float("inf")
+                self._ddp_norm = self.accelerator.clip_grad_norm_(self.unet.parameters(), limit)
+            self.optimizer.step()
+            self.optimizer.zero_grad()
+        return loss
+
+    def _grad_norm(self) -> float | None:
+        """DeepSpeed's norm of the step's gradients; DDP's is measured before its optimizer step."""
+        if self.deepspeed:
+            norm = self.accelerator.deepspeed_engine_wrapped.engine.get_global_grad_norm()
+            return float(norm) if norm is not None else None
+        return float(self._ddp_norm) if self._ddp_norm is not None else None
+
+    def _log(self, step: int, mean_loss: float, grad_norm: float | None, elapsed: float, data_wait: float) -> None:
+        values: dict[str, Any] = {"loss": mean_loss, "lr": learning_rate(self.optimizer, self.scheduler),
+                                  "s_per_it": elapsed, "data_wait_s": data_wait,
+                                  "images_per_s": self.images_per_step / elapsed,
+                                  "host_rss_peak_mib": metrics.host_rss_peak_mib(), **metrics.gpu_memory(self.device)}
+        if grad_norm is not None:
+            values["grad_norm"] = grad_norm
+        self.tracker.log(step, values)
+        if self.progress is not None:
+            self.progress.set_postfix(loss=f"{mean_loss:.4f}", s_it=f"{elapsed:.2f}", mem=_mem_text(values),
+                                      refresh=False)
+
+
+def learning_rate(optimizer: Any, scheduler: Any) -> float:
+    if scheduler is not None and hasattr(scheduler, "get_last_lr"):
+        try:
+            return float(scheduler.get_last_lr()[0])
+        except (AttributeError, IndexError, TypeError):
+            pass
+    return float(optimizer.param_groups[0]["lr"])
+
+
+def _mem_text(values: dict[str, Any]) -> str:
+    if "gpu_mem_peak_allocated_mib" in values:
+        return f"{values['gpu_mem_peak_allocated_mib'] / 1024:.1f}G"
+    return f"rss {values['host_rss_peak_mib'] / 1024:.1f}G"
