@@ -58,7 +58,11 @@ def run(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> None:
         print(f"run files written to {run_dir}", file=sys.stderr)
         return
     from ds_trainer.tools import plan
-    from ds_trainer.train import metrics, recipe
+    from ds_trainer.train import adapter, metrics, recipe
+
+    found = [validation.Problem(*rule) for rule in adapter.problems(cfg)]  # needs the model's module names
+    if found:
+        raise validation.ConfigError(validation.Report(cfg, found).render())
 
     recipe.run(cfg, ds, run_dir, metrics.run_name(overrides), memory_plan=plan.log_for_run)
 

@@ -54,6 +54,17 @@ class LoggerMode(str, Enum):
     disabled = "disabled"
 
 
+class AdapterMethod(str, Enum):
+    none = "none"
+    lora = "lora"
+
+
+class SaveDtype(str, Enum):
+    fp32 = "fp32"
+    fp16 = "fp16"
+    bf16 = "bf16"
+
+
 class Platform(str, Enum):
     auto = "auto"
     cuda = "cuda"
@@ -221,6 +232,22 @@ class TrainConfig:
 
 
 @dataclass
+class AdapterConfig:
+    """`adapter` group: what is trained. `none` trains the whole UNet; `lora` trains LoRA matrices on the
+    modules whose names end with one of `targets` (peft's matching) and freezes the rest."""
+
+    method: AdapterMethod = AdapterMethod.none
+    rank: int = 16
+    alpha: float = 16.0
+    dropout: float = 0.0
+    targets: list[str] = field(default_factory=lambda: ["to_q", "to_k", "to_v", "to_out.0"])
+    # A diffusers-format LoRA file (or its folder) to continue from; its rank and targets must match.
+    init_from: str | None = None
+    # dtype of the exported `<run>/lora/pytorch_lora_weights.safetensors` (cast from the fp32 masters).
+    save_dtype: SaveDtype = SaveDtype.fp32
+
+
+@dataclass
 class PlanConfig:
     """`python -m ds_trainer.plan`: the VRAM budget per GPU (None: the detected GPU's memory)."""
 
@@ -258,6 +285,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    adapter: AdapterConfig = field(default_factory=AdapterConfig)
     paths: PathsConfig = field(default_factory=PathsConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
     resolved: ResolvedConfig = field(default_factory=ResolvedConfig)

@@ -16,7 +16,7 @@ def diffusers(cfg: DictConfig, accelerator: Any, unet: Any, ema: EMA | None, fro
               run_dir: Path) -> None:
     """Collective: under ZeRO-3 every rank takes part in gathering the 16-bit weights
     (`get_state_dict`); rank 0 writes `<run>/unet`, `<run>/unet_ema` and, for sdxl_tiny, `<run>/pipeline`."""
-    from diffusers import StableDiffusionXLPipeline, UNet2DConditionModel
+    from diffusers import UNet2DConditionModel
 
     state = accelerator.get_state_dict(unet)
     if not accelerator.is_main_process:
@@ -31,11 +31,23 @@ def diffusers(cfg: DictConfig, accelerator: Any, unet: Any, ema: EMA | None, fro
         model.save_pretrained(run_dir / name)
         exported[name] = model
     if cfg.model.name == "sdxl_tiny":
-        for part in (frozen.vae, frozen.text_encoder, frozen.text_encoder_2):
-            part.to("cpu", torch.float32)
-        pipe = StableDiffusionXLPipeline(vae=frozen.vae, text_encoder=frozen.text_encoder,
-                                         text_encoder_2=frozen.text_encoder_2, tokenizer=frozen.tokenizer,
-                                         tokenizer_2=frozen.tokenizer_2,
-                                         unet=exported.get("unet_ema", exported["unet"]),
-                                         scheduler=models.inference_scheduler(cfg))
-        pipe.save_pretrained(run_dir / "pipeline")  # type: ignore[attr-defined]
+        _pipeline(cfg, frozen, exported.get("unet_ema", exported["unet"]), run_dir)
+
+
+def _pipeline(cfg: DictConfig, frozen: models.Frozen, unet: Any, run_dir: Path) -> None:
+    from diffusers import StableDiffusionXLPipeline
+
+    for part in (frozen.vae, frozen.text_encoder, frozen.text_encoder_2):
+        part.to("cpu", torch.float32)
+    pipe = StableDiffusionXLPipeline(vae=frozen.vae, text_encoder=frozen.text_encoder,
+                                     text_encoder_2=frozen.text_encoder_2, tokenizer=frozen.tokenizer,
+                                     tokenizer_2=frozen.tokenizer_2, unet=unet,
+                                     scheduler=models.inference_scheduler(cfg))
+    pipe.save_pretrained(run_dir / "pipeline")  # type: ignore[attr-defined]
+
+
+def base_pipeline(cfg: DictConfig, accelerator: Any, frozen: models.Frozen, run_dir: Path) -> None:
+    """With `adapter=lora` on sdxl_tiny (random weights nobody else has): the untrained base pipeline on
+    rank 0, so that `<run>/lora` can be loaded into it with `load_lora_weights`."""
+    if cfg.model.name == "sdxl_tiny" and accelerator.is_main_process:
+        _pipeline(cfg, frozen, models.load_unet(cfg).eval(), run_dir)

@@ -21,7 +21,7 @@ from omegaconf import DictConfig
 
 from ds_trainer.config import ds_config, hardware, nvme
 from ds_trainer.errors import TrainingError
-from ds_trainer.train import accel, checkpoint, data, export, metrics, models, oom
+from ds_trainer.train import accel, adapter, checkpoint, data, export, metrics, models, oom
 from ds_trainer.train.ema import EMA
 from ds_trainer.train.step import TrainStep
 from ds_trainer.train.stop import Interrupted, StopRequest
@@ -173,20 +173,24 @@ def _train(cfg: DictConfig, ds: dict[str, Any] | None, run_dir: Path, accelerato
             part.to("cpu")
         torch.cuda.empty_cache()
     unet = models.load_unet(cfg)
+    trained = adapter.build(cfg, unet)  # adapter=lora: inject, freeze, cast the base; else the whole UNet
     ema = EMA(unet, float(cfg.train.ema_decay), "cpu" if cfg.train.ema_device == "cpu" else str(accelerator.device)) \
         if cfg.train.ema else None
-    optimizer, scheduler = _optimizer_and_scheduler(cfg, ds, unet.parameters())
+    optimizer, scheduler = _optimizer_and_scheduler(cfg, ds, trained.parameters)
     if ds is not None and "nvme" in (cfg.resolved.optimizer_state_on, cfg.resolved.params_on):
         _check_swap_space(cfg, accelerator)
     if scheduler is None:
         unet, optimizer = accelerator.prepare(unet, optimizer)
     else:
         unet, optimizer, scheduler = accelerator.prepare(unet, optimizer, scheduler)
-    start_step = _resume(accelerator, ds, ema, resume_from)
+    trained.register_hooks(accelerator)
+    start_step = _resume(accelerator, ds, ema, resume_from, trained.load_kwargs(ds is not None))
     loader = data.Loader(cfg, dataset, cache, frozen, accelerator.process_index, accelerator.num_processes,
                          accelerator.device)
     max_steps = int(cfg.train.max_steps)
-    saver = checkpoint.Saver(cfg, accelerator, run_dir, ema, wandb_id=tracker.wandb_id, last=resume_from)
+    saver = checkpoint.Saver(cfg, accelerator, run_dir, ema, wandb_id=tracker.wandb_id, last=resume_from,
+                             save_kwargs=trained.save_kwargs(ds is not None),
+                             on_save=lambda: trained.on_save(accelerator, unet, ema, run_dir))
     progress = _progress_bar(accelerator, max_steps, start_step)
     if info.kind == "cuda":  # peaks from here on are training's (not the cache build's or DeepSpeed's setup)
         torch.cuda.reset_peak_memory_stats(accelerator.device)
@@ -206,7 +210,10 @@ def _train(cfg: DictConfig, ds: dict[str, Any] | None, run_dir: Path, accelerato
                 progress.close()
 
     # --- the end: the model in diffusers format
-    if cfg.train.export:
+    if cfg.train.export and trained.lora:
+        trained.export(accelerator, unet, ema, run_dir)
+        export.base_pipeline(cfg, accelerator, frozen, run_dir)
+    elif cfg.train.export:
         export.diffusers(cfg, accelerator, unet, ema, frozen, run_dir)
 
 
@@ -220,11 +227,12 @@ def _load_frozen(cfg: DictConfig, accelerator: Any, kind: str) -> models.Frozen:
     return frozen
 
 
-def _resume(accelerator: Any, ds: dict[str, Any] | None, ema: EMA | None, resume_from: Path | None) -> int:
+def _resume(accelerator: Any, ds: dict[str, Any] | None, ema: EMA | None, resume_from: Path | None,
+            load_kwargs: dict[str, Any]) -> int:
     """Load a checkpoint (DeepSpeed's native load); returns the step it was saved at (0: a fresh start)."""
     if resume_from is None:
         return 0
-    accelerator.load_state(str(resume_from))
+    accelerator.load_state(str(resume_from), **load_kwargs)
     if ds is not None:
         checkpoint.restore_optimizer_clocks(accelerator.deepspeed_engine_wrapped.engine)
     start_step = int((checkpoint.complete(resume_from) or {})["step"])

@@ -1,0 +1,125 @@
+"""The diffusers LoRA file: gathering the adapters' fp32 masters under any ZeRO stage, writing
+`pytorch_lora_weights.safetensors` (keys `unet.<module>.lora.down/up.weight`, peft config in the
+`lora_adapter_metadata` metadata), and reading one back for `adapter.init_from`.
+
+Under ZeRO-3 `state_dict()` of the module holds empty placeholders for every tensor above
+`stage3_param_persistence_threshold`; the adapters are read with `safe_get_full_fp32_param` instead,
+which every rank must call (it is a collective).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+WEIGHT_NAME = "pytorch_lora_weights.safetensors"
+
+
+def adaptable_names(unet: torch.nn.Module) -> list[str]:
+    """Names of the modules LoRA can adapt (Linear and Conv layers)."""
+    kinds = (torch.nn.Linear, torch.nn.Conv2d)
+    return [n for n, m in unet.named_modules() if isinstance(m, kinds) and "lora_" not in n]
+
+
+def _zero0_masters(engine: Any) -> dict[int, torch.Tensor]:
+    """ZeRO-0 with bf16/fp16 (FP16_Optimizer or FP16_UnfusedOptimizer): the fp32 master of each 16-bit
+    parameter, which `safe_get_full_fp32_param` does not know (it returns None there)."""
+    optimizer = getattr(engine, "optimizer", None)
+    groups16 = getattr(optimizer, "fp16_groups", None)
+    if groups16 is None:
+        return {}
+    masters: dict[int, torch.Tensor] = {}
+    if hasattr(optimizer, "fp32_groups_flat"):
+        for params, flat in zip(groups16, optimizer.fp32_groups_flat, strict=True):
+            offset = 0
+            for p in params:
+                masters[id(p)] = flat[offset:offset + p.numel()].view_as(p)
+                offset += p.numel()
+    elif hasattr(optimizer, "fp32_groups"):
+        for params, fp32 in zip(groups16, optimizer.fp32_groups, strict=True):
+            masters.update({id(p): m for p, m in zip(params, fp32, strict=True)})
+    return masters
+
+
+def gather_fp32(module: torch.nn.Module, names: list[str], engine: Any, keep: bool) -> dict[str, torch.Tensor]:
+    """Collective: the fp32 master value of every named parameter, on the CPU where `keep` (rank 0)."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    named = dict(module.named_parameters())
+    masters = _zero0_masters(engine) if engine is not None else {}
+    out: dict[str, torch.Tensor] = {}
+    for name in names:
+        p = named[name]
+        if hasattr(p, "ds_id") or hasattr(p, "_hp_mapping"):
+            value = safe_get_full_fp32_param(p)
+        else:
+            value = masters.get(id(p), p)
+        if keep:
+            out[name] = value.detach().to("cpu", torch.float32).clone()
+    return out
+
+
+def write(folder: Path, module: Any, weights: dict[str, torch.Tensor], dtype: torch.dtype) -> Path:
+    """Write `weights` (named like the module's parameters) as a diffusers LoRA file, atomically."""
+    from diffusers import StableDiffusionXLPipeline
+    from diffusers.utils import convert_state_dict_to_diffusers
+    from peft.utils import get_peft_model_state_dict
+
+    peft_sd = get_peft_model_state_dict(module, state_dict=weights)
+    layers = {k: v.to(dtype).contiguous() for k, v in convert_state_dict_to_diffusers(peft_sd).items()}
+    metadata = module.peft_config["default"].to_dict()
+    tmp = folder / ".partial"
+    tmp.mkdir(parents=True, exist_ok=True)
+    StableDiffusionXLPipeline.save_lora_weights(tmp, unet_lora_layers=layers, unet_lora_adapter_metadata=metadata,
+                                                safe_serialization=True)
+    final = folder / WEIGHT_NAME
+    os.replace(tmp / WEIGHT_NAME, final)
+    tmp.rmdir()
+    return final
+
+
+def read(path: Path) -> dict[str, torch.Tensor]:
+    """A diffusers-format LoRA file (or its folder) as peft-named UNet tensors (`...to_q.lora_A.weight`)."""
+    from diffusers.utils import convert_unet_state_dict_to_peft
+    from safetensors.torch import load_file
+
+    file = path / WEIGHT_NAME if path.is_dir() else path
+    state = load_file(file)
+    unet = {k.removeprefix("unet."): v for k, v in state.items() if k.startswith("unet.")}
+    return dict(convert_unet_state_dict_to_peft(unet))
+
+
+def mismatch(path: Path, unet: torch.nn.Module) -> str | None:
+    """Why the LoRA file at `path` does not fit the adapters injected into `unet`, or None."""
+    from peft.utils import get_peft_model_state_dict
+
+    try:
+        found = {k: tuple(v.shape) for k, v in read(path).items()}
+    except Exception as exc:  # noqa: BLE001 - any unreadable file is the user's to replace
+        return f"cannot be read as a diffusers LoRA file ({type(exc).__name__}: {exc})"
+    if not found:
+        return "holds no UNet LoRA tensors (no `unet.` keys)"
+    wanted = {k: tuple(v.shape) for k, v in get_peft_model_state_dict(unet).items()}
+    missing, extra = sorted(set(wanted) - set(found)), sorted(set(found) - set(wanted))
+    if missing or extra:
+        return (f"its adapted modules differ from adapter.targets: {len(missing)} tensors missing "
+                f"(e.g. {missing[:1]}), {len(extra)} not expected (e.g. {extra[:1]})")
+    for key, shape in wanted.items():
+        if found[key] != shape:
+            rank = min(found[key][:2]) if len(found[key]) >= 2 else found[key]
+            return f"{key} has shape {found[key]} (rank {rank}), this adapter needs {shape}"
+    return None
+
+
+def load_into(path: Path, unet: torch.nn.Module) -> None:
+    """Set the injected adapters of `unet` to the values of the LoRA file at `path`."""
+    from peft.utils import set_peft_model_state_dict
+
+    state = {k: v.to(torch.float32) for k, v in read(path).items()}
+    result = set_peft_model_state_dict(unet, state)
+    unexpected = getattr(result, "unexpected_keys", None)
+    if unexpected:
+        raise ValueError(f"adapter.init_from={path}: tensors for no adapter: {unexpected[:3]}")
