@@ -60,9 +60,9 @@ def run(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> None:
     from ds_trainer.tools import plan
     from ds_trainer.train import adapter, metrics, recipe
 
-    found = [validation.Problem(*rule) for rule in adapter.problems(cfg)]  # needs the model's module names
-    if found:
-        raise validation.ConfigError(validation.Report(cfg, found).render())
+    rules, cfg.resolved.trainable_params = adapter.inspect(cfg)  # what needs the model's module names
+    if rules:
+        raise validation.ConfigError(validation.Report(cfg, [validation.Problem(*r) for r in rules]).render())
 
     recipe.run(cfg, ds, run_dir, metrics.run_name(overrides), memory_plan=plan.log_for_run)
 

@@ -238,7 +238,7 @@ class AdapterConfig:
 
     method: AdapterMethod = AdapterMethod.none
     rank: int = 16
-    alpha: float = 16.0
+    alpha: int = 16
     dropout: float = 0.0
     targets: list[str] = field(default_factory=lambda: ["to_q", "to_k", "to_v", "to_out.0"])
     # A diffusers-format LoRA file (or its folder) to continue from; its rank and targets must match.
@@ -270,6 +270,8 @@ class ResolvedConfig:
     optimizer_state_on: str | None = None
     params_on: str | None = None
     nvme_swap_bytes: int | None = None
+    # Parameters the optimizer trains (the UNet's, or the adapters' with adapter=lora); set before training.
+    trainable_params: int | None = None
     warnings: list[str] = field(default_factory=list)
 
 

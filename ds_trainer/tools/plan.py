@@ -36,6 +36,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from ds_trainer.config import nvme
+from ds_trainer.tools import plan_lora
 
 GIB = 2**30
 CELLS = [("ddp", "none"), ("stage0", "none"), ("stage1", "none"), ("stage2", "none"), ("stage3", "none"),
@@ -214,8 +215,13 @@ def estimate(cfg: DictConfig, zero: str, offload: str, world_size: int) -> Estim
     stats = unet_stats(_architecture(cfg))
     precision = cfg.precision.name.value
     params_offload = cfg.offload.params is not False
-    params, grads, optimizer, host = _model_states(zero, offload, stats.params, stats.largest_layer, world_size,
-                                                   params_offload, precision)
+    lora = plan_lora.trainable(cfg, _architecture(cfg))
+    if lora is None:
+        params, grads, optimizer, host = _model_states(zero, offload, stats.params, stats.largest_layer, world_size,
+                                                       params_offload, precision)
+    else:
+        params, grads, optimizer, host = plan_lora.model_states(zero, offload, stats.params, lora, stats.largest_layer,
+                                                                world_size, params_offload, precision)
     act_bytes = 4 if precision == "fp32" else 2
     activations = activation_bytes(_architecture(cfg), int(cfg.train.micro_batch_size),
                                    int(cfg.resolution.width), int(cfg.resolution.height), act_bytes,
@@ -225,7 +231,7 @@ def estimate(cfg: DictConfig, zero: str, offload: str, world_size: int) -> Estim
     if zero in ("stage1", "stage2"):
         buffers = 2 * (int(z.reduce_bucket_size) + int(z.allgather_bucket_size))
         buffers = int(buffers * (4.5 if z.overlap_comm else 1.0))
-        buffers = min(buffers, 2 * (2 * stats.params))  # never more than the gradients they carry
+        buffers = min(buffers, 2 * (2 * (lora or stats.params)))  # never more than the gradients they carry
     elif zero == "stage3":
         buffers = min(2 * (int(z.stage3_prefetch_bucket_size) + int(z.reduce_bucket_size)), 4 * stats.params)
     nvme_bytes, notes = 0, []

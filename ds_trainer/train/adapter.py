@@ -18,6 +18,7 @@ from omegaconf import DictConfig
 
 from ds_trainer.config.adapter_rules import Rule
 from ds_trainer.train import lora_file
+from ds_trainer.train.lora_file import adaptable_names
 
 log = logging.getLogger("ds_trainer")
 
@@ -33,7 +34,7 @@ def lora_config(cfg: DictConfig) -> Any:
     from peft import LoraConfig
 
     a = cfg.adapter
-    return LoraConfig(r=int(a.rank), lora_alpha=float(a.alpha), lora_dropout=float(a.dropout),
+    return LoraConfig(r=int(a.rank), lora_alpha=int(a.alpha), lora_dropout=float(a.dropout),
                       target_modules=list(a.targets), init_lora_weights="gaussian")
 
 
@@ -43,33 +44,41 @@ def _inject(cfg: DictConfig, unet: torch.nn.Module) -> None:
     unet.add_adapter(lora_config(cfg))  # type: ignore[operator]
 
 
-def problems(cfg: DictConfig) -> list[Rule]:
-    """What needs the model to see: targets that match no module (with the names that exist), and an
-    `adapter.init_from` file whose tensors do not fit. Builds the UNet on the meta device (no memory)."""
-    if not enabled(cfg):
-        return []
+def _meta_unet(cfg: DictConfig) -> torch.nn.Module:
     from diffusers import UNet2DConditionModel
 
     from ds_trainer.train.models import _source
 
     path, kwargs = _source(cfg)
     with torch.device("meta"):
-        unet = UNet2DConditionModel.from_config(UNet2DConditionModel.load_config(path, subfolder="unet", **kwargs))
-    names = lora_file.adaptable_names(unet)
+        unet: torch.nn.Module = UNet2DConditionModel.from_config(
+            UNet2DConditionModel.load_config(path, subfolder="unet", **kwargs))
+    return unet
+
+
+def inspect(cfg: DictConfig) -> tuple[list[Rule], int]:
+    """Before training, on the UNet built on the meta device (no memory): the problems only the model
+    shows (targets that match no module, listing the names that exist; an `adapter.init_from` file whose
+    tensors do not fit) and the number of trainable parameters."""
+    if not enabled(cfg):
+        return [], int(cfg.model.param_count)
+    unet = _meta_unet(cfg)
+    names = adaptable_names(unet)
     unmatched = [t for t in cfg.adapter.targets if not any(n == t or n.endswith("." + t) for n in names)]
     if unmatched:
-        suffixes = sorted({n.split(".")[-1] if not n.split(".")[-1].isdigit() else ".".join(n.split(".")[-2:])
-                           for n in names})
+        endings = sorted({".".join(n.split(".")[-2:]) if n.split(".")[-1].isdigit() else n.split(".")[-1]
+                          for n in names})
         return [("adapter.targets", list(cfg.adapter.targets),
-                 f"{', '.join(unmatched)} match(es) no Linear/Conv module of the UNet; module names end with: "
-                 f"{', '.join(suffixes)}", "adapter.targets=[to_q,to_k,to_v,to_out.0] (or adapter=lora_wide)")]
+                 f"{', '.join(unmatched)}: no Linear/Conv module of the UNet has such a name; the names end "
+                 f"with: {', '.join(endings)}", "adapter.targets=[to_q,to_k,to_v,to_out.0] (or adapter=lora_wide)")], 0
     _inject(cfg, unet)
+    count = sum(p.numel() for p in unet.parameters() if p.requires_grad)
     if cfg.adapter.init_from is not None:
         why = lora_file.mismatch(Path(cfg.adapter.init_from), unet)
         if why:
             return [("adapter.init_from", cfg.adapter.init_from, why,
-                     "adapter.rank/adapter.targets as the file was trained with, or another file")]
-    return []
+                     "the adapter.rank and adapter.targets the file was trained with, or another file")], count
+    return [], count
 
 
 @dataclass

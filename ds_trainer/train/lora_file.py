@@ -27,7 +27,7 @@ def adaptable_names(unet: torch.nn.Module) -> list[str]:
 def _zero0_masters(engine: Any) -> dict[int, torch.Tensor]:
     """ZeRO-0 with bf16/fp16 (FP16_Optimizer or FP16_UnfusedOptimizer): the fp32 master of each 16-bit
     parameter, which `safe_get_full_fp32_param` does not know (it returns None there)."""
-    optimizer = getattr(engine, "optimizer", None)
+    optimizer: Any = getattr(engine, "optimizer", None)
     groups16 = getattr(optimizer, "fp16_groups", None)
     if groups16 is None:
         return {}

@@ -130,6 +130,7 @@ def summarize(cfg: DictConfig, rows: list[dict[str, Any]], status: str, message:
         "gradient_accumulation_steps": int(cfg.train.gradient_accumulation_steps),
         "precision": cfg.precision.name.value, "model": cfg.model.name,
         "gradient_checkpointing": bool(cfg.train.gradient_checkpointing), "platform": cfg.resolved.platform,
+        "method": cfg.adapter.method.value, "trainable_params": cfg.resolved.trainable_params,
     }
     return {k: v for k, v in summary.items() if v is not None or k == "message"}
 

@@ -1,0 +1,52 @@
+"""The planner's model states for `adapter=lora`: a frozen 16-bit base (partitioned under ZeRO-3) and
+fp32 masters, gradients and optimizer state for the adapters only."""
+
+from __future__ import annotations
+
+from functools import cache
+
+from omegaconf import DictConfig
+
+
+@cache
+def _count(architecture: str, rank: int, alpha: int, targets: tuple[str, ...]) -> int:
+    import torch
+    from diffusers import UNet2DConditionModel
+    from peft import LoraConfig
+
+    with torch.device("meta"):
+        unet = UNet2DConditionModel.from_config(UNet2DConditionModel.load_config(architecture, subfolder="unet"))
+    unet.requires_grad_(False)
+    unet.add_adapter(LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets)))
+    return sum(p.numel() for p in unet.parameters() if p.requires_grad)
+
+
+def trainable(cfg: DictConfig, architecture: str) -> int | None:
+    """The adapters' parameter count, or None when the whole UNet is trained."""
+    if cfg.adapter.method.value != "lora":
+        return None
+    return _count(architecture, int(cfg.adapter.rank), int(cfg.adapter.alpha), tuple(cfg.adapter.targets))
+
+
+def model_states(zero: str, offload: str, base: int, t: int, layer: int, n: int, params_offload: bool,
+                 precision: str) -> tuple[int, int, int, int]:
+    """(params, grads, optimizer, host) bytes per rank for a frozen base of `base` parameters and `t`
+    adapter parameters. DeepSpeed casts the whole module (base and adapters) to 16-bit; the fp32
+    masters and Adam moments (12 bytes) and the gradients exist for the adapters only."""
+    half = 2 if precision != "fp32" else 4
+    if zero == "ddp":  # the base cast to 16-bit by the recipe, the adapters fp32 with their Adam state
+        return half * base + 4 * t, 4 * t, 8 * t, 0
+    stage = int(zero[-1])
+    if stage in (0, 1, 2):
+        ranks = 1 if stage == 0 else n
+        params = half * (base + t)
+        if offload == "none":
+            full_grads = 2 * t - 2 * t // ranks if stage == 1 else 0
+            return params, (2 + 4) * t // ranks + full_grads, 12 * t // ranks, 0
+        return params, 0, 0, int(t * max(4 * n, 16) * 1.5)
+    gathered = half * layer
+    if offload == "none":
+        return gathered + half * (base + t) // n, 4 * t // n, 12 * t // n, 0
+    if not params_offload:
+        return gathered + half * (base + t) // n, 0, 0, int(t * 16 * 1.5)
+    return gathered, 0, 0, int((half * (base + t) + 16 * t) * 1.5)
