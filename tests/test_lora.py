@@ -1,0 +1,255 @@
+"""adapter=lora end to end on the CPU: every ZeRO stage and offload, two ranks, the diffusers LoRA file,
+checkpoints of the trainable state only, resume after a kill, and the one-screen errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import make_cfg, require, run_cli, run_dirs, wait_until
+
+from ds_trainer.config import nvme
+
+torch = pytest.importorskip("torch")
+
+LORA = ["adapter=lora", "logger=none", "data.num_samples=4"]
+# The shared run: a small rank keeps the checkpoint small next to the tiny UNet (rank 16 on SDXL's
+# 2.6B parameters is 0.9% of them; on sdxl_tiny 5%).
+SHARED = [*LORA, "zero=stage2", "adapter.rank=4", "adapter.alpha=4", "train.max_steps=6", "train.checkpoint_every=3",
+          "train.ema=true"]
+CELLS = [("ddp", "none"), ("stage0", "none"), ("stage1", "none"), ("stage1", "cpu"), ("stage2", "cpu"),
+         ("stage3", "none"), ("stage3", "cpu"), ("stage3", "nvme")]
+
+
+def summary(run_dir: Path) -> dict[str, Any]:
+    return dict(json.loads((run_dir / "summary.json").read_text()))
+
+
+def lora_tensors(folder: Path) -> dict[str, Any]:
+    from safetensors.torch import load_file
+
+    return dict(load_file(folder / "pytorch_lora_weights.safetensors"))
+
+
+def folder_bytes(folder: Path) -> int:
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+
+
+def assert_full_lora_file(run_dir: Path) -> dict[str, Any]:
+    tensors = lora_tensors(run_dir / "lora")
+    assert tensors and all(k.startswith("unet.") and ".lora." in k for k in tensors)
+    assert all(t.ndim == 2 and t.numel() > 0 for t in tensors.values()), "empty (ZeRO-3 placeholder) tensors"
+    return tensors
+
+
+@pytest.fixture(scope="module")
+def shared_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    cwd = tmp_path_factory.mktemp("lora_shared")
+    result = run_cli(*SHARED, cwd=cwd)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (run_dir,) = run_dirs(cwd)
+    return run_dir
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("zero", "offload"), CELLS)
+def test_lora_trains_in_every_zero_and_offload_cell(workdir: Path, zero: str, offload: str) -> None:
+    if offload == "nvme":
+        require(nvme.aio_prerequisites() is None, "libaio-dev is not installed")
+    result = run_cli(*LORA, f"zero={zero}", f"offload={offload}", "train.max_steps=2", cwd=workdir)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (run_dir,) = run_dirs(workdir)
+    s = summary(run_dir)
+    assert s["status"] == "ok" and s["steps"] == 2 and s["method"] == "lora"
+    assert 0 < s["trainable_params"] < 0.1 * make_cfg().model.param_count
+    assert (run_dir / "checkpoints" / "step_00000002" / "COMPLETE").exists()
+    assert_full_lora_file(run_dir)
+    assert not (run_dir / "unet").exists()
+
+
+@pytest.mark.slow
+def test_lora_file_loads_into_the_pipeline_and_unloads(shared_run: Path) -> None:
+    from diffusers import StableDiffusionXLPipeline
+
+    assert_full_lora_file(shared_run)
+    meta = json.loads(_metadata(shared_run / "lora")["lora_adapter_metadata"])
+    assert meta["r"] == 4 and meta["lora_alpha"] == 4 and set(meta["target_modules"]) == {"to_q", "to_k", "to_v",
+                                                                                           "to_out.0"}
+    pipe = StableDiffusionXLPipeline.from_pretrained(shared_run / "pipeline")
+
+    def image() -> Any:
+        return pipe("a red square", num_inference_steps=2, height=128, width=128, output_type="np",
+                    generator=torch.Generator().manual_seed(0)).images
+
+    base = image()
+    pipe.load_lora_weights(shared_run / "lora")
+    adapted = image()
+    pipe.unload_lora_weights()
+    assert abs(adapted - base).max() > 1e-4, "the LoRA changed nothing"
+    assert (image() == base).all(), "unloading did not restore the base output"
+    assert (shared_run / "lora_ema" / "pytorch_lora_weights.safetensors").exists()
+
+
+def _metadata(folder: Path) -> dict[str, str]:
+    from safetensors import safe_open
+
+    with safe_open(folder / "pytorch_lora_weights.safetensors", "pt") as f:
+        return dict(f.metadata())
+
+
+@pytest.mark.slow
+def test_checkpoint_is_20x_smaller_than_a_full_fine_tune(shared_run: Path, workdir: Path) -> None:
+    full = run_cli("logger=none", "data.num_samples=4", "zero=stage2", "train.max_steps=1", "train.export=false",
+                   cwd=workdir)
+    assert full.returncode == 0, full.stderr[-3000:]
+    (full_run,) = run_dirs(workdir)
+    full_bytes = folder_bytes(full_run / "checkpoints" / "step_00000001")
+    lora_bytes = folder_bytes(shared_run / "checkpoints" / "step_00000006")
+    assert lora_bytes * 20 <= full_bytes, (lora_bytes, full_bytes)
+    assert summary(full_run)["method"] == "none"
+
+
+@pytest.mark.slow
+def test_resume_after_a_kill_gives_the_same_adapters(shared_run: Path, workdir: Path) -> None:
+    proc = subprocess.Popen([sys.executable, "-m", "ds_trainer", *SHARED], cwd=workdir, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    import time
+
+    marker = wait_until(lambda: next(iter((workdir / "outputs" / "runs").glob("*/*/checkpoints/step_00000003/"
+                                                                                "COMPLETE")), None),
+                        "no step-3 checkpoint appeared", deadline=time.time() + 600, proc=proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert marker.exists()
+    resumed = run_cli(*SHARED, "resume=latest", cwd=workdir)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stderr
+    second = run_dirs(workdir)[-1]
+    for folder in ("lora", "lora_ema"):
+        expected, got = lora_tensors(shared_run / folder), lora_tensors(second / folder)
+        assert expected.keys() == got.keys()
+        for key in expected:
+            assert torch.equal(got[key], expected[key]), f"{folder}/{key}"
+
+
+@pytest.mark.slow
+def test_init_from_a_mismatched_file_gets_one_screen(shared_run: Path, workdir: Path) -> None:
+    result = run_cli(*LORA, "adapter.rank=8", f"adapter.init_from={shared_run / 'lora'}", cwd=workdir)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "adapter.init_from=" in result.stderr and "rank 4" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+@pytest.mark.parametrize("zero", ["stage2", "stage3"])
+def test_two_ranks_export_deepspeeds_fp32_masters(workdir: Path, zero: str) -> None:
+    # A persistence threshold below every adapter matrix: under ZeRO-3 all of them are partitioned.
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "ds_trainer", *LORA,
+           f"zero={zero}", "train.max_steps=3", "zero.stage3_param_persistence_threshold=64"]
+    result = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (run_dir,) = run_dirs(workdir)
+    assert summary(run_dir)["world_size"] == 2
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from diffusers.utils import convert_state_dict_to_diffusers
+    from peft.utils import get_peft_model_state_dict
+
+    from ds_trainer.train import adapter, models
+
+    cfg = make_cfg(*LORA)
+    unet = models.load_unet(cfg)
+    adapter.build(cfg, unet)
+    fp32 = get_fp32_state_dict_from_zero_checkpoint(str(run_dir / "checkpoints" / "step_00000003"),
+                                                    exclude_frozen_parameters=True)
+    expected = convert_state_dict_to_diffusers(get_peft_model_state_dict(unet, state_dict=fp32))
+    exported = assert_full_lora_file(run_dir)
+    assert exported.keys() == {f"unet.{k}" for k in expected}
+    for key, value in expected.items():
+        assert torch.equal(exported[f"unet.{key}"], value.float()), key
+
+
+@pytest.mark.slow
+def test_loss_falls_when_overfitting_one_batch(workdir: Path) -> None:
+    result = run_cli("adapter=lora_wide", "adapter.rank=32", "adapter.alpha=32", "logger=none", "data.num_samples=2",
+                     "train.micro_batch_size=2", "train.max_steps=50", "scheduler=constant", "optimizer.lr=2e-2",
+                     "train.export=false", "train.final_checkpoint=false", cwd=workdir)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [json.loads(line) for line in (run_dirs(workdir)[0] / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in rows]
+    first, last = sum(losses[:10]) / 10, sum(losses[-10:]) / 10
+    assert last < 0.7 * first, (first, last)
+
+
+def test_bad_adapter_values_get_one_screen(workdir: Path) -> None:
+    result = run_cli("adapter=lora", "adapter.rank=0", "adapter.alpha=-1", "dry_run=true", cwd=workdir)
+    assert result.returncode == 2
+    assert "adapter.rank=0" in result.stderr and "adapter.alpha=-1" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.slow
+def test_a_target_matching_nothing_lists_the_module_names(workdir: Path) -> None:
+    result = run_cli("adapter=lora", "adapter.targets=[to_q,attn_qkv]", "logger=none", cwd=workdir)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "adapter.targets=" in result.stderr and "attn_qkv" in result.stderr
+    assert "to_out.0" in result.stderr and "proj_in" in result.stderr  # the names that exist
+    assert "Traceback" not in result.stderr
+
+
+# --- in one process: what the DeepSpeed engine holds for a LoRA
+
+@pytest.fixture(scope="module")
+def one_rank_group() -> Iterator[None]:
+    deepspeed = pytest.importorskip("deepspeed")
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29671", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    if not torch.distributed.is_initialized():
+        deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    yield
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+@pytest.mark.slow
+def test_engine_trains_adapters_only_with_optimizer_state_for_them(one_rank_group: None, tmp_path: Path) -> None:
+    import deepspeed
+
+    from ds_trainer import cli
+    from ds_trainer.tools.plan import unet_inputs
+    from ds_trainer.train import adapter, models
+
+    cfg = make_cfg(*LORA, f"paths.outputs={tmp_path}", "zero=stage2", "optimizer.lr=1e-2", "scheduler=constant")
+    cfg, ds = cli.prepare(cfg, tmp_path / "run")
+    unet = models.load_unet(cfg)
+    trained = adapter.build(cfg, unet)
+    frozen = {n: p.detach().clone() for n, p in unet.named_parameters() if not p.requires_grad}
+    adapters = {n: p.detach().clone() for n, p in unet.named_parameters() if p.requires_grad}
+    assert all(v.dtype == torch.bfloat16 for v in frozen.values())  # no fp32 copy of the frozen base
+    engine, *_ = deepspeed.initialize(model=unet, model_parameters=trained.parameters, config=ds)
+    for _ in range(2):
+        latents, t, embeds, cond = unet_inputs(unet.config, 1, 128, 128, dtype=torch.bfloat16)
+        loss = engine(latents, t, embeds, added_cond_kwargs=cond).sample.float().pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+    named = dict(engine.module.named_parameters())
+    assert all(torch.equal(named[n], v) for n, v in frozen.items()), "a frozen base weight changed"
+    assert any(not torch.equal(named[n].float(), v.float()) for n, v in adapters.items()), "no adapter moved"
+    count = trained.count()
+    state = engine.optimizer.optimizer.state
+    moments = sum(t.numel() * t.element_size() for s in state.values() for k, t in s.items()
+                  if k in ("exp_avg", "exp_avg_sq"))
+    masters = sum(t.numel() * t.element_size() for t in engine.optimizer.single_partition_of_fp32_groups)
+    assert count * 8 <= moments <= count * 8 + 4096 and count * 4 <= masters <= count * 4 + 2048, (count, moments,
+                                                                                                   masters)
