@@ -130,7 +130,7 @@ def run_cell(cell: Cell, args: argparse.Namespace, out: Path) -> dict[str, Any]:
     """Train the cell in its own process; its row of the results."""
     folder = out / "cells" / cell.name
     cmd = [sys.executable, "-m", "ds_trainer", *cell.overrides(args.model, _steps(cell, args), args.nvme_path),
-           f"hydra.run.dir={folder}"]
+           f"adapter={args.adapter}", f"hydra.run.dir={folder}"]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.cell_timeout_s)
         tail = proc.stderr.strip().splitlines()[-1:] if proc.returncode else []
@@ -296,6 +296,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget-min", type=float, default=None, help="start no cell after this many minutes")
     parser.add_argument("--cell-timeout-s", type=int, default=900)
     parser.add_argument("--nvme-path", default="/tmp/ds_trainer_bench_swap")
+    parser.add_argument("--adapter", choices=("none", "lora", "lora_wide"), default="none",
+                        help="what every cell trains: the whole UNet, or LoRA (use its own --out)")
     parser.add_argument("--raw", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.argv = sys.argv[1:] if argv is None else argv
