@@ -178,14 +178,18 @@ def test_two_ranks_export_deepspeeds_fp32_masters(workdir: Path, zero: str) -> N
 
 @pytest.mark.slow
 def test_loss_falls_when_overfitting_one_batch(workdir: Path) -> None:
-    result = run_cli("adapter=lora_wide", "adapter.rank=32", "adapter.alpha=32", "logger=none", "data.num_samples=2",
-                     "train.micro_batch_size=2", "train.max_steps=50", "scheduler=constant", "optimizer.lr=2e-2",
-                     "train.export=false", "train.final_checkpoint=false", cwd=workdir)
+    # On sdxl_tiny's random base the attention alone cannot fit a batch; LoRA on the convolutions too
+    # (Conv2d adapters, exported with the rest) can.
+    targets = "[to_q,to_k,to_v,to_out.0,ff.net.0.proj,ff.net.2,proj_in,proj_out,conv1,conv2,conv_in,conv_out]"
+    result = run_cli("adapter=lora", f"adapter.targets={targets}", "logger=none", "data.num_samples=2",
+                     "train.micro_batch_size=2", "train.max_steps=24", "scheduler=constant", "optimizer.lr=1e-2",
+                     "train.final_checkpoint=false", cwd=workdir)
     assert result.returncode == 0, result.stderr[-3000:]
-    rows = [json.loads(line) for line in (run_dirs(workdir)[0] / "metrics.jsonl").read_text().splitlines()]
-    losses = [r["loss"] for r in rows]
-    first, last = sum(losses[:10]) / 10, sum(losses[-10:]) / 10
-    assert last < 0.7 * first, (first, last)
+    run_dir = run_dirs(workdir)[0]
+    losses = [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    first, last = sum(losses[:8]) / 8, sum(losses[-8:]) / 8
+    assert last < 0.5 * first, (first, last)
+    assert any(t.ndim == 4 for t in lora_tensors(run_dir / "lora").values())  # conv adapters exported
 
 
 def test_bad_adapter_values_get_one_screen(workdir: Path) -> None:
