@@ -80,8 +80,8 @@ def test_lora_file_loads_into_the_pipeline_and_unloads(shared_run: Path) -> None
 
     assert_full_lora_file(shared_run)
     meta = json.loads(_metadata(shared_run / "lora")["lora_adapter_metadata"])
-    assert meta["r"] == 4 and meta["lora_alpha"] == 4 and set(meta["target_modules"]) == {"to_q", "to_k", "to_v",
-                                                                                           "to_out.0"}
+    assert meta["unet.r"] == 4 and meta["unet.lora_alpha"] == 4
+    assert set(meta["unet.target_modules"]) == {"to_q", "to_k", "to_v", "to_out.0"}
     pipe = StableDiffusionXLPipeline.from_pretrained(shared_run / "pipeline")
 
     def image() -> Any:
