@@ -148,6 +148,20 @@ def test_init_from_a_mismatched_file_gets_one_screen(shared_run: Path, workdir: 
 
 
 @pytest.mark.slow
+def test_init_from_continues_from_the_file(shared_run: Path, workdir: Path) -> None:
+    # One step at a negligible learning rate: the exported adapters are the file's values.
+    result = run_cli(*LORA, "zero=stage3", "adapter.rank=4", "adapter.alpha=4", "train.max_steps=1",
+                     "optimizer.lr=1e-12", "scheduler=constant", f"adapter.init_from={shared_run / 'lora'}",
+                     cwd=workdir)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "LoRA initialised from" in result.stderr
+    start, got = lora_tensors(shared_run / "lora"), lora_tensors(run_dirs(workdir)[0] / "lora")
+    assert start.keys() == got.keys()
+    for key in start:
+        torch.testing.assert_close(got[key], start[key], rtol=0, atol=1e-6, msg=key)
+
+
+@pytest.mark.slow
 @pytest.mark.multiproc
 @pytest.mark.parametrize("zero", ["stage2", "stage3"])
 def test_two_ranks_export_deepspeeds_fp32_masters(workdir: Path, zero: str) -> None:

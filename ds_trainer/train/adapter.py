@@ -113,9 +113,16 @@ class Trained:
             return {}
         return {"load_module_strict": False} if deepspeed else {"strict": False}
 
-    def register_hooks(self, accelerator: Any) -> None:
-        """Without DeepSpeed, Accelerate saves the whole model: keep only the trainable tensors."""
+    def after_prepare(self, accelerator: Any, unet: Any) -> None:
+        """Collective, after `accelerator.prepare`: exact fp32 masters from `adapter.init_from`, and without
+        DeepSpeed a save hook (Accelerate would save the whole model) that keeps the trainable tensors only."""
         if not self.lora:
+            return
+        engine = getattr(accelerator, "deepspeed_engine_wrapped", None)
+        if self.cfg.adapter.init_from is not None:
+            lora_file.set_fp32(accelerator.unwrap_model(unet), self.names, Path(self.cfg.adapter.init_from),
+                               engine.engine if engine else None)
+        if engine is not None:
             return
 
         def keep_trainable(models: list[Any], weights: list[dict[str, Any]], _dir: str) -> None:

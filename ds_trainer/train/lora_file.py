@@ -62,6 +62,25 @@ def gather_fp32(module: torch.nn.Module, names: list[str], engine: Any, keep: bo
     return out
 
 
+def set_fp32(module: torch.nn.Module, names: list[str], path: Path, engine: Any) -> None:
+    """Collective, after `accelerator.prepare`: set the fp32 masters of the adapters to the file's values
+    (DeepSpeed made its masters from the 16-bit module, which rounded what `load_into` had set)."""
+    from deepspeed.utils import safe_set_full_fp32_param
+
+    values = read(path)
+    named = dict(module.named_parameters())
+    masters = _zero0_masters(engine) if engine is not None else {}
+    for name in names:
+        p, value = named[name], values[name.replace(".default.", ".")].to(torch.float32)
+        if hasattr(p, "ds_id") or hasattr(p, "_hp_mapping"):
+            safe_set_full_fp32_param(p, value.to(p.device))
+        elif id(p) in masters:
+            masters[id(p)].copy_(value.view_as(masters[id(p)]))
+        with torch.no_grad():
+            if not hasattr(p, "ds_id"):
+                p.copy_(value.to(p.dtype))
+
+
 def write(folder: Path, module: Any, weights: dict[str, torch.Tensor], dtype: torch.dtype) -> Path:
     """Write `weights` (named like the module's parameters) as a diffusers LoRA file, atomically."""
     from diffusers import StableDiffusionXLPipeline

@@ -183,7 +183,7 @@ def _train(cfg: DictConfig, ds: dict[str, Any] | None, run_dir: Path, accelerato
         unet, optimizer = accelerator.prepare(unet, optimizer)
     else:
         unet, optimizer, scheduler = accelerator.prepare(unet, optimizer, scheduler)
-    trained.register_hooks(accelerator)
+    trained.after_prepare(accelerator, unet)
     start_step = _resume(accelerator, ds, ema, resume_from, trained.load_kwargs(ds is not None))
     loader = data.Loader(cfg, dataset, cache, frozen, accelerator.process_index, accelerator.num_processes,
                          accelerator.device)
