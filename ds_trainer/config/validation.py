@@ -17,7 +17,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from ds_trainer.config import ds_config, hardware, nvme, optimizers, schema
+from ds_trainer.config import buckets, ds_config, hardware, nvme, optimizers, schema
 
 # Top-level keys that may hold anything (added by launchers and sweeps).
 _FREE_FORM = frozenset({"hydra"})
@@ -280,6 +280,7 @@ def check(cfg: DictConfig, info: hardware.PlatformInfo | None = None) -> Report:
     _unknown_keys(cfg, problems)
     _numbers(cfg, problems)
     _resolution(cfg, problems)
+    problems.extend(Problem(*p) for p in buckets.problems(cfg))
     _platform(cfg, info, problems, warnings)
     _offload(cfg, problems, warnings)
     optimizer = _optimizer(cfg, info, problems, warnings)
