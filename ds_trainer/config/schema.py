@@ -163,10 +163,13 @@ class ModelConfig:
     """
 
     name: str = MISSING
-    # A local diffusers folder or a hub id; None builds the architecture in `architecture`.
+    # A local diffusers folder, a hub id, or a single-file SDXL checkpoint (.safetensors/.ckpt, original
+    # layout; `architecture` gives its configs); None builds the architecture in `architecture`.
     pretrained: str | None = None
     revision: str | None = None
     variant: str | None = None
+    # A VAE to use instead of the model's: a diffusers folder or a single .safetensors/.ckpt file.
+    vae: str | None = None
     # Folder of diffusers/transformers configs kept in the repo (ds_trainer/assets/<name>).
     architecture: str = MISSING
     param_count: int = MISSING
