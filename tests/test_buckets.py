@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import wandb_log
 from conftest import make_cfg, run_cli, run_dirs
 
 from ds_trainer.config import buckets as geometry
@@ -50,7 +51,16 @@ def test_bucket_sizes_follow_the_area_the_step_and_the_limits() -> None:
     names = {geometry.name(b) for b in found}
     assert {"1024x1024", "1216x832", "832x1216", "1344x768", "1536x640", "512x2048", "2048x512"} <= names
     assert all(w % 64 == 0 and h % 64 == 0 and w * h <= 1024 * 1024 and max(w / h, h / w) <= 4 for w, h in found)
-    assert geometry.largest(make_cfg("data=folder", "data.path=x", "resolution=px1024"))[0] * 1 in (512, 2048, 1024)
+    # Memory is planned at the largest bucket: the full area, and of those the longest side.
+    assert geometry.largest(make_cfg("data=folder", "data.path=x", "resolution=px1024")) == (512, 2048)
+    assert geometry.largest(make_cfg("resolution=px1024")) == (1024, 1024)  # synthetic data: no buckets
+
+
+def test_the_planner_uses_the_largest_bucket(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from ds_trainer.tools import plan
+
+    plan.main(["data=folder", f"data.path={tmp_path}", "plan.vram_gib=24"])
+    assert "sdxl_tiny 64x256 (largest bucket)" in capsys.readouterr().out
 
 
 def test_mixed_sizes_land_in_their_buckets_and_every_global_batch_is_one_bucket(tmp_path: Path) -> None:
@@ -138,7 +148,9 @@ def test_two_ranks_train_over_uneven_buckets_then_a_second_run_reuses_the_cache(
     assert len(files) == 8 and {p.parent.name for p in files} == {"64x256", "64x192", "128x128", "192x64", "256x64"}
     item = torch.load(next(p for p in files if p.parent.name == "64x192"), weights_only=True)
     assert item["latents"].shape == (4, 24, 8)  # 192 px tall, 64 wide, through the VAE's factor 8
-    second = run_cli(*args, cwd=tmp_path)  # one rank, same images: nothing to encode
+    second = run_cli(*[a for a in args if a != "logger=none"], cwd=tmp_path)  # one rank, W&B offline
     assert second.returncode == 0, second.stderr[-3000:]
-    assert "cached latents" not in second.stderr
+    assert "cached latents" not in second.stderr  # same images: nothing encoded again
     assert {p: p.stat().st_mtime_ns for p in cache.rglob("*.pt")} == files
+    (wandb_file,) = run_dirs(tmp_path)[1].glob("wandb/offline-run-*/run-*.wandb")
+    assert wandb_log.config(wandb_file)["buckets"] == summary["buckets"]
