@@ -78,6 +78,7 @@ def test_mixed_sizes_land_in_their_buckets_and_every_global_batch_is_one_bucket(
         parts = [repeat.indices(b, rank, 2, 1) for rank in (0, 1)]
         shapes = {data.layout.of[i] for part in parts for i in part}
         assert len(shapes) == 1 and all(len(p) == 1 for p in parts)  # one bucket on both ranks, full batches
+    assert repeat.samples(4 * 7 + 1, 3) == repeat.batch(7)[1:]  # addressable by a position counted in samples
     step = [repeat.batch(s) for s in range(5)]
     assert sorted(i for batch in step for i in set(batch)) == list(range(8))  # an epoch sees every image
     # A new order per epoch, the same for the same (seed, epoch): a resume continues the plan.

@@ -165,6 +165,11 @@ class Plan:
         e, position = divmod(s, self.per_epoch)
         return self.epoch(e)[position]
 
+    def samples(self, start: int, count: int) -> list[int]:
+        """Samples `start` ... `start + count - 1` of the run's stream (a data position counted in samples)."""
+        g = self.global_batch
+        return [self.batch(p // g)[p % g] for p in range(start, start + count)]
+
     def indices(self, b: int, rank: int, world: int, micro: int) -> list[int]:
         """Rank `rank`'s part of global micro-batch `b` (micro-step `b % accumulation` of step `b // accumulation`)."""
         accum = self.global_batch // (micro * world)
