@@ -186,7 +186,7 @@ def test_folder_data_with_captions_and_cache_reuse(workdir: Path) -> None:
     assert second.returncode == 0 and "cached latents" not in second.stderr
     caches = list((workdir / "outputs" / "cache").glob("sdxl_tiny-*"))  # latent caches (beside scan records)
     assert len(caches) == 1
-    item = torch.load(sorted(caches[0].glob("*.pt"))[0], weights_only=True)
+    item = torch.load(sorted(caches[0].rglob("*.pt"))[0], weights_only=True)  # per bucket: 128x128/<key>.pt
     assert item["latents"].shape == (4, 16, 16)  # 128 px through the VAE's factor 8
     assert item["time_ids"].tolist()[-2:] == [128, 128]
 

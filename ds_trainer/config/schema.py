@@ -43,6 +43,11 @@ class DataSource(str, Enum):
     folder = "folder"
 
 
+class Remainder(str, Enum):
+    drop = "drop"
+    repeat = "repeat"
+
+
 class LoggerName(str, Enum):
     wandb = "wandb"
     none = "none"
@@ -169,10 +174,13 @@ class ModelConfig:
     """
 
     name: str = MISSING
-    # A local diffusers folder or a hub id; None builds the architecture in `architecture`.
+    # A local diffusers folder, a hub id, or a single-file SDXL checkpoint (.safetensors/.ckpt, original
+    # layout; `architecture` gives its configs); None builds the architecture in `architecture`.
     pretrained: str | None = None
     revision: str | None = None
     variant: str | None = None
+    # A VAE to use instead of the model's: a diffusers folder or a single .safetensors/.ckpt file.
+    vae: str | None = None
     # Folder of diffusers/transformers configs kept in the repo (ds_trainer/assets/<name>).
     architecture: str = MISSING
     param_count: int = MISSING
@@ -193,6 +201,15 @@ class DataConfig:
     cache: bool = True
     cache_dir: str = "${paths.outputs}/cache"
     num_workers: int = 0
+    # Aspect-ratio buckets (data=folder turns them on; see config/buckets.py). Sides default to half
+    # and twice the resolution's side; every global batch comes from one bucket, and what is left
+    # over in a bucket each epoch is dropped or filled up by repeating images of that bucket.
+    buckets: bool = False
+    bucket_min_side: int | None = None
+    bucket_max_side: int | None = None
+    bucket_max_aspect_ratio: float = 4.0
+    bucket_step: int = 64
+    bucket_remainder: Remainder = Remainder.drop
 
 
 @dataclass

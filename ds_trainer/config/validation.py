@@ -17,7 +17,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from ds_trainer.config import adapter_rules, ds_config, hardware, nvme, optimizers, schema
+from ds_trainer.config import adapter_rules, buckets, checkpoint_file, ds_config, hardware, nvme, optimizers, schema
 
 # Top-level keys that may hold anything (added by launchers and sweeps).
 _FREE_FORM = frozenset({"hydra"})
@@ -258,9 +258,13 @@ def _paths(cfg: DictConfig, out: list[Problem]) -> None:
         elif not Path(cfg.data.path).is_dir():
             out.append(Problem("data.path", cfg.data.path, "is not a folder", "data.path=/path/to/images"))
     pretrained = cfg.model.pretrained
-    if pretrained and not Path(pretrained).exists() and not re.fullmatch(r"[\w.-]+/[\w.-]+", pretrained):
+    if checkpoint_file.is_single_file(pretrained) and not Path(pretrained).exists():
+        out.append(Problem("model.pretrained", pretrained, "no such checkpoint file",
+                           "model.pretrained=/path/to/sd_xl_base_1.0.safetensors"))
+    elif pretrained and not Path(pretrained).exists() and not re.fullmatch(r"[\w.-]+/[\w.-]+", pretrained):
         out.append(Problem("model.pretrained", pretrained, "is neither a local folder nor a hub id (org/name)",
                            "model.pretrained=/path/to/diffusers/folder (or stabilityai/stable-diffusion-xl-base-1.0)"))
+    out.extend(Problem(*p) for p in checkpoint_file.problems(cfg))
     resume = cfg.resume
     if resume not in (None, "latest") and not Path(resume).is_dir():
         out.append(Problem("resume", resume, "is neither `latest` nor a checkpoint folder",
@@ -280,6 +284,7 @@ def check(cfg: DictConfig, info: hardware.PlatformInfo | None = None) -> Report:
     _unknown_keys(cfg, problems)
     _numbers(cfg, problems)
     _resolution(cfg, problems)
+    problems.extend(Problem(*p) for p in buckets.problems(cfg))
     _platform(cfg, info, problems, warnings)
     _offload(cfg, problems, warnings)
     optimizer = _optimizer(cfg, info, problems, warnings)

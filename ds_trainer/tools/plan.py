@@ -35,7 +35,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from ds_trainer.config import nvme
+from ds_trainer.config import buckets, nvme
 from ds_trainer.tools import plan_lora
 
 GIB = 2**30
@@ -223,8 +223,8 @@ def estimate(cfg: DictConfig, zero: str, offload: str, world_size: int) -> Estim
         params, grads, optimizer, host = plan_lora.model_states(zero, offload, stats.params, lora, stats.largest_layer,
                                                                 world_size, params_offload, precision)
     act_bytes = 4 if precision == "fp32" else 2
-    activations = activation_bytes(_architecture(cfg), int(cfg.train.micro_batch_size),
-                                   int(cfg.resolution.width), int(cfg.resolution.height), act_bytes,
+    width, height = buckets.largest(cfg)  # with aspect-ratio buckets the largest one bounds memory
+    activations = activation_bytes(_architecture(cfg), int(cfg.train.micro_batch_size), width, height, act_bytes,
                                    bool(cfg.train.gradient_checkpointing))
     z = cfg.zero
     buffers = 0
@@ -292,7 +292,8 @@ def log_for_run(cfg: DictConfig, info: Any, world: int) -> None:
     except Exception as exc:  # noqa: BLE001 - a plan is advice; training goes on without it
         log.warning("no memory plan for this model (%s)", exc)
         return
-    log.info("memory plan (python -m ds_trainer.plan): %s", describe(result))
+    at = f" at the largest bucket {buckets.name(buckets.largest(cfg))}" if buckets.enabled(cfg) else ""
+    log.info("memory plan (python -m ds_trainer.plan)%s: %s", at, describe(result))
     total = (info.gpu_memory_mib or 0) * 2**20
     if info.kind == "cuda" and total and result.gpu > total:
         log.warning("the memory plan (%.1f GiB per rank) exceeds this GPU's %.1f GiB: expect out of memory; "
@@ -318,7 +319,8 @@ def main(argv: list[str] | None = None) -> int:
         info.gpu_memory_mib / 1024 if info.gpu_memory_mib else None)
     budget = budget_gib * GIB if budget_gib is not None else None
     estimates = plan(cfg, world)
-    print(f"ds_trainer plan: {cfg.model.name} {cfg.resolution.width}x{cfg.resolution.height}, micro batch "
+    size = buckets.name(buckets.largest(cfg)) + (" (largest bucket)" if buckets.enabled(cfg) else "")
+    print(f"ds_trainer plan: {cfg.model.name} {size}, micro batch "
           f"{cfg.train.micro_batch_size}, {cfg.precision.name.value}, gradient checkpointing "
           f"{'on' if cfg.train.gradient_checkpointing else 'off'}, {world} rank(s); GiB per rank")
     print(table(estimates, budget))

@@ -4,6 +4,7 @@ on-disk cache of VAE latents and text embeddings the training loop reads."""
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -17,7 +18,9 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from PIL import Image, ImageOps, UnidentifiedImageError
 
+from ds_trainer.config import buckets as bucket_geometry
 from ds_trainer.errors import DataError
+from ds_trainer.train import buckets
 
 log = logging.getLogger(__name__)
 
@@ -50,17 +53,16 @@ def _to_rgb(image: Image.Image) -> Image.Image:
 
 def _fit(image: Image.Image, width: int, height: int, center: bool, flip: bool,
          rng: random.Random) -> tuple[Image.Image, list[int]]:
-    """Resize so the image covers width x height, crop to it; returns the image and SDXL time ids."""
+    """Resize so the image covers width x height, crop to it; returns the image and SDXL time ids:
+    original size (the source image's), crop top-left (in the resized image), target size."""
+    crop = buckets.crop_of(image.size, (width, height), center, flip, rng)
     orig_w, orig_h = image.size
-    scale = max(width / orig_w, height / orig_h)
-    new_w, new_h = max(width, round(orig_w * scale)), max(height, round(orig_h * scale))
-    image = image.resize((new_w, new_h), Image.Resampling.LANCZOS)
-    left = (new_w - width) // 2 if center else rng.randint(0, new_w - width)
-    top = (new_h - height) // 2 if center else rng.randint(0, new_h - height)
-    image = image.crop((left, top, left + width, top + height))
-    if flip and rng.random() < 0.5:
+    image = image.resize((crop.width, crop.height), Image.Resampling.LANCZOS)
+    left = crop.width - width - crop.left if crop.flipped else crop.left
+    image = image.crop((left, crop.top, left + width, crop.top + height))
+    if crop.flipped:
         image = ImageOps.mirror(image)
-    return image, [orig_h, orig_w, top, left, height, width]
+    return image, [orig_h, orig_w, crop.top, crop.left, height, width]
 
 
 def _pixels(image: Image.Image) -> torch.Tensor:
@@ -113,6 +115,7 @@ class FolderImages:
         record = Path(cfg.data.cache_dir) / f"scan-{folder_key}.json"
         checks, checked_now = _check_images(self.root, record, accelerator)
         self.files = [self.root / rel for rel, (_, _, problem) in sorted(checks.items()) if problem is None]
+        self.stats = {rel: (size, mtime) for rel, (size, mtime, _) in checks.items()}
         self.skipped = Counter(problem for _, _, problem in checks.values() if problem is not None)
         log.info("data.path=%s: %d image file(s); %d decoded now to check them, %d known from %s", self.root,
                  len(checks), checked_now, len(checks) - checked_now, record)
@@ -125,6 +128,16 @@ class FolderImages:
         if missing:
             log.warning("data.path=%s: %d image(s) have no caption; training them with an empty prompt", self.root,
                         missing)
+        self.layout: buckets.Layout | None = None
+        self.plan: buckets.Plan | None = None
+        if bucket_geometry.enabled(cfg):
+            self.layout, self.files = buckets.layout(cfg, self.root, self.files)
+            world = accelerator.num_processes if accelerator else 1
+            batch = int(cfg.train.micro_batch_size) * int(cfg.train.gradient_accumulation_steps) * world
+            self.plan = buckets.Plan(self.layout, batch, self.seed, cfg.data.bucket_remainder.value == "repeat")
+            if accelerator is None or accelerator.is_main_process:
+                for line in self.plan.report():
+                    log.info("bucket %s", line)
 
     def _metadata(self) -> dict[str, str]:
         path = self.root / "metadata.jsonl"
@@ -150,12 +163,32 @@ class FolderImages:
         return {"source": "folder", "root": str(self.root.resolve()), "files": stats, "center": self.center,
                 "flip": self.flip, "seed": self.seed, "captions": self.caption_ext}
 
+    def _target(self, index: int) -> tuple[tuple[int, int], random.Random]:
+        """The size sample `index` is trained at and the generator of its random crop and flip (keyed by the
+        file's name with buckets, so the cache of an image survives files added to the folder)."""
+        if self.layout is None:
+            return (self.width, self.height), random.Random(self.seed * 1_000_003 + index)
+        return self.layout.bucket(index), random.Random(f"{self.seed}:{self.files[index].relative_to(self.root)}")
+
+    def cache_names(self) -> list[str] | None:
+        """Per-sample cache file names keyed by image, caption, bucket and crop (None without buckets)."""
+        if self.layout is None:
+            return None
+        names = []
+        for index, path in enumerate(self.files):
+            target, rng = self._target(index)
+            crop = buckets.crop_of(self.layout.sizes[index], target, self.center, self.flip, rng)
+            rel = str(path.relative_to(self.root))
+            identity = f"{rel}|{self.stats[rel]}|{self.layout.sizes[index]}|{self._caption(path)}"
+            names.append(buckets.cache_name(target, identity, crop))
+        return names
+
     def __getitem__(self, index: int) -> Example:
         path = self.files[index]
         with Image.open(path) as raw:
             image = _to_rgb(raw)
-        image, time_ids = _fit(image, self.width, self.height, self.center, self.flip,
-                               random.Random(self.seed * 1_000_003 + index))
+        (width, height), rng = self._target(index)
+        image, time_ids = _fit(image, width, height, self.center, self.flip, rng)
         return Example(_pixels(image), self._caption(path), torch.tensor(time_ids))
 
 
@@ -246,43 +279,58 @@ def _permutation(n: int, seed: int, epoch: int) -> list[int]:
 class LatentCache:
     """VAE latents and text embeddings, one file per sample under `data.cache_dir/<key>`.
 
-    The key hashes the model, resolution and data, so a change to any of them makes a new cache. A
-    cache is complete when its manifest exists; files are written atomically, so an interrupted
-    build resumes where it stopped.
+    Without buckets the key hashes the model, resolution and data, so a change to any of them makes a
+    new cache. With buckets the key hashes the model alone and each sample's file, under its bucket's
+    folder, is named by a hash of its image, caption and crop: a later run, or a run on a folder
+    with images added, encodes only what it has not seen. A cache is complete when its manifest
+    exists; files are written atomically, so an interrupted build resumes where it stopped.
     """
 
     def __init__(self, cfg: DictConfig, data: SyntheticImages | FolderImages) -> None:
-        identity = {"model": OmegaConf.to_container(cfg.model, resolve=True),
-                    "resolution": [int(cfg.resolution.width), int(cfg.resolution.height)], "data": data.identity()}
+        self.names = data.cache_names() if isinstance(data, FolderImages) else None
+        model = OmegaConf.to_container(cfg.model, resolve=True)
+        identity = {"model": model, "resolution": [int(cfg.resolution.width), int(cfg.resolution.height)],
+                    "data": data.identity()} if self.names is None else {"model": model}
         key = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
-        self.dir = Path(cfg.data.cache_dir) / f"{cfg.model.name}-{cfg.resolution.width}x{cfg.resolution.height}-{key}"
+        size = "buckets" if self.names is not None else f"{cfg.resolution.width}x{cfg.resolution.height}"
+        self.dir = Path(cfg.data.cache_dir) / f"{cfg.model.name}-{size}-{key}"
+        self.manifest = self.dir / "manifest.json"
+        if self.names is not None:  # one manifest per set of samples: the folder is shared by many sets
+            self.manifest = self.dir / f"manifest-{hashlib.sha256('|'.join(self.names).encode()).hexdigest()[:16]}.json"
         self.n = len(data)
 
     @property
     def complete(self) -> bool:
-        return (self.dir / "manifest.json").exists()
+        return self.manifest.exists()
 
     def path(self, index: int) -> Path:
-        return self.dir / f"{index:08d}.pt"
+        return self.dir / (f"{self.names[index]}.pt" if self.names is not None else f"{index:08d}.pt")
 
     def build(self, data: SyntheticImages | FolderImages, frozen: Any, rank: int, world: int,
               device: torch.device, batch_size: int = 8) -> int:
-        """Encode this rank's share of the samples not cached yet; returns how many it encoded."""
+        """Encode this rank's share of the samples not cached yet; returns how many it encoded.
+        Samples are encoded in batches of one shape (one bucket folder)."""
         from ds_trainer.train.models import encode_images, encode_prompts
 
         self.dir.mkdir(parents=True, exist_ok=True)
-        todo = [i for i in range(rank, self.n, world) if not self.path(i).exists()]
-        for start in range(0, len(todo), batch_size):
-            chunk = [data[i] for i in todo[start:start + batch_size]]
-            latents = encode_images(frozen, torch.stack([e.pixels for e in chunk]))
-            embeds, pooled = encode_prompts(frozen, [e.caption for e in chunk], device)
-            for j, index in enumerate(todo[start:start + batch_size]):
-                item = {"latents": latents[j].to("cpu", torch.float32).clone(),
-                        "prompt_embeds": embeds[j].to("cpu", torch.float32).clone(),
-                        "pooled": pooled[j].to("cpu", torch.float32).clone(), "time_ids": chunk[j].time_ids.clone()}
-                tmp = self.path(index).with_suffix(f".tmp{os.getpid()}")
-                torch.save(item, tmp)
-                tmp.replace(self.path(index))
+        todo = sorted((i for i in range(rank, self.n, world) if not self.path(i).exists()),
+                      key=lambda i: (self.path(i).parent.name, i))
+        chunks = [list(group) for _, group in itertools.groupby(todo, key=lambda i: self.path(i).parent)]
+        for group in chunks:
+            self.path(group[0]).parent.mkdir(parents=True, exist_ok=True)
+            for start in range(0, len(group), batch_size):
+                part = group[start:start + batch_size]
+                chunk = [data[i] for i in part]
+                latents = encode_images(frozen, torch.stack([e.pixels for e in chunk]))
+                embeds, pooled = encode_prompts(frozen, [e.caption for e in chunk], device)
+                for j, index in enumerate(part):
+                    item = {"latents": latents[j].to("cpu", torch.float32).clone(),
+                            "prompt_embeds": embeds[j].to("cpu", torch.float32).clone(),
+                            "pooled": pooled[j].to("cpu", torch.float32).clone(),
+                            "time_ids": chunk[j].time_ids.clone()}
+                    tmp = self.path(index).with_suffix(f".tmp{os.getpid()}")
+                    torch.save(item, tmp)
+                    tmp.replace(self.path(index))
         return len(todo)
 
     def finish(self) -> None:
@@ -292,7 +340,7 @@ class LatentCache:
             raise RuntimeError(f"latent cache {self.dir} lacks {len(missing)} samples after building")
         tmp = self.dir / f".manifest.tmp{os.getpid()}"
         tmp.write_text(json.dumps({"samples": self.n}))
-        tmp.replace(self.dir / "manifest.json")
+        tmp.replace(self.manifest)
 
     def load(self, indices: list[int]) -> dict[str, torch.Tensor]:
         items = [torch.load(self.path(i), weights_only=True) for i in indices]
@@ -320,9 +368,13 @@ class Loader:
         self.data, self.cache, self.frozen, self.device = data, cache, frozen, device
         self.rank, self.world = rank, world
         self.micro, self.seed = int(cfg.train.micro_batch_size), int(cfg.train.seed)
+        self.plan = data.plan if isinstance(data, FolderImages) else None
 
     def __call__(self, b: int) -> dict[str, torch.Tensor]:
-        indices = batch_indices(b, self.rank, self.world, self.micro, len(self.data), self.seed)
+        if self.plan is not None:  # one bucket per global batch: every rank gets the same shape
+            indices = self.plan.indices(b, self.rank, self.world, self.micro)
+        else:
+            indices = batch_indices(b, self.rank, self.world, self.micro, len(self.data), self.seed)
         if self.cache is not None:
             return self.cache.load(indices)
         return encode_batch(self.data, self.frozen, indices, self.device)

@@ -1,4 +1,5 @@
-"""The end of a run: the UNet (and EMA UNet) in diffusers format; for sdxl_tiny a whole pipeline."""
+"""The end of a run: the UNet (and EMA UNet) in diffusers format; for sdxl_tiny and a run from a single-file
+checkpoint a whole pipeline."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
+from ds_trainer.config import checkpoint_file
 from ds_trainer.train import models
 from ds_trainer.train.ema import EMA
 
@@ -30,7 +32,7 @@ def diffusers(cfg: DictConfig, accelerator: Any, unet: Any, ema: EMA | None, fro
         model.load_state_dict({k: v.float() for k, v in weights.items()})
         model.save_pretrained(run_dir / name)
         exported[name] = model
-    if cfg.model.name == "sdxl_tiny":
+    if cfg.model.name == "sdxl_tiny" or checkpoint_file.is_single_file(cfg.model.pretrained):
         _pipeline(cfg, frozen, exported.get("unet_ema", exported["unet"]), run_dir)
 
 

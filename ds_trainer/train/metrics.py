@@ -58,6 +58,7 @@ class Tracker:
         self.accelerator, self.cfg, self.run_dir = accelerator, cfg, run_dir
         self.main = accelerator.is_main_process
         self.rows: list[dict[str, Any]] = []
+        self.facts: dict[str, Any] = {}  # facts about the run found during setup (e.g. buckets), for summary.json
         self.wandb_id: str | None = None
         self.wandb_broken = False
         if not self.main:
@@ -86,6 +87,17 @@ class Tracker:
             except Exception as exc:  # noqa: BLE001 - W&B going away must not stop training
                 self.wandb_broken = True
                 log.warning("W&B logging failed (%s); metrics continue in metrics.jsonl only", exc)
+
+    def add_facts(self, values: dict[str, Any]) -> None:
+        """Facts found during setup: kept for summary.json and added to the W&B run's config."""
+        if not self.main:
+            return
+        self.facts.update(values)
+        for tracker in self.accelerator.trackers if self.wandb_id and not self.wandb_broken else []:
+            try:
+                tracker.tracker.config.update(values, allow_val_change=True)
+            except Exception as exc:  # noqa: BLE001 - W&B going away must not stop training
+                log.warning("W&B config update failed: %s", exc)
 
     def close(self) -> None:
         """Close the metrics file and finish the W&B run (flushed even when a preempted job exits)."""

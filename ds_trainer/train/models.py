@@ -1,6 +1,7 @@
 """SDXL components: the trained UNet and the frozen VAE, text encoders and tokenizers.
 
-`model.pretrained` (a local diffusers folder or a hub id) loads weights; without it every part is
+`model.pretrained` (a local diffusers folder, a hub id, or a single-file SDXL checkpoint: see
+single_file.py) loads weights, `model.vae` replaces the VAE; without it every part is
 built from the architecture configs in `ds_trainer/assets/<model>` with random weights, so nothing
 is ever downloaded unless the user asks for it.
 """
@@ -14,6 +15,8 @@ from typing import Any
 
 import torch
 from omegaconf import DictConfig
+
+from ds_trainer.config import checkpoint_file
 
 
 @dataclass
@@ -29,7 +32,7 @@ class Frozen:
 
 def _source(cfg: DictConfig) -> tuple[str, dict[str, Any]]:
     """Where to load from, and the from_pretrained keyword arguments."""
-    if cfg.model.pretrained:
+    if cfg.model.pretrained and not checkpoint_file.is_single_file(cfg.model.pretrained):
         kwargs = {"revision": cfg.model.revision, "variant": cfg.model.variant}
         return str(cfg.model.pretrained), {k: v for k, v in kwargs.items() if v}
     return str(cfg.model.architecture), {}
@@ -54,11 +57,18 @@ def load_frozen(cfg: DictConfig, deepspeed_plugin: Any = None) -> Frozen:
     from diffusers import AutoencoderKL
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
+    from ds_trainer.train import single_file
+
     path, kwargs = _source(cfg)
     with outside_zero3(deepspeed_plugin):
         tokenizer = CLIPTokenizer.from_pretrained(path, subfolder="tokenizer", **kwargs)
         tokenizer_2 = CLIPTokenizer.from_pretrained(path, subfolder="tokenizer_2", **kwargs)
-        if cfg.model.pretrained:
+        if checkpoint_file.is_single_file(cfg.model.pretrained):
+            state = single_file.checkpoint(cfg)
+            vae = single_file.vae(cfg, state)
+            te1, te2 = single_file.text_encoders(cfg, state)
+            del state
+        elif cfg.model.pretrained:
             vae = AutoencoderKL.from_pretrained(path, subfolder="vae", **kwargs)
             te1 = CLIPTextModel.from_pretrained(path, subfolder="text_encoder", **kwargs)
             te2 = CLIPTextModelWithProjection.from_pretrained(path, subfolder="text_encoder_2", **kwargs)
@@ -67,6 +77,9 @@ def load_frozen(cfg: DictConfig, deepspeed_plugin: Any = None) -> Frozen:
             vae = AutoencoderKL.from_config(AutoencoderKL.load_config(path, subfolder="vae"))
             te1 = CLIPTextModel(CLIPTextConfig.from_pretrained(path, subfolder="text_encoder"))
             te2 = CLIPTextModelWithProjection(CLIPTextConfig.from_pretrained(path, subfolder="text_encoder_2"))
+        if cfg.model.vae is not None and not checkpoint_file.is_single_file(cfg.model.pretrained):
+            # e.g. the fp16-safe SDXL VAE instead of the model's own (single_file.vae applied it above)
+            vae = single_file.vae(cfg)
     for module in (vae, te1, te2):
         module.requires_grad_(False)
         module.eval()
@@ -77,8 +90,12 @@ def load_unet(cfg: DictConfig) -> Any:
     """The UNet to train, in fp32 (DeepSpeed or Accelerate casts for mixed precision)."""
     from diffusers import UNet2DConditionModel
 
+    from ds_trainer.train import single_file
+
     path, kwargs = _source(cfg)
-    if cfg.model.pretrained:
+    if checkpoint_file.is_single_file(cfg.model.pretrained):
+        unet = single_file.unet(cfg)
+    elif cfg.model.pretrained:
         unet = UNet2DConditionModel.from_pretrained(path, subfolder="unet", torch_dtype=torch.float32, **kwargs)
     else:
         torch.manual_seed(int(cfg.train.seed))

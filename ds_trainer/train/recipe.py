@@ -143,7 +143,7 @@ def run(cfg: DictConfig, ds: dict[str, Any] | None, run_dir: Path, name: str = "
             status, message = "error", str(exc) if ours else f"{type(exc).__name__}: {exc}"
     finally:
         tracker.close()
-    summary = metrics.summarize(cfg, tracker.rows, status, message, accelerator.num_processes)
+    summary = {**metrics.summarize(cfg, tracker.rows, status, message, accelerator.num_processes), **tracker.facts}
     if accelerator.is_main_process:
         metrics.write_summary(run_dir, summary)
         metrics.print_summary(summary, run_dir)
@@ -164,6 +164,8 @@ def _train(cfg: DictConfig, ds: dict[str, Any] | None, run_dir: Path, accelerato
     # --- setup: data and frozen encoders, the latent cache, the UNet under DeepSpeed, the resume point
     _prepare_nvme(cfg, accelerator)
     dataset = data.dataset(cfg, accelerator)  # before any model loads: a folder with nothing usable fails fast
+    if getattr(dataset, "layout", None) is not None:
+        tracker.add_facts({"buckets": dataset.layout.counts()})  # type: ignore[union-attr]
     torch.manual_seed(int(cfg.train.seed))
     frozen = _load_frozen(cfg, accelerator, info.kind)
     cache = _build_cache(cfg, accelerator, dataset, frozen)

@@ -1,0 +1,178 @@
+"""Aspect-ratio buckets inside a run: each image's bucket and crop, and the plan of global batches.
+
+Every global batch (micro batch x accumulation x ranks) comes from one bucket and is split across
+the ranks, so all ranks run the same shape at every micro-step and the same number of steps. The plan
+is a pure function of (seed, epoch, position): global batch `s` (the one optimizer step `s + 1`
+trains) is batch `s % per_epoch` of epoch `s // per_epoch`, and sample position `p` (counted in
+samples, `p = s * global_batch`) is sample `p % global_batch` of global batch `p // global_batch`.
+A resume therefore continues the same plan, also on another number of ranks that keeps the global
+batch size (the plan is built per global batch size).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+from omegaconf import DictConfig
+from PIL import Image
+
+from ds_trainer.config import buckets as geometry
+from ds_trainer.config.buckets import Bucket
+from ds_trainer.errors import DataError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Crop:
+    """Where an image lands in its bucket: resized to (width, height), cropped at (top, left), maybe mirrored.
+
+    `top`/`left` are in the resized image's pixels; for a mirrored image `left` is measured in the
+    mirrored image, so the time ids describe the pixels the model sees."""
+
+    width: int
+    height: int
+    top: int
+    left: int
+    flipped: bool
+
+
+def crop_of(size: tuple[int, int], target: Bucket, center: bool, flip: bool, rng: random.Random) -> Crop:
+    """The resize-to-cover and crop of an image of `size` (w, h) for `target` (w, h)."""
+    (orig_w, orig_h), (width, height) = size, target
+    scale = max(width / orig_w, height / orig_h)
+    new_w, new_h = max(width, round(orig_w * scale)), max(height, round(orig_h * scale))
+    left = (new_w - width) // 2 if center else rng.randint(0, new_w - width)
+    top = (new_h - height) // 2 if center else rng.randint(0, new_h - height)
+    flipped = flip and rng.random() < 0.5
+    return Crop(new_w, new_h, top, new_w - width - left if flipped else left, flipped)
+
+
+def source_size(path: Path) -> tuple[int, int]:
+    """(width, height) as the image is seen upright (EXIF orientation applied), from its header only."""
+    with Image.open(path) as image:
+        width, height = image.size
+        orientation = image.getexif().get(0x0112, 1)
+    return (height, width) if orientation in (5, 6, 7, 8) else (width, height)
+
+
+def nearest(size: tuple[int, int], found: list[Bucket]) -> int:
+    """Index of the bucket nearest in aspect ratio (distance of log ratios; ties go to the first)."""
+    import math
+
+    ratio = math.log(size[0] / size[1])
+    return min(range(len(found)), key=lambda k: abs(math.log(found[k][0] / found[k][1]) - ratio))
+
+
+@dataclass
+class Layout:
+    """The buckets of a folder: `of[i]` is sample i's bucket in `buckets`, `sizes[i]` its source size."""
+
+    buckets: list[Bucket]
+    of: list[int]
+    sizes: list[tuple[int, int]]
+
+    def bucket(self, index: int) -> Bucket:
+        return self.buckets[self.of[index]]
+
+    def counts(self) -> dict[str, int]:
+        """{WIDTHxHEIGHT: images} of the buckets that hold images."""
+        out: dict[str, int] = {}
+        for k in sorted(set(self.of)):
+            out[geometry.name(self.buckets[k])] = self.of.count(k)
+        return out
+
+
+def layout(cfg: DictConfig, root: Path, files: list[Path]) -> tuple[Layout, list[Path]]:
+    """Assign every image to its bucket; images more elongated than the max aspect ratio fit none and are
+    left out (with their sizes in the log); no image left is a DataError naming the sizes."""
+    s = geometry.spec(cfg)
+    found = geometry.generate(s)
+    kept, sizes, skipped = [], [], []
+    for path in files:
+        w, h = source_size(path)
+        if max(w / h, h / w) > s.max_ratio + 1e-9:
+            skipped.append(f"{path.relative_to(root)} ({w}x{h})")
+        else:
+            kept.append(path)
+            sizes.append((w, h))
+    if skipped:
+        log.warning("data.path=%s: %d image(s) fit no bucket (aspect ratio beyond data.bucket_max_aspect_ratio=%s)"
+                    " and are left out: %s", root, len(skipped), s.max_ratio, ", ".join(skipped[:20]))
+    if not kept:
+        raise DataError(f"data.path={root}: no image fits a bucket: {', '.join(skipped[:20])} are all more "
+                        f"elongated than data.bucket_max_aspect_ratio={s.max_ratio} (buckets "
+                        f"{geometry.name(found[0])} to {geometry.name(found[-1])}); raise "
+                        f"data.bucket_max_aspect_ratio or train at one size with data.buckets=false")
+    return Layout(found, [nearest(size, found) for size in sizes], sizes), kept
+
+
+def cache_name(bucket: Bucket, identity: str, crop: Crop) -> str:
+    """The cache file of one sample: its bucket's folder, a hash of the image, caption and crop."""
+    text = f"{identity}|{crop.width}x{crop.height}|{crop.top},{crop.left},{int(crop.flipped)}"
+    return f"{geometry.name(bucket)}/{hashlib.sha256(text.encode()).hexdigest()[:24]}"
+
+
+class Plan:
+    """The global batches of every epoch, each `global_batch` samples of one bucket."""
+
+    def __init__(self, layout_: Layout, global_batch: int, seed: int, repeat: bool) -> None:
+        self.layout, self.global_batch, self.seed, self.repeat = layout_, global_batch, seed, repeat
+        self.members = {k: [i for i, b in enumerate(layout_.of) if b == k] for k in sorted(set(layout_.of))}
+        self.counts = {k: len(m) // global_batch + (1 if repeat and len(m) % global_batch else 0)
+                       for k, m in self.members.items()}
+        self.per_epoch = sum(self.counts.values())
+        self._cached: tuple[int, list[list[int]]] | None = None
+        if self.per_epoch == 0:
+            sizes = ", ".join(f"{geometry.name(layout_.buckets[k])}: {len(m)}" for k, m in self.members.items())
+            raise DataError(f"every bucket holds fewer images than one global batch of {global_batch} (micro batch x "
+                            f"accumulation x ranks) ({sizes}), so data.bucket_remainder=drop leaves nothing to train "
+                            f"on; use data.bucket_remainder=repeat, a smaller batch, or data.buckets=false")
+
+    def report(self) -> list[str]:
+        """One line per bucket: images, global batches per epoch, images dropped or repeated per epoch."""
+        lines = []
+        for k, m in self.members.items():
+            rest = len(m) % self.global_batch
+            extra = (f", {self.global_batch - rest} repeated" if self.repeat else f", {rest} dropped") if rest else ""
+            lines.append(f"{geometry.name(self.layout.buckets[k])}: {len(m)} image(s), {self.counts[k]} batch(es) "
+                         f"per epoch{extra}")
+        return lines
+
+    def epoch(self, e: int) -> list[list[int]]:
+        """The global batches of epoch `e`, in training order: a function of (seed, epoch) alone."""
+        if self._cached is not None and self._cached[0] == e:
+            return self._cached[1]
+        rng = random.Random(self.seed * 1_000_033 + e)
+        batches = []
+        g = self.global_batch
+        for k, members in self.members.items():
+            order = list(members)
+            rng.shuffle(order)
+            if self.repeat and len(order) % g:
+                order += [order[j % len(members)] for j in range(g - len(order) % g)]
+            batches += [order[j * g:(j + 1) * g] for j in range(self.counts[k])]
+        rng.shuffle(batches)
+        self._cached = (e, batches)
+        return batches
+
+    def batch(self, s: int) -> list[int]:
+        """Global batch `s` (samples s * global_batch ... of the run)."""
+        e, position = divmod(s, self.per_epoch)
+        return self.epoch(e)[position]
+
+    def samples(self, start: int, count: int) -> list[int]:
+        """Samples `start` ... `start + count - 1` of the run's stream (a data position counted in samples)."""
+        g = self.global_batch
+        return [self.batch(p // g)[p % g] for p in range(start, start + count)]
+
+    def indices(self, b: int, rank: int, world: int, micro: int) -> list[int]:
+        """Rank `rank`'s part of global micro-batch `b` (micro-step `b % accumulation` of step `b // accumulation`)."""
+        accum = self.global_batch // (micro * world)
+        s, m = divmod(b, accum)
+        start = (m * world + rank) * micro
+        return self.batch(s)[start:start + micro]
