@@ -17,7 +17,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from ds_trainer.config import ds_config, hardware, nvme, optimizers, schema
+from ds_trainer.config import ds_config, hardware, nvme, optimizers, samples, schema
 
 # Top-level keys that may hold anything (added by launchers and sweeps).
 _FREE_FORM = frozenset({"hydra"})
@@ -285,6 +285,7 @@ def check(cfg: DictConfig, info: hardware.PlatformInfo | None = None) -> Report:
     optimizer = _optimizer(cfg, info, problems, warnings)
     swap = _nvme(cfg, optimizer, problems) if not problems else 0
     _paths(cfg, problems)
+    problems.extend(Problem(*issue) for issue in samples.issues(cfg))
     optimizer_on, params_on = ds_config.placement(cfg)
     cfg.resolved.platform = info.kind
     cfg.resolved.backend = cfg.zero.backend.value

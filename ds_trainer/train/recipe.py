@@ -23,6 +23,7 @@ from ds_trainer.config import ds_config, hardware, nvme
 from ds_trainer.errors import TrainingError
 from ds_trainer.train import accel, checkpoint, data, export, metrics, models, oom
 from ds_trainer.train.ema import EMA
+from ds_trainer.train.sampling import Sampler
 from ds_trainer.train.step import TrainStep
 from ds_trainer.train.stop import Interrupted, StopRequest
 
@@ -188,6 +189,7 @@ def _train(cfg: DictConfig, ds: dict[str, Any] | None, run_dir: Path, accelerato
     max_steps = int(cfg.train.max_steps)
     saver = checkpoint.Saver(cfg, accelerator, run_dir, ema, wandb_id=tracker.wandb_id, last=resume_from)
     progress = _progress_bar(accelerator, max_steps, start_step)
+    sampler = Sampler(cfg, accelerator, unet, ema, frozen, run_dir, tracker, progress)
     if info.kind == "cuda":  # peaks from here on are training's (not the cache build's or DeepSpeed's setup)
         torch.cuda.reset_peak_memory_stats(accelerator.device)
 
@@ -198,6 +200,7 @@ def _train(cfg: DictConfig, ds: dict[str, Any] | None, run_dir: Path, accelerato
         try:
             for step in range(start_step + 1, max_steps + 1):
                 stopping = train_step(step)
+                sampler.after_step(step, stopping)
                 saver.after_step(step, stopping)
                 if stopping and step < max_steps:
                     raise Interrupted(step, saver.last, stop)
