@@ -77,7 +77,7 @@ def unet_in_its_dtype(unet: torch.nn.Module) -> Iterator[None]:
     """Run a 16-bit UNet (as DeepSpeed trains it) inside a float32 pipeline: its latents, text embeddings
     and added conditions are cast to the UNet's dtype, its prediction back to the latents' dtype; the
     timestep is left alone (Euler's float timesteps would round in bf16). Training casts the same way."""
-    dtype = unet.conv_in.weight.dtype  # type: ignore[union-attr]
+    dtype: torch.dtype = unet.conv_in.weight.dtype  # type: ignore[union-attr,assignment]
     seen: list[torch.dtype] = []
 
     def before(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -99,6 +99,26 @@ def unet_in_its_dtype(unet: torch.nn.Module) -> Iterator[None]:
     finally:
         for handle in handles:
             handle.remove()
+
+
+@contextlib.contextmanager
+def _plain_linear() -> Iterator[None]:
+    """torch's own F.linear while sampling. ZeRO-3 replaces it process-wide with a memory-efficient
+    version (matmul, then the bias added in 16 bits) for the backward; inference needs none of that,
+    and with torch's kernel a sample equals what the exported pipeline makes."""
+    import sys
+
+    zero = sys.modules.get("deepspeed.runtime.zero.partition_parameters")
+    original = getattr(getattr(zero, "InsertPostInitMethodToModuleSubClasses", None), "linear_bk", None)
+    if original is None or torch.nn.functional.linear is original:
+        yield
+        return
+    patched = torch.nn.functional.linear
+    torch.nn.functional.linear = original
+    try:
+        yield
+    finally:
+        torch.nn.functional.linear = patched
 
 
 def _grid(images: list[Any], columns: int) -> Any:
@@ -176,7 +196,7 @@ class Sampler:
         rank, world = self.accelerator.process_index, self.accelerator.num_processes
         calls = math.ceil(len(self.units) / world)
         device = self.accelerator.device
-        with self._sampling_unet() as unet, self._frozen_on(device), torch.random.fork_rng(
+        with self._sampling_unet() as unet, self._frozen_on(device), _plain_linear(), torch.random.fork_rng(
                 devices=[device.index or 0] if device.type == "cuda" else []):
             pipe = self._pipeline(unet)
             out = []
@@ -246,7 +266,7 @@ class Sampler:
         pipe = StableDiffusionXLPipeline(vae=f.vae, text_encoder=f.text_encoder, text_encoder_2=f.text_encoder_2,
                                          tokenizer=f.tokenizer, tokenizer_2=f.tokenizer_2, unet=unet,
                                          scheduler=models.inference_scheduler(self.cfg))
-        pipe.set_progress_bar_config(disable=True)
+        pipe.set_progress_bar_config(disable=True)  # type: ignore[attr-defined]
         return pipe
 
     def _write(self, step: int, images: list[tuple[int, int, Any]], seconds: float) -> None:
