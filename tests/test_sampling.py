@@ -151,3 +151,26 @@ def test_prompts_from_a_file_and_the_schedule(tmp_path: Path) -> None:
     assert [s for s in range(1, 11) if samples.due(cfg, s)] == [3, 6, 9, 10]
     assert samples.size(cfg) == (128, 128)  # the training resolution
     assert not any(samples.due(make_cfg(), s) for s in range(1, 300))  # samples=none is the default
+
+
+def test_the_planner_counts_the_sampling_peak(capsys: pytest.CaptureFixture[str]) -> None:
+    from conftest import make_cfg
+
+    from ds_trainer.tools import plan
+
+    def cell(*overrides: str) -> plan.Estimate:
+        return plan.estimate(make_cfg("zero=stage3", "offload=cpu", *overrides), "stage3", "cpu", 1)
+
+    assert cell().sampling is None  # samples=none
+    base = cell("samples=on")
+    assert base.sampling is not None and base.sampling > base.params + base.buffers
+    assert (cell("samples=on", "samples.width=256", "samples.height=256").sampling or 0) > base.sampling
+    ema = cell("samples=on", "train.ema=true")
+    params = plan.unet_stats(str(make_cfg().model.architecture)).params
+    assert (ema.sampling or 0) - base.sampling >= 4 * params  # a float32 UNet on the EMA shadow
+    # A budget between training's peak and sampling's: the plan says sampling does not fit there.
+    budget = (ema.gpu + (ema.sampling or 0)) / 2 / plan.GIB
+    assert ema.gpu < budget * plan.GIB < (ema.sampling or 0)
+    plan.main(["zero=stage3", "offload=cpu", "samples=on", "train.ema=true", f"plan.vram_gib={budget}"])
+    out = capsys.readouterr().out
+    assert "stage3/cpu" in out and "(does not fit)" in out.split("stage3/cpu", 1)[1].split(",")[0]

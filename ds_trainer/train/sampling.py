@@ -102,6 +102,19 @@ def unet_in_its_dtype(unet: torch.nn.Module) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def _vae_decode_in_its_dtype(vae: Any) -> Iterator[None]:
+    """Latents in the text encoders' dtype decoded by a VAE in another (the pipeline casts only on MPS)."""
+    dtype = vae.decoder.conv_in.weight.dtype
+    parts = [m for m in (getattr(vae, "post_quant_conv", None), vae.decoder) if m is not None]
+    handles = [m.register_forward_pre_hook(lambda m, args: (args[0].to(dtype), *args[1:])) for m in parts]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@contextlib.contextmanager
 def _plain_linear() -> Iterator[None]:
     """torch's own F.linear while sampling. ZeRO-3 replaces it process-wide with a memory-efficient
     version (matmul, then the bias added in 16 bits) for the backward; inference needs none of that,
@@ -210,21 +223,14 @@ class Sampler:
 
     @contextlib.contextmanager
     def _sampling_unet(self) -> Iterator[Any]:
-        """The UNet to sample with, in eval mode; its mode is restored afterwards."""
-        if self.ema is not None:
-            unet = self._ema_unet()
-            yield unet
-            del unet
-            return
-        unet = self.accelerator.unwrap_model(self.unet)
+        """The UNet to sample with, in eval mode (its mode is restored afterwards). The casts are no-ops
+        where dtypes already agree (a float32 UNet on the CPU); on a GPU the text encoders are bf16."""
+        unet = self._ema_unet() if self.ema is not None else self.accelerator.unwrap_model(self.unet)
         was_training = unet.training
         unet.eval()
         try:
-            if unet.conv_in.weight.dtype == torch.float32:
+            with unet_in_its_dtype(unet), _vae_decode_in_its_dtype(self.frozen.vae):
                 yield unet
-            else:
-                with unet_in_its_dtype(unet):
-                    yield unet
         finally:
             unet.train(was_training)
 
