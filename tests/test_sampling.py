@@ -150,7 +150,8 @@ def test_prompts_from_a_file_and_the_schedule(tmp_path: Path) -> None:
     assert samples.prompts(cfg) == ["a red cube", "a blue ball"]
     assert [s for s in range(1, 11) if samples.due(cfg, s)] == [3, 6, 9, 10]
     assert samples.size(cfg) == (128, 128)  # the training resolution
-    assert not any(samples.due(make_cfg(), s) for s in range(1, 300))  # samples=none is the default
+    default = make_cfg()
+    assert not any(samples.due(default, s) for s in range(1, 300))  # samples=none is the default
 
 
 def test_the_planner_counts_the_sampling_peak(capsys: pytest.CaptureFixture[str]) -> None:
