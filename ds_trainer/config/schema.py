@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
@@ -265,6 +266,28 @@ class AdapterConfig:
 
 
 @dataclass
+class SamplesConfig:
+    """`samples` group: images generated during training (ds_trainer/train/sampling.py)."""
+
+    enabled: bool = False
+    # A list of prompts, or the path of a file with one prompt a line (so the type is checked by validation).
+    prompts: Any = field(default_factory=list)
+    # Every N optimizer steps (0: only at the end), and at the last step when at_end.
+    every: int = 0
+    at_end: bool = True
+    steps: int = 25
+    guidance_scale: float = 5.0
+    negative_prompt: str = ""
+    # One image per prompt and seed.
+    seeds: list[int] = field(default_factory=lambda: [0])
+    # None: the training resolution.
+    width: int | None = None
+    height: int | None = None
+    # With train.ema=true: sample with the EMA weights (the exported pipeline's UNet) rather than the trained ones.
+    ema: bool = True
+
+
+@dataclass
 class PlanConfig:
     """`python -m ds_trainer.plan`: the VRAM budget per GPU (None: the detected GPU's memory)."""
 
@@ -305,6 +328,7 @@ class Config:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     adapter: AdapterConfig = field(default_factory=AdapterConfig)
+    samples: SamplesConfig = field(default_factory=SamplesConfig)
     paths: PathsConfig = field(default_factory=PathsConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
     resolved: ResolvedConfig = field(default_factory=ResolvedConfig)

@@ -17,7 +17,17 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from ds_trainer.config import adapter_rules, buckets, checkpoint_file, ds_config, hardware, nvme, optimizers, schema
+from ds_trainer.config import (
+    adapter_rules,
+    buckets,
+    checkpoint_file,
+    ds_config,
+    hardware,
+    nvme,
+    optimizers,
+    samples,
+    schema,
+)
 
 # Top-level keys that may hold anything (added by launchers and sweeps).
 _FREE_FORM = frozenset({"hydra"})
@@ -291,6 +301,7 @@ def check(cfg: DictConfig, info: hardware.PlatformInfo | None = None) -> Report:
     swap = _nvme(cfg, optimizer, problems) if not problems else 0
     _paths(cfg, problems)
     problems.extend(Problem(*rule) for rule in adapter_rules.check(cfg))
+    problems.extend(Problem(*issue) for issue in samples.issues(cfg))
     optimizer_on, params_on = ds_config.placement(cfg)
     cfg.resolved.platform = info.kind
     cfg.resolved.backend = cfg.zero.backend.value

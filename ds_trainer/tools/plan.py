@@ -36,7 +36,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from ds_trainer.config import buckets, nvme
-from ds_trainer.tools import plan_lora
+from ds_trainer.tools import plan_lora, plan_samples
 
 GIB = 2**30
 CELLS = [("ddp", "none"), ("stage0", "none"), ("stage1", "none"), ("stage2", "none"), ("stage3", "none"),
@@ -57,6 +57,8 @@ class Estimate:
     host: int
     nvme: int
     notes: list[str] = field(default_factory=list)
+    # With samples=on: the peak while sampling (plan_samples), which may exceed training's.
+    sampling: int | None = None
 
     @property
     def gpu(self) -> int:
@@ -241,7 +243,8 @@ def estimate(cfg: DictConfig, zero: str, offload: str, world_size: int) -> Estim
         host = count * size * act_bytes * (2 if params_offload else 1)
     elif offload == "nvme":
         notes.append("below stage 3 NVMe offload keeps the optimizer state in host memory")
-    return Estimate(zero, offload, params, grads, optimizer, activations, buffers, host, nvme_bytes, notes)
+    sampling = plan_samples.peak(cfg, params + grads + optimizer + buffers, stats.params, _architecture(cfg))
+    return Estimate(zero, offload, params, grads, optimizer, activations, buffers, host, nvme_bytes, notes, sampling)
 
 
 def plan(cfg: DictConfig, world_size: int) -> list[Estimate]:
@@ -258,7 +261,7 @@ def describe(e: Estimate) -> str:
 
 def recommend(estimates: list[Estimate], budget: float) -> Estimate | None:
     """The cheapest cell that fits: CELLS is ordered from fastest to slowest."""
-    return next((e for e in estimates if e.gpu <= budget), None)
+    return next((e for e in estimates if max(e.gpu, e.sampling or 0) <= budget), None)
 
 
 def table(estimates: list[Estimate], budget: float | None) -> str:
@@ -294,11 +297,16 @@ def log_for_run(cfg: DictConfig, info: Any, world: int) -> None:
         return
     at = f" at the largest bucket {buckets.name(buckets.largest(cfg))}" if buckets.enabled(cfg) else ""
     log.info("memory plan (python -m ds_trainer.plan)%s: %s", at, describe(result))
+    if result.sampling is not None:
+        log.info("memory plan: %s", plan_samples.describe(result.sampling, result.gpu))
     total = (info.gpu_memory_mib or 0) * 2**20
     if info.kind == "cuda" and total and result.gpu > total:
         log.warning("the memory plan (%.1f GiB per rank) exceeds this GPU's %.1f GiB: expect out of memory; "
                     "`python -m ds_trainer.plan` with the same overrides shows what fits",
                     result.gpu / 2**30, total / 2**30)
+    elif info.kind == "cuda" and total and (result.sampling or 0) > total:
+        log.warning("training fits this GPU's %.1f GiB but sampling (samples=on) needs about %.1f GiB per rank: "
+                    "expect out of memory at the first sample step", total / 2**30, (result.sampling or 0) / 2**30)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -324,10 +332,19 @@ def main(argv: list[str] | None = None) -> int:
           f"{cfg.train.micro_batch_size}, {cfg.precision.name.value}, gradient checkpointing "
           f"{'on' if cfg.train.gradient_checkpointing else 'off'}, {world} rank(s); GiB per rank")
     print(table(estimates, budget))
+    if estimates[0].sampling is not None:
+        print("samples=on, GiB per rank while sampling: " + ", ".join(
+            f"{e.zero}/{e.offload} {(e.sampling or 0) / GIB:.2f}"
+            + (" (does not fit)" if budget is not None and (e.sampling or 0) > budget >= e.gpu else "")
+            for e in estimates))
     if budget is None:
         print("no GPU detected: pass plan.vram_gib=<GiB per GPU> to see what fits")
         return 0
     best = recommend(estimates, budget)
+    if best is None and any(e.gpu <= budget for e in estimates):
+        print(f"training fits {budget_gib:.0f} GiB but sampling fits in no cell: samples.ema=false, smaller "
+              "samples.width/height, or samples=none")
+        return 1
     if best is None:
         print(f"nothing fits {budget_gib:.0f} GiB: lower train.micro_batch_size or the resolution, or turn on "
               "train.gradient_checkpointing=true")

@@ -23,6 +23,7 @@ from ds_trainer.config import ds_config, hardware, nvme
 from ds_trainer.errors import TrainingError
 from ds_trainer.train import accel, adapter, checkpoint, data, export, metrics, models, oom
 from ds_trainer.train.ema import EMA
+from ds_trainer.train.sampling import Sampler
 from ds_trainer.train.step import TrainStep
 from ds_trainer.train.stop import Interrupted, StopRequest
 
@@ -194,6 +195,7 @@ def _train(cfg: DictConfig, ds: dict[str, Any] | None, run_dir: Path, accelerato
                              save_kwargs=trained.save_kwargs(ds is not None),
                              on_save=lambda: trained.on_save(accelerator, unet, ema, run_dir))
     progress = _progress_bar(accelerator, max_steps, start_step)
+    sampler = Sampler(cfg, accelerator, unet, ema, frozen, run_dir, tracker, progress)
     if info.kind == "cuda":  # peaks from here on are training's (not the cache build's or DeepSpeed's setup)
         torch.cuda.reset_peak_memory_stats(accelerator.device)
 
@@ -204,6 +206,7 @@ def _train(cfg: DictConfig, ds: dict[str, Any] | None, run_dir: Path, accelerato
         try:
             for step in range(start_step + 1, max_steps + 1):
                 stopping = train_step(step)
+                sampler.after_step(step, stopping)
                 saver.after_step(step, stopping)
                 if stopping and step < max_steps:
                     raise Interrupted(step, saver.last, stop)

@@ -1,0 +1,114 @@
+"""The planner's part for `samples=on`: the peak GPU memory per rank while sampling, beside training's.
+
+Sampling holds what training holds between steps (parameters, gradients, optimizer state, DeepSpeed's
+buffers), plus:
+- the frozen VAE and text encoders on the GPU (after caching, training moves them to the CPU; sampling
+  brings them back), in the dtypes training loads them with;
+- with `train.ema` and `samples.ema`, a float32 UNet on the EMA shadow (none extra with
+  `train.ema_device=gpu`: it is the shadow itself);
+- the larger of the UNet's inference working set (a batch of 2 with classifier-free guidance) and the
+  VAE decode's. Counted on the meta device: the largest (inputs + outputs) of any layer, plus what the
+  UNet keeps for its skip connections (the down blocks' outputs). Nothing is kept for backward.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+from omegaconf import DictConfig
+
+GIB = 2**30
+
+
+def _bytes(value: Any) -> int:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, tuple | list):
+        return sum(_bytes(v) for v in value)
+    if isinstance(value, dict):
+        return sum(_bytes(v) for v in value.values())
+    return int(_bytes(value.sample)) if hasattr(value, "sample") else 0
+
+
+def _working_set(module: Any, run: Any, held_in: list[Any]) -> int:
+    """Largest (inputs + outputs) of a leaf module during `run()`, plus the outputs of `held_in` modules."""
+    largest, held = [0], [0]
+
+    def leaf(m: Any, args: Any, out: Any) -> None:
+        largest[0] = max(largest[0], _bytes(args) + _bytes(out))
+
+    def keep(m: Any, args: Any, out: Any) -> None:
+        held[0] += _bytes(out)
+
+    leaves = [m for m in module.modules() if not list(m.children())]
+    handles = [m.register_forward_hook(leaf) for m in leaves] + [m.register_forward_hook(keep) for m in held_in]
+    try:
+        run()
+    finally:
+        for h in handles:
+            h.remove()
+    return largest[0] + held[0]
+
+
+@cache
+def _activations(architecture: str, width: int, height: int, batch: int, dtype_bytes: int) -> int:
+    import torch
+    from diffusers import AutoencoderKL
+
+    from ds_trainer.tools import plan
+
+    dtype = {2: torch.bfloat16, 4: torch.float32}[dtype_bytes]
+    unet = plan._meta_unet(architecture).to(dtype)
+    with torch.device("meta"), torch.no_grad():
+        x, t, enc, cond = plan.unet_inputs(unet.config, batch, height, width, dtype)
+        unet_peak = _working_set(unet, lambda: unet(x, t, enc, added_cond_kwargs=cond),
+                                 [unet.conv_in, *unet.down_blocks])
+        vae = AutoencoderKL.from_config(AutoencoderKL.load_config(architecture, subfolder="vae"))
+        latents = torch.randn(1, int(vae.config.latent_channels), height // 8, width // 8)
+        vae_peak = _working_set(vae, lambda: vae.decode(latents), [])
+    return max(unet_peak, vae_peak)
+
+
+@cache
+def _frozen_bytes(architecture: str, kind: str) -> int:
+    """The VAE and both text encoders as training loads them (bf16 text encoders on a GPU)."""
+    import torch
+    from diffusers import AutoencoderKL
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+
+    with torch.device("meta"):
+        vae = AutoencoderKL.from_config(AutoencoderKL.load_config(architecture, subfolder="vae"))
+        te1 = CLIPTextModel(CLIPTextConfig.from_pretrained(architecture, subfolder="text_encoder"))
+        te2 = CLIPTextModelWithProjection(CLIPTextConfig.from_pretrained(architecture, subfolder="text_encoder_2"))
+    half = 4 if kind == "cpu" else 2
+    vae_bytes = 4 if vae.config.force_upcast or kind == "cpu" else half
+    count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    return count(vae) * vae_bytes + (count(te1) + count(te2)) * half
+
+
+def peak(cfg: DictConfig, resident: int, unet_params: int, architecture: str, kind: str = "cuda") -> int | None:
+    """Peak GPU bytes per rank while sampling (None with samples=none); `resident` is what training
+    keeps between steps (parameters, gradients, optimizer state, buffers)."""
+    if not cfg.samples.enabled:
+        return None
+    from ds_trainer.config import samples
+
+    width, height = samples.size(cfg)
+    batch = 2 if float(cfg.samples.guidance_scale) > 1 else 1
+    dtype_bytes = 4 if cfg.precision.name.value == "fp32" else 2
+    ema = 4 * unet_params if cfg.train.ema and cfg.samples.ema and cfg.train.ema_device != "gpu" else 0
+    if ema:
+        dtype_bytes = 4  # the EMA UNet samples in float32
+    return resident + _frozen_bytes(architecture, kind) + ema + _activations(architecture, width, height, batch,
+                                                                               dtype_bytes)
+
+
+def describe(sampling: int, training: int) -> str:
+    """One line: the sampling peak, and whether it is above training's."""
+    above = sampling > training
+    return (f"sampling peaks at about {sampling / GIB:.2f} GiB per rank, "
+            + (f"{(sampling - training) / GIB:.2f} GiB above training's {training / GIB:.2f} GiB" if above
+               else f"within training's {training / GIB:.2f} GiB"))

@@ -1,0 +1,300 @@
+"""Sample images during training, under every ZeRO stage: `Sampler.after_step` is called by the recipe
+after each optimizer step, on every rank.
+
+Under ZeRO-3 each UNet forward gathers the parameters from all ranks, so every rank must run the same
+forwards: the (prompt, seed) pairs are dealt round robin and padded to a multiple of the world size
+(a padding image is generated and dropped), every rank runs the same pipeline calls, and the images
+are gathered to rank 0, which writes them and logs them to W&B (trackers live on rank 0 only). Whether
+to sample depends on the step only (`config.samples.due`); ranks check once at the start that they
+agree on everything that decides their forwards, and fail with a message rather than hang.
+
+Sampling leaves training untouched: the noise comes from private generators, torch's global RNG state
+is restored, the UNet's train/eval mode is restored, nothing records gradients. The pipeline is
+diffusers' StableDiffusionXLPipeline around the training UNet (or a UNet built on the EMA shadow) with
+the frozen VAE and text encoders and the exported scheduler, so the exported pipeline reproduces an
+image with `generate` (see the README's "Samples").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+
+from ds_trainer.config import samples
+from ds_trainer.errors import TrainingError
+from ds_trainer.train import accel, metrics, models
+from ds_trainer.train.ema import EMA
+
+log = logging.getLogger("ds_trainer")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """How each image is generated (everything but the prompt and the seed)."""
+
+    steps: int
+    guidance_scale: float
+    negative_prompt: str
+    width: int
+    height: int
+
+
+def settings(cfg: DictConfig) -> Settings:
+    width, height = samples.size(cfg)
+    s = cfg.samples
+    return Settings(int(s.steps), float(s.guidance_scale), str(s.negative_prompt), width, height)
+
+
+def generate(pipe: Any, prompt: str, seed: int, s: Settings) -> Any:
+    """One image (PIL) from an SDXL pipeline: the call the sampler makes, and the one that reproduces its
+    images from the exported pipeline. The latents come from a CPU generator, so the device does not
+    change them; an empty negative prompt means SDXL's zeroed unconditional embedding."""
+    return pipe(prompt=prompt, negative_prompt=s.negative_prompt or None, num_inference_steps=s.steps,
+                guidance_scale=s.guidance_scale, width=s.width, height=s.height,
+                generator=torch.Generator().manual_seed(int(seed))).images[0]
+
+
+def _cast(value: Any, dtype: torch.dtype) -> Any:
+    if isinstance(value, torch.Tensor) and value.is_floating_point():
+        return value.to(dtype)
+    if isinstance(value, dict):
+        return {k: _cast(v, dtype) for k, v in value.items()}
+    return value
+
+
+@contextlib.contextmanager
+def unet_in_its_dtype(unet: torch.nn.Module) -> Iterator[None]:
+    """Run a 16-bit UNet (as DeepSpeed trains it) inside a float32 pipeline: its latents, text embeddings
+    and added conditions are cast to the UNet's dtype, its prediction back to the latents' dtype; the
+    timestep is left alone (Euler's float timesteps would round in bf16). Training casts the same way."""
+    dtype: torch.dtype = unet.conv_in.weight.dtype  # type: ignore[union-attr,assignment]
+    seen: list[torch.dtype] = []
+
+    def before(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        seen.append(args[0].dtype)
+        kwargs = {k: _cast(v, dtype) if k in ("encoder_hidden_states", "added_cond_kwargs") else v
+                  for k, v in kwargs.items()}
+        return (args[0].to(dtype), *args[1:]), kwargs
+
+    def after(module: Any, args: tuple, output: Any) -> Any:
+        back = seen.pop()
+        if isinstance(output, tuple):
+            return (output[0].to(back), *output[1:])
+        output.sample = output.sample.to(back)
+        return output
+
+    handles = [unet.register_forward_pre_hook(before, with_kwargs=True), unet.register_forward_hook(after)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@contextlib.contextmanager
+def _vae_decode_in_its_dtype(vae: Any) -> Iterator[None]:
+    """Latents in the text encoders' dtype decoded by a VAE in another (the pipeline casts only on MPS)."""
+    dtype = vae.decoder.conv_in.weight.dtype
+    parts = [m for m in (getattr(vae, "post_quant_conv", None), vae.decoder) if m is not None]
+    handles = [m.register_forward_pre_hook(lambda m, args: (args[0].to(dtype), *args[1:])) for m in parts]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@contextlib.contextmanager
+def _plain_linear() -> Iterator[None]:
+    """torch's own F.linear while sampling. ZeRO-3 replaces it process-wide with a memory-efficient
+    version (matmul, then the bias added in 16 bits) for the backward; inference needs none of that,
+    and with torch's kernel a sample equals what the exported pipeline makes."""
+    import sys
+
+    zero = sys.modules.get("deepspeed.runtime.zero.partition_parameters")
+    original = getattr(getattr(zero, "InsertPostInitMethodToModuleSubClasses", None), "linear_bk", None)
+    if original is None or torch.nn.functional.linear is original:
+        yield
+        return
+    patched = torch.nn.functional.linear
+    torch.nn.functional.linear = original
+    try:
+        yield
+    finally:
+        torch.nn.functional.linear = patched
+
+
+def _grid(images: list[Any], columns: int) -> Any:
+    from PIL import Image
+
+    w, h = images[0].size
+    rows = math.ceil(len(images) / columns)
+    grid = Image.new("RGB", (columns * w, rows * h))
+    for k, image in enumerate(images):
+        grid.paste(image, ((k % columns) * w, (k // columns) * h))
+    return grid
+
+
+class Sampler:
+    """Samples at the steps `config.samples.due` names. Collective: every rank calls `after_step`."""
+
+    def __init__(self, cfg: DictConfig, accelerator: Any, unet: Any, ema: EMA | None, frozen: models.Frozen,
+                 run_dir: Path, tracker: metrics.Tracker, progress: Any) -> None:
+        self.cfg, self.accelerator, self.unet, self.frozen = cfg, accelerator, unet, frozen
+        self.tracker, self.progress = tracker, progress
+        self.enabled = bool(cfg.samples.enabled)
+        self.ema = ema if cfg.samples.ema else None
+        self.dir = run_dir / "samples"
+        if not self.enabled:
+            return
+        # Rank 0 reads the prompts file: nodes could see different copies of it.
+        self.prompts: list[str] = accel.from_main(
+            accelerator, samples.prompts(cfg) if accelerator.is_main_process else None)
+        self.settings = settings(cfg)
+        self.units = [(i, int(seed)) for i in range(len(self.prompts)) for seed in cfg.samples.seeds]
+        self._check_ranks_agree()
+
+    def _check_ranks_agree(self) -> None:
+        """Ranks that would run different forwards under ZeRO-3 hang in a gather: fail now instead."""
+        from accelerate.utils import gather_object
+
+        s = self.cfg.samples
+        mine = json.dumps({"settings": asdict(self.settings), "units": len(self.units), "every": int(s.every),
+                           "at_end": bool(s.at_end), "max_steps": int(self.cfg.train.max_steps),
+                           "ema": self.ema is not None}, sort_keys=True)
+        everyone = gather_object([mine]) if self.accelerator.num_processes > 1 else [mine]
+        if len(set(everyone)) > 1:
+            raise TrainingError("samples: the ranks disagree on what to sample (their configurations differ: "
+                                + " | ".join(f"rank {r}: {v}" for r, v in enumerate(everyone))
+                                + "); launch every rank with the same overrides")
+
+    def after_step(self, step: int, stopping: bool) -> None:
+        """Sample if `step` is due (every rank decides the same); not when a stop request cut the run short."""
+        if not samples.due(self.cfg, step) or (stopping and step < int(self.cfg.train.max_steps)):
+            return
+        if self.progress is not None:
+            self.progress.set_description(f"sampling {len(self.units)} images")
+            self.progress.refresh()
+        start = time.perf_counter()
+        mine, error = [], None
+        try:
+            mine = self._generate_share()
+        except Exception as exc:  # noqa: BLE001 - every rank must learn of it before the gather
+            error = exc
+        if accel.any_rank(self.accelerator, error is not None):
+            raise TrainingError(f"sampling at step {step} failed on "
+                                f"{'this' if error else 'another'} rank: {error or 'see its log'}") from error
+        from accelerate.utils import gather_object
+
+        gathered = gather_object(mine) if self.accelerator.num_processes > 1 else mine
+        seconds = time.perf_counter() - start
+        if self.accelerator.is_main_process:
+            self._write(step, sorted(gathered, key=lambda item: (item[0], item[1])), seconds)
+        if self.progress is not None:
+            self.progress.set_description("train")
+            self.progress.refresh()
+
+    def _generate_share(self) -> list[tuple[int, int, Any]]:
+        """This rank's images: units rank, rank + world, ...; every rank makes the same number of calls."""
+        rank, world = self.accelerator.process_index, self.accelerator.num_processes
+        calls = math.ceil(len(self.units) / world)
+        device = self.accelerator.device
+        with self._sampling_unet() as unet, self._frozen_on(device), _plain_linear(), torch.random.fork_rng(
+                devices=[device.index or 0] if device.type == "cuda" else []):
+            pipe = self._pipeline(unet)
+            out = []
+            for k in range(calls):
+                u = k * world + rank
+                index, seed = self.units[u] if u < len(self.units) else self.units[0]  # padding: same work
+                image = generate(pipe, self.prompts[index], seed, self.settings)
+                if u < len(self.units):
+                    out.append((index, seed, image))
+        return out
+
+    @contextlib.contextmanager
+    def _sampling_unet(self) -> Iterator[Any]:
+        """The UNet to sample with, in eval mode (its mode is restored afterwards). The casts are no-ops
+        where dtypes already agree (a float32 UNet on the CPU); on a GPU the text encoders are bf16."""
+        unet = self._ema_unet() if self.ema is not None else self.accelerator.unwrap_model(self.unet)
+        was_training = unet.training
+        unet.eval()
+        try:
+            with unet_in_its_dtype(unet), _vae_decode_in_its_dtype(self.frozen.vae):
+                yield unet
+        finally:
+            unet.train(was_training)
+
+    def _ema_unet(self) -> Any:
+        """A UNet on the EMA shadow (its tensors, not a copy, when the shadow is on the device): the same
+        weights the export writes to `unet_ema` and the exported pipeline uses."""
+        from diffusers import UNet2DConditionModel
+
+        assert self.ema is not None
+        config = self.accelerator.unwrap_model(self.unet).config
+        with torch.device("meta"):
+            model = UNet2DConditionModel.from_config(config)
+        missing = set(model.state_dict()) - set(self.ema.shadow)
+        if missing:
+            raise TrainingError(f"samples.ema=true: the EMA holds only the trained parameters, not {len(missing)} "
+                                "others of the UNet; use samples.ema=false")
+        model.load_state_dict(self.ema.shadow, assign=True)
+        return model.to(self.accelerator.device).eval()
+
+    @contextlib.contextmanager
+    def _frozen_on(self, device: torch.device) -> Iterator[None]:
+        """The frozen encoders on the sampling device (training may have moved them to the CPU after caching)."""
+        parts = (self.frozen.vae, self.frozen.text_encoder, self.frozen.text_encoder_2)
+        before = [next(p.parameters()).device for p in parts]
+        for part in parts:
+            part.to(device)
+        try:
+            yield
+        finally:
+            for part, where in zip(parts, before, strict=True):
+                part.to(where)
+            if device.type == "cuda" and any(where != device for where in before):
+                torch.cuda.empty_cache()
+
+    def _pipeline(self, unet: Any) -> Any:
+        from diffusers import StableDiffusionXLPipeline
+
+        f = self.frozen
+        pipe = StableDiffusionXLPipeline(vae=f.vae, text_encoder=f.text_encoder, text_encoder_2=f.text_encoder_2,
+                                         tokenizer=f.tokenizer, tokenizer_2=f.tokenizer_2, unet=unet,
+                                         scheduler=models.inference_scheduler(self.cfg))
+        pipe.set_progress_bar_config(disable=True)  # type: ignore[attr-defined]
+        return pipe
+
+    def _write(self, step: int, images: list[tuple[int, int, Any]], seconds: float) -> None:
+        """Rank 0: PNGs, the grid (a row per prompt, a column per seed), the timing line and W&B."""
+        folder = self.dir / f"step_{step:08d}"
+        folder.mkdir(parents=True, exist_ok=True)
+        for index, seed, image in images:
+            image.save(folder / f"{index}_{seed}.png")
+        _grid([image for _, _, image in images], len(self.cfg.samples.seeds)).save(folder / "grid.png")
+        with (self.dir / "samples.jsonl").open("a") as file:
+            file.write(json.dumps({"step": step, "seconds": seconds, "images": len(images)}) + "\n")
+        log.info("sampled %d images at step %d in %.1fs: %s", len(images), step, seconds, folder)
+        self._to_wandb(step, images, seconds)
+
+    def _to_wandb(self, step: int, images: list[tuple[int, int, Any]], seconds: float) -> None:
+        if not self.tracker.wandb_id or self.tracker.wandb_broken:
+            return
+        try:
+            import wandb
+
+            run = self.accelerator.get_tracker("wandb", unwrap=True)
+            run.log({"samples": [wandb.Image(image, caption=f"{index}_{seed}: {self.prompts[index]}")
+                                 for index, seed, image in images], "sample_s": seconds}, step=step)
+        except Exception as exc:  # noqa: BLE001 - W&B going away must not stop training
+            log.warning("could not log samples to W&B (%s); they are in %s", exc, self.dir)

@@ -1,0 +1,177 @@
+"""Sample images during training (`samples=on`): ZeRO-3 on two ranks with a prompt count the ranks do not
+divide, reproducible from the exported pipeline, with EMA, and without any effect on training."""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import run_cli, run_dirs
+
+torch = pytest.importorskip("torch")
+
+PROMPTS = ["a red cube", "a blue ball", "a green pyramid"]
+# 128 px, 2 denoising steps, 4 training steps: the least that shows every sample step.
+COMMON = ["zero=stage3", "train.max_steps=4", "data.num_samples=8", "samples.steps=2"]
+SAMPLES = ["samples=on", "samples.every=2", f"samples.prompts=[{','.join(PROMPTS)}]"]
+
+
+def _two_ranks(cwd: Path, *overrides: str) -> Path:
+    cwd.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "ds_trainer", *COMMON,
+           *overrides]
+    result = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (run_dir,) = run_dirs(cwd)
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def zero3_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Two ranks, ZeRO-3, sampling 3 prompts at steps 2 and 4, W&B offline."""
+    return _two_ranks(tmp_path_factory.mktemp("zero3"), *SAMPLES, "logger=wandb")
+
+
+def _weights(folder: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(folder / "diffusion_pytorch_model.safetensors")
+
+
+def _image(path: Path) -> object:
+    import numpy as np
+    from PIL import Image
+
+    return np.asarray(Image.open(path).convert("RGB"))
+
+
+def _from_export(run_dir: Path, prompt: str, seed: int, bf16_unet: bool) -> object:
+    """The image the exported pipeline makes with the sampler's settings (`sampling.generate`)."""
+    import numpy as np
+    from diffusers import StableDiffusionXLPipeline
+
+    from ds_trainer.train import sampling
+
+    pipe = StableDiffusionXLPipeline.from_pretrained(run_dir / "pipeline")
+    pipe.set_progress_bar_config(disable=True)
+    context: contextlib.AbstractContextManager = contextlib.nullcontext()
+    if bf16_unet:  # DeepSpeed trained (and sampled) the UNet in bf16; the export holds those values in fp32
+        pipe.unet.to(torch.bfloat16)
+        context = sampling.unet_in_its_dtype(pipe.unet)
+    with context:
+        image = sampling.generate(pipe, prompt, seed, sampling.Settings(2, 5.0, "", 128, 128))
+    return np.asarray(image)
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_zero3_two_ranks_sample_every_prompt_at_every_sample_step(zero3_run: Path) -> None:
+    from wandb_log import history
+
+    samples = zero3_run / "samples"
+    assert sorted(p.name for p in samples.glob("step_*")) == ["step_00000002", "step_00000004"]
+    for step_dir in samples.glob("step_*"):
+        assert sorted(p.name for p in step_dir.iterdir()) == ["0_0.png", "1_0.png", "2_0.png", "grid.png"]
+        assert _image(step_dir / "grid.png").shape == (3 * 128, 128, 3)  # a row per prompt
+        assert _image(step_dir / "1_0.png").std() > 1  # a picture, not a blank
+    # The prompts differ, so do the images (each rank generated its share, not copies of one).
+    first = samples / "step_00000004"
+    assert (_image(first / "0_0.png") != _image(first / "1_0.png")).any()
+    (wandb_file,) = (zero3_run / "wandb").glob("offline-run-*/run-*.wandb")
+    logged = {row["_step"]: row for row in history(wandb_file) if "samples.count" in row}
+    assert sorted(logged) == [2, 4]  # at the training step
+    for row in logged.values():
+        assert row["samples.count"] == 3 and row["sample_s"] > 0 and "loss" in row
+        assert [c.split(": ", 1)[1] for c in row["samples.captions"]] == PROMPTS
+        assert all((wandb_file.parent / "files" / name).is_file() for name in row["samples.filenames"])
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_zero3_last_sample_equals_the_exported_pipelines_image(zero3_run: Path) -> None:
+    # Exact: the same bf16 weights (ZeRO-3 gathers them for each forward, the export writes them), the
+    # same CPU kernels with one thread, the same CPU generator.
+    expected = _from_export(zero3_run, PROMPTS[2], 0, bf16_unet=True)
+    got = _image(zero3_run / "samples" / "step_00000004" / "2_0.png")
+    assert (got == expected).all()
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_sampling_does_not_change_training(zero3_run: Path, tmp_path: Path) -> None:
+    plain = _two_ranks(tmp_path, "logger=none")
+    assert not (plain / "samples").exists()
+    with_samples, without = _weights(zero3_run / "unet"), _weights(plain / "unet")
+    assert with_samples.keys() == without.keys()
+    for key in without:
+        assert torch.equal(with_samples[key], without[key]), key
+
+
+@pytest.mark.slow
+def test_ema_sample_equals_the_exported_ema_pipelines_image(workdir: Path) -> None:
+    # One rank, ZeRO-2: the EMA shadow is fp32 and whole on every rank whatever the stage.
+    result = run_cli("zero=stage2", "train.max_steps=3", "data.num_samples=4", "samples.steps=2", "logger=none",
+                     "train.ema=true", "train.ema_decay=0.5", "samples=on", "samples.every=0", "samples.seeds=[7]",
+                     "samples.prompts=[a small house]", cwd=workdir)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (run_dir,) = run_dirs(workdir)
+    got = _image(run_dir / "samples" / "step_00000003" / "0_7.png")
+    # The exported pipeline holds the EMA UNet in fp32: a plain pipeline call reproduces the image exactly.
+    assert (got == _from_export(run_dir, "a small house", 7, bf16_unet=False)).all()
+    trained = _weights(run_dir / "unet")
+    ema = _weights(run_dir / "unet_ema")
+    assert any(not torch.equal(trained[k].float(), ema[k]) for k in ema)  # it did sample the EMA, not the UNet
+
+
+def test_bad_samples_settings_get_the_one_screen_message(workdir: Path) -> None:
+    result = run_cli("samples=on", "samples.prompts=[]", "samples.steps=0", "samples.width=100",
+                     "samples.guidance_scale=-1", "dry_run=true", "logger=none", cwd=workdir)
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    for key in ("samples.prompts=[]", "samples.steps=0", "samples.width=100", "samples.guidance_scale=-1.0"):
+        assert f"  - {key}\n" in result.stderr, key
+    assert "fix: samples.width=96" in result.stderr
+    missing = run_cli("samples=on", f"samples.prompts={workdir / 'nope.txt'}", "dry_run=true", "logger=none",
+                      cwd=workdir)
+    assert missing.returncode == 2 and "is not a file" in missing.stderr and "Traceback" not in missing.stderr
+
+
+def test_prompts_from_a_file_and_the_schedule(tmp_path: Path) -> None:
+    from conftest import make_cfg
+
+    from ds_trainer.config import samples
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red cube\n\n  a blue ball  \n")
+    cfg = make_cfg("samples=on", f"samples.prompts={prompts}", "samples.every=3", "train.max_steps=10")
+    assert samples.prompts(cfg) == ["a red cube", "a blue ball"]
+    assert [s for s in range(1, 11) if samples.due(cfg, s)] == [3, 6, 9, 10]
+    assert samples.size(cfg) == (128, 128)  # the training resolution
+    default = make_cfg()
+    assert not any(samples.due(default, s) for s in range(1, 300))  # samples=none is the default
+
+
+def test_the_planner_counts_the_sampling_peak(capsys: pytest.CaptureFixture[str]) -> None:
+    from conftest import make_cfg
+
+    from ds_trainer.tools import plan
+
+    def cell(*overrides: str) -> plan.Estimate:
+        return plan.estimate(make_cfg("zero=stage3", "offload=cpu", *overrides), "stage3", "cpu", 1)
+
+    assert cell().sampling is None  # samples=none
+    base = cell("samples=on")
+    assert base.sampling is not None and base.sampling > base.params + base.buffers
+    assert (cell("samples=on", "samples.width=256", "samples.height=256").sampling or 0) > base.sampling
+    ema = cell("samples=on", "train.ema=true")
+    params = plan.unet_stats(str(make_cfg().model.architecture)).params
+    assert (ema.sampling or 0) - base.sampling >= 4 * params  # a float32 UNet on the EMA shadow
+    # A budget between training's peak and sampling's: the plan says sampling does not fit there.
+    budget = (ema.gpu + (ema.sampling or 0)) / 2 / plan.GIB
+    assert ema.gpu < budget * plan.GIB < (ema.sampling or 0)
+    plan.main(["zero=stage3", "offload=cpu", "samples=on", "train.ema=true", f"plan.vram_gib={budget}"])
+    out = capsys.readouterr().out
+    assert "stage3/cpu" in out and "(does not fit)" in out.split("stage3/cpu", 1)[1].split(",")[0]
