@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -94,8 +95,9 @@ def find_resume(cfg: DictConfig, run_dir: Path) -> Path | None:
 
 
 def save(accelerator: Any, run_dir: Path, step: int, state: dict[str, Any], keep: int,
-         extra: dict[str, Any] | None = None) -> Path:
-    """Collective: every rank calls it. Returns the completed checkpoint folder."""
+         extra: dict[str, Any] | None = None, also: Callable[[Path, int], None] | None = None) -> Path:
+    """Collective: every rank calls it (and `also(folder, step)`, e.g. the portable state). Returns the
+    completed checkpoint folder."""
     import torch
 
     final = root(run_dir) / f"step_{step:08d}"
@@ -106,6 +108,8 @@ def save(accelerator: Any, run_dir: Path, step: int, state: dict[str, Any], keep
     accelerator.wait_for_everyone()
     try:
         accelerator.save_state(str(partial))
+        if also is not None:
+            also(partial, step)
         if accelerator.is_main_process and extra:
             for name, value in extra.items():
                 torch.save(value, partial / f"{name}.pt")
@@ -137,8 +141,8 @@ class Saver:
     `train.final_checkpoint=false`) and when the ranks agreed to stop. Collective, like `save`."""
 
     def __init__(self, cfg: DictConfig, accelerator: Any, run_dir: Path, ema: Any, wandb_id: str | None,
-                 last: Path | None) -> None:
-        self.accelerator, self.run_dir, self.ema, self.last = accelerator, run_dir, ema, last
+                 last: Path | None, also: Callable[[Path, int], None] | None = None) -> None:
+        self.accelerator, self.run_dir, self.ema, self.last, self.also = accelerator, run_dir, ema, last, also
         self.every, self.keep = int(cfg.train.checkpoint_every), int(cfg.train.checkpoints_to_keep)
         self.final = int(cfg.train.max_steps) if cfg.train.final_checkpoint else None
         self.state = {"backend": cfg.resolved.backend, "stage": int(cfg.zero.stage),
@@ -147,7 +151,7 @@ class Saver:
     def after_step(self, step: int, stopping: bool) -> None:
         if step == self.final or (self.every and step % self.every == 0) or stopping:
             extra = {"ema": self.ema.state_dict()} if self.ema is not None else None
-            self.last = save(self.accelerator, self.run_dir, step, self.state, self.keep, extra)
+            self.last = save(self.accelerator, self.run_dir, step, self.state, self.keep, extra, self.also)
 
 
 def restore_optimizer_clocks(engine: Any) -> None:

@@ -21,7 +21,7 @@ from omegaconf import DictConfig
 
 from ds_trainer.config import ds_config, hardware, nvme
 from ds_trainer.errors import TrainingError
-from ds_trainer.train import accel, checkpoint, data, export, metrics, models, oom
+from ds_trainer.train import accel, carry, checkpoint, data, export, metrics, models, oom, portable
 from ds_trainer.train.ema import EMA
 from ds_trainer.train.step import TrainStep
 from ds_trainer.train.stop import Interrupted, StopRequest
@@ -173,6 +173,10 @@ def _train(cfg: DictConfig, ds: dict[str, Any] | None, run_dir: Path, accelerato
             part.to("cpu")
         torch.cuda.empty_cache()
     unet = models.load_unet(cfg)
+    # Under another layout than the checkpoint's (stage, offload, ranks, batch split) its portable state
+    # carries over; otherwise DeepSpeed's native load (`_resume`).
+    resumed = carry.Carry(cfg, resume_from, accelerator.num_processes)
+    resumed.before_prepare(unet)
     ema = EMA(unet, float(cfg.train.ema_decay), "cpu" if cfg.train.ema_device == "cpu" else str(accelerator.device)) \
         if cfg.train.ema else None
     optimizer, scheduler = _optimizer_and_scheduler(cfg, ds, unet.parameters())
@@ -182,11 +186,15 @@ def _train(cfg: DictConfig, ds: dict[str, Any] | None, run_dir: Path, accelerato
         unet, optimizer = accelerator.prepare(unet, optimizer)
     else:
         unet, optimizer, scheduler = accelerator.prepare(unet, optimizer, scheduler)
-    start_step = _resume(accelerator, ds, ema, resume_from)
+    start_step = resumed.after_prepare(accelerator, unet, optimizer, scheduler, ema) if resumed.changed \
+        else _resume(accelerator, ds, ema, resume_from)
+    start = resumed.start(start_step, int(cfg.train.micro_batch_size) * int(cfg.train.gradient_accumulation_steps)
+                          * accelerator.num_processes)
     loader = data.Loader(cfg, dataset, cache, frozen, accelerator.process_index, accelerator.num_processes,
-                         accelerator.device)
+                         accelerator.device, start)
     max_steps = int(cfg.train.max_steps)
-    saver = checkpoint.Saver(cfg, accelerator, run_dir, ema, wandb_id=tracker.wandb_id, last=resume_from)
+    saver = checkpoint.Saver(cfg, accelerator, run_dir, ema, wandb_id=tracker.wandb_id, last=resume_from,
+                             also=portable.Writer(cfg, accelerator, unet, optimizer, scheduler, start))
     progress = _progress_bar(accelerator, max_steps, start_step)
     if info.kind == "cuda":  # peaks from here on are training's (not the cache build's or DeepSpeed's setup)
         torch.cuda.reset_peak_memory_stats(accelerator.device)

@@ -1,0 +1,118 @@
+"""Checkpoints that resume anywhere: another ZeRO stage, DDP, offload, number of ranks and batch split.
+
+One chain of runs shares the work: a reference run of M steps (checkpoint every step), and runs that
+each resume from an earlier run's checkpoint under another configuration and train to step M, with the
+same global batch (2) and seed. Every resumed run must match the reference at every step it trains
+(step count, LR, samples seen, loss) and at step M (fp32 weights, Adam moments, step counts).
+
+Tolerances: the runs differ only in floating-point summation order (gradients reduced over 2 ranks or
+accumulated over 2 micro-batches, DeepSpeed's Adam kernels vs torch.optim.AdamW). Measured here that
+noise is below 3e-6 on the weights and 1e-5 of the moments' scale; one training step moves weights by
+up to 5e-5 and moments by ~20% of their scale, so a lost moment, a skipped or repeated step or
+sample, or a wrong LR fails the test. (Parameters whose true gradient is zero, such as biases ahead of
+a GroupNorm, hold pure rounding noise in their moments; the moments are compared on their global
+scale for that reason.)
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import require, run_cli, run_dirs
+
+from ds_trainer.config import nvme
+
+torch = pytest.importorskip("torch")
+
+M = 8
+COMMON = ["precision=fp32", "logger=none", "data.num_samples=8", "train.export=false", "train.checkpoint_every=1",
+          f"train.checkpoints_to_keep={M}", f"scheduler.warmup_steps={M}", "train.ema=true", f"train.max_steps={M}"]
+# name: (zero, offload, ranks, micro, accumulation, resumes from (run, step)); the global batch is 2 throughout.
+CHAIN: dict[str, tuple[str, str, int, int, int, tuple[str, int] | None]] = {
+    "stage3_nvme": ("stage3", "nvme", 1, 2, 1, None),
+    "stage2_x2": ("stage2", "none", 2, 1, 1, ("stage3_nvme", 1)),
+    "ddp": ("ddp", "none", 1, 1, 2, ("stage2_x2", 2)),
+    "stage3_cpu": ("stage3", "cpu", 1, 2, 1, ("ddp", 3)),
+    "stage0": ("stage0", "none", 1, 2, 1, ("stage2_x2", 3)),
+    "stage2_after_stage0": ("stage2", "none", 1, 1, 2, ("stage0", 4)),
+    "stage1": ("stage1", "none", 1, 2, 1, ("ddp", 4)),
+    "stage3_x2": ("stage3", "none", 2, 1, 1, ("stage1", 5)),
+    "stage1_after_stage3": ("stage1", "none", 1, 2, 1, ("stage3_x2", 6)),
+}
+
+
+def ckpt(run_dir: Path, step: int) -> Path:
+    return run_dir / "checkpoints" / f"step_{step:08d}"
+
+
+def train(cwd: Path, zero: str, offload: str, ranks: int, micro: int, accum: int, *extra: str,
+          ) -> subprocess.CompletedProcess[str]:
+    args = [f"zero={zero}", f"offload={offload}", f"train.micro_batch_size={micro}",
+            f"train.gradient_accumulation_steps={accum}", *COMMON, *extra]
+    cwd.mkdir(parents=True, exist_ok=True)
+    if ranks == 1:
+        return run_cli(*args, cwd=cwd, timeout=900)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "-m", "ds_trainer", *args]
+    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def chain(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, str]]:
+    require(nvme.aio_prerequisites() is None, "libaio-dev is not installed")
+    root = tmp_path_factory.mktemp("chain")
+    done: dict[str, tuple[Path, str]] = {}
+    for name, (zero, offload, ranks, micro, accum, source) in CHAIN.items():
+        extra = [f"resume={ckpt(done[source[0]][0], source[1])}"] if source else []
+        result = train(root / name, zero, offload, ranks, micro, accum, *extra)
+        assert result.returncode == 0, f"{name}: {result.stderr[-3000:]}"
+        (run_dir,) = run_dirs(root / name)
+        done[name] = (run_dir, result.stderr)
+    return done
+
+
+def metrics(run_dir: Path) -> dict[int, dict]:
+    return {row["step"]: row for row in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+
+
+def portable_state(folder: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    for shard in sorted((folder / "portable").glob("state-*.safetensors")):
+        tensors.update(load_file(shard))
+    return json.loads((folder / "portable" / "meta.json").read_text()), tensors
+
+
+def assert_same_state(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], what: str) -> None:
+    assert got.keys() == expected.keys(), what
+    for kind, tolerance in (("fp32", 2e-5), ("exp_avg", 1e-4), ("exp_avg_sq", 1e-4)):
+        keys = [k for k in expected if k.startswith(kind + "/")]
+        assert keys, f"{what}: no {kind} in the portable state"
+        scale = 1.0 if kind == "fp32" else max(expected[k].abs().max().item() for k in keys)
+        worst = max(((got[k] - expected[k]).abs().max().item(), k) for k in keys)
+        assert worst[0] <= tolerance * scale, f"{what}: {worst[1]} differs by {worst[0]:.3g} (scale {scale:.3g})"
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+@pytest.mark.parametrize("name", [n for n, spec in CHAIN.items() if spec[5] is not None])
+def test_resume_under_another_configuration_continues_the_run(chain: dict[str, tuple[Path, str]], name: str) -> None:
+    zero, offload, ranks, micro, accum, (source, step) = CHAIN[name]  # type: ignore[misc]
+    reference, _ = chain["stage3_nvme"]
+    run_dir, stderr = chain[name]
+    assert "under another configuration" in stderr and "Adam moments" in stderr, stderr[-2000:]
+    expected, got = metrics(reference), metrics(run_dir)
+    assert sorted(got) == list(range(step + 1, M + 1))  # the same step count, continuing after the checkpoint
+    for s in got:
+        assert got[s]["lr"] == expected[s]["lr"], f"LR at step {s}"
+        assert got[s]["loss"] == pytest.approx(expected[s]["loss"], rel=1e-4), f"loss at step {s}"
+    ref_meta, ref_state = portable_state(ckpt(reference, M))
+    meta, state = portable_state(ckpt(run_dir, M))
+    assert (meta["step"], meta["optimizer_step"], meta["samples"]) == (M, M, 2 * M)
+    assert (ref_meta["step"], ref_meta["optimizer_step"], ref_meta["samples"]) == (M, M, 2 * M)
+    assert meta["layout"]["zero"] == zero and meta["layout"]["world_size"] == ranks
+    assert_same_state(state, ref_state, f"{source} -> {name}")
