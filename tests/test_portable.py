@@ -55,9 +55,9 @@ def train(cwd: Path, zero: str, offload: str, ranks: int, micro: int, accum: int
             f"train.gradient_accumulation_steps={accum}", *COMMON, *extra]
     cwd.mkdir(parents=True, exist_ok=True)
     if ranks == 1:
-        return run_cli(*args, cwd=cwd, timeout=900)
+        return run_cli(*args, cwd=cwd, timeout=1800)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "-m", "ds_trainer", *args]
-    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=900)
+    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=1800)
 
 
 @pytest.fixture(scope="module")
@@ -116,3 +116,88 @@ def test_resume_under_another_configuration_continues_the_run(chain: dict[str, t
     assert (ref_meta["step"], ref_meta["optimizer_step"], ref_meta["samples"]) == (M, M, 2 * M)
     assert meta["layout"]["zero"] == zero and meta["layout"]["world_size"] == ranks
     assert_same_state(state, ref_state, f"{source} -> {name}")
+
+
+def convert(*args: str | Path, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return run_cli(*map(str, args), cwd=cwd, module="ds_trainer.convert")
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_another_optimizer_or_architecture_is_refused_before_the_run(chain: dict[str, tuple[Path, str]],
+                                                                     tmp_path: Path) -> None:
+    saved = ckpt(chain["stage3_nvme"][0], 4)
+    for change, key in (("optimizer=lion", "optimizer=lion"), ("model=sdxl_base", "model.architecture=sdxl_base")):
+        result = run_cli(f"resume={saved}", change, "dry_run=true", *COMMON, cwd=tmp_path)
+        assert result.returncode == 2, result.stderr[-2000:]
+        assert key in result.stderr and "resume_optimizer=reset" in result.stderr
+        assert "Traceback" not in result.stderr and not list((tmp_path / "outputs").glob("runs/*/*/config.yaml"))
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_the_override_carries_the_weights_and_starts_the_optimizer_fresh(chain: dict[str, tuple[Path, str]],
+                                                                         tmp_path: Path) -> None:
+    reference = chain["stage3_nvme"][0]
+    result = train(tmp_path, "stage2", "none", 1, 2, 1, f"resume={ckpt(reference, M - 2)}", "optimizer=adam",
+                   "resume_optimizer=reset")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "WEIGHTS ONLY" in result.stderr
+    (run_dir,) = run_dirs(tmp_path)
+    assert "WEIGHTS ONLY" in (run_dir / "config.yaml").read_text()  # the warning is recorded with the run
+    got, expected = metrics(run_dir), metrics(reference)
+    assert sorted(got) == [M - 1, M]
+    # The first step's loss is computed before any update: the same weights and samples give the same loss.
+    assert got[M - 1]["loss"] == pytest.approx(expected[M - 1]["loss"], rel=1e-4)
+    assert got[M - 1]["lr"] == expected[M - 1]["lr"]
+    meta, _ = portable_state(ckpt(run_dir, M))
+    assert (meta["step"], meta["optimizer_step"], meta["identity"]["optimizer"]) == (M, 2, "adam")
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_offline_export_of_a_two_rank_stage3_checkpoint_equals_zero_to_fp32(chain: dict[str, tuple[Path, str]],
+                                                                            tmp_path: Path) -> None:
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from safetensors.torch import load_file
+
+    saved = ckpt(chain["stage3_x2"][0], M)
+    result = convert(saved, "--unet", tmp_path / "unet", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    exported = load_file(tmp_path / "unet" / "diffusion_pytorch_model.safetensors")
+    expected = get_fp32_state_dict_from_zero_checkpoint(str(saved))
+    assert exported.keys() == expected.keys()
+    for key, value in expected.items():
+        torch.testing.assert_close(exported[key], value, rtol=0, atol=0, msg=key)
+
+
+@pytest.mark.slow
+def test_an_accelerate_deepspeed_checkpoint_of_another_tool_is_imported_and_continues(tmp_path: Path) -> None:
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from safetensors.torch import load_file
+
+    source = tmp_path / "diffusers_script_checkpoint"
+    script = Path(__file__).parent / "scripts" / "foreign_checkpoint.py"
+    made = subprocess.run([sys.executable, str(script), str(source), "2", "2"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=1800)
+    assert made.returncode == 0, made.stderr[-3000:]
+    imported = tmp_path / "imported"
+    result = convert(source, "--import-to", imported, "--architecture", "sdxl_tiny", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    weights = load_file(imported / "portable" / "state-00001.safetensors")
+    for key, value in get_fp32_state_dict_from_zero_checkpoint(str(source)).items():
+        torch.testing.assert_close(weights[f"fp32/{key}"], value, rtol=0, atol=0, msg=key)
+    assert all(weights[k].abs().max() > 0 for k in weights if k.startswith("exp_avg_sq/") and "norm" not in k)
+    resumed = train(tmp_path / "run", "stage1", "none", 1, 1, 1, f"resume={imported}", "train.max_steps=3",
+                    "scheduler.warmup_steps=3")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "at step 2 under another configuration" in resumed.stderr and "Adam moments" in resumed.stderr
+    (run_dir,) = run_dirs(tmp_path / "run")
+    assert sorted(metrics(run_dir)) == [3]
+
+
+def test_convert_reports_a_bad_folder_in_one_line(tmp_path: Path) -> None:
+    result = convert(tmp_path / "missing", "--unet", tmp_path / "out", cwd=tmp_path)
+    assert result.returncode == 2 and "not a folder" in result.stderr and "Traceback" not in result.stderr
+    result = convert(tmp_path, "--import-to", tmp_path / "out", cwd=tmp_path)
+    assert result.returncode == 2 and "_optim_states.pt" in result.stderr and "Traceback" not in result.stderr
