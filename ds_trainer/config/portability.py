@@ -3,7 +3,7 @@
 Every checkpoint holds a portable state next to DeepSpeed's own files (`portable/meta.json` and
 safetensors shards, written by `train/portable.py`). Its `layout` (ZeRO stage or DDP, offload, ranks,
 micro batch, accumulation, precision) may differ from the resumed run's: the state is then carried over
-parameter by parameter. Its `identity` (optimizer type, architecture, LoRA shape) may not, unless the
+parameter by parameter. Its `identity` (optimizer type, architecture, adapter/LoRA shape) may not, unless the
 user asks for the weights only with `resume_optimizer=reset`.
 """
 
@@ -33,9 +33,9 @@ def layout(cfg: DictConfig) -> dict[str, Any]:
 
 def identity(cfg: DictConfig) -> dict[str, Any]:
     """What must not change for the optimizer state to carry: optimizer type, architecture, LoRA shape."""
-    lora = cfg.get("lora")
+    adapter = cfg.get("adapter")  # LoRA: its shape decides which parameters train
     return {"optimizer": str(cfg.resolved.optimizer), "architecture": Path(str(cfg.model.architecture)).name,
-            "lora": OmegaConf.to_container(lora, resolve=True) if lora is not None else None}
+            "adapter": OmegaConf.to_container(adapter, resolve=True) if adapter is not None else None}
 
 
 def read_meta(checkpoint: Path) -> dict[str, Any] | None:
@@ -90,5 +90,5 @@ def _problem(key: str, saved: Any, now: Any, checkpoint: Path | None, moved: lis
     if key == "architecture":
         return Problem("model.architecture", now, f"the checkpoint {checkpoint} holds a UNet of architecture {saved}",
                        f"model.architecture={saved} (its model option), or {fix} (names that match carry over)")
-    return Problem("lora", now, f"the checkpoint {checkpoint} was trained with lora={saved}: another adapter shape "
-                   "has other trainable parameters", f"the saved lora settings, or {fix}")
+    return Problem("adapter", now, f"the checkpoint {checkpoint} was trained with adapter={saved}: another adapter "
+                   "shape has other trainable parameters", f"the saved adapter settings, or {fix}")

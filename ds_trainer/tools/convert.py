@@ -135,7 +135,7 @@ def import_accelerate(source: Path, out: Path, architecture: str, optimizer: str
     torch.save(sched, out / "portable" / "scheduler.pt")
     meta = {"format": 1, "imported_from": str(source),
             "layout": {"zero": f"imported-stage{stage}", "world_size": world},
-            "identity": {"optimizer": optimizer, "architecture": architecture, "lora": None},
+            "identity": {"optimizer": optimizer, "architecture": architecture, "adapter": None},
             "step": step, "samples": samples, "optimizer_step": int(first_state["step"]), "moments": True,
             "hyper": {k: group[k] for k in ("lr", "betas", "eps", "weight_decay") if k in group},
             "params": shapes, "index": dict.fromkeys(tensors, "state-00001.safetensors"),

@@ -22,6 +22,7 @@ from ds_trainer.train import checkpoint
 from ds_trainer.train.portable import KINDS, Reader, _base_optimizer, _engine, _mapped, _scheduler, _shape, trainable
 
 log = logging.getLogger("ds_trainer")
+MOMENTS = portability.MOMENT_OPTIMIZERS
 
 
 class Carry:
@@ -77,6 +78,10 @@ class Carry:
     def after_prepare(self, accelerator: Any, unet: Any, optimizer: Any, scheduler: Any, ema: Any) -> int:
         """Write the state into the prepared engine or optimizer; returns the step to continue after."""
         assert self.meta is not None and self.reader is not None
+        if not self.meta["moments"] and not self.reset and self.meta["identity"]["optimizer"] in MOMENTS:
+            raise TrainingError(f"resume={self.path}: the checkpoint's portable state holds no Adam moments (it was "
+                                f"saved under {self.meta['layout']}); resume with that layout, or with "
+                                "resume_optimizer=reset to carry the weights only")
         base = _base_optimizer(accelerator, optimizer)
         engine = _engine(accelerator)
         moments = bool(self.meta["moments"]) and not self.reset

@@ -95,12 +95,13 @@ class Writer:
         shard: dict[str, torch.Tensor] = {}
         index: dict[str, str] = {}
         params: dict[str, list[int]] = {}
-        written = 0
+        written, without_moments = 0, 0
         for name, p in trainable(self.accelerator.unwrap_model(self.unet)):
             values = self._read(p, base)  # collective under ZeRO
             params[name] = _shape(p)
             if not main:
                 continue
+            without_moments += values[1] is None
             for kind, value in zip(KINDS, values, strict=True):
                 if value is not None:
                     shard[f"{kind}/{name}"] = value.detach().to("cpu", torch.float32).reshape(params[name]).clone()
@@ -114,10 +115,14 @@ class Writer:
             group = base.param_groups[0]
             hyper = {k: group[k] for k in ("lr", "betas", "eps", "weight_decay") if k in group}
             meta = {**self.meta, "step": step, "samples": self.samples(step), "optimizer_step": _step_count(base),
-                    "moments": self.moments, "hyper": hyper, "params": params, "index": index, "bytes": written}
+                    "moments": self.moments and not without_moments, "hyper": hyper, "params": params,
+                    "index": index, "bytes": written}
             (out / "meta.json").write_text(json.dumps(meta, indent=1, default=list))
             log.info("portable state of step %d: %d parameters, %.1f MiB in %.1fs", step, len(params),
                      written / 2**20, time.perf_counter() - begin)
+            if self.moments and without_moments:  # ZeRO-0 with bf16/fp16 keeps them in flat groups only
+                log.warning("portable state of step %d: no Adam moments for %d parameters under this layout; a "
+                            "resume under another one needs resume_optimizer=reset", step, without_moments)
 
     def _read(self, p: torch.nn.Parameter, base: Any) -> tuple[torch.Tensor | None, ...]:
         from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
