@@ -28,20 +28,22 @@ from ds_trainer.config import nvme
 
 torch = pytest.importorskip("torch")
 
-M = 8
+M = 6
 COMMON = ["precision=fp32", "logger=none", "data.num_samples=8", "train.export=false", "train.checkpoint_every=1",
           f"train.checkpoints_to_keep={M}", f"scheduler.warmup_steps={M}", "train.ema=true", f"train.max_steps={M}"]
+REFERENCE = "stage0"
 # name: (zero, offload, ranks, micro, accumulation, resumes from (run, step)); the global batch is 2 throughout.
+# Runs start when a selected test needs them (with the runs they resume from).
 CHAIN: dict[str, tuple[str, str, int, int, int, tuple[str, int] | None]] = {
-    "stage3_nvme": ("stage3", "nvme", 1, 2, 1, None),
-    "stage2_x2": ("stage2", "none", 2, 1, 1, ("stage3_nvme", 1)),
+    REFERENCE: ("stage0", "none", 1, 2, 1, None),
+    "stage2_x2": ("stage2", "none", 2, 1, 1, (REFERENCE, 1)),
     "ddp": ("ddp", "none", 1, 1, 2, ("stage2_x2", 2)),
     "stage3_cpu": ("stage3", "cpu", 1, 2, 1, ("ddp", 3)),
-    "stage0": ("stage0", "none", 1, 2, 1, ("stage2_x2", 3)),
-    "stage2_after_stage0": ("stage2", "none", 1, 1, 2, ("stage0", 4)),
-    "stage1": ("stage1", "none", 1, 2, 1, ("ddp", 4)),
-    "stage3_x2": ("stage3", "none", 2, 1, 1, ("stage1", 5)),
-    "stage1_after_stage3": ("stage1", "none", 1, 2, 1, ("stage3_x2", 6)),
+    "stage1": ("stage1", "none", 1, 2, 1, ("ddp", 3)),
+    "stage3_x2": ("stage3", "none", 2, 1, 1, ("stage1", 4)),
+    "stage1_after_stage3_x2": ("stage1", "none", 1, 2, 1, ("stage3_x2", 5)),
+    "stage3_nvme": ("stage3", "nvme", 1, 2, 1, None),  # resuming into NVMe offload is not supported yet
+    "stage2_after_stage3_nvme": ("stage2", "none", 1, 1, 2, ("stage3_nvme", 2)),
 }
 
 
@@ -60,18 +62,28 @@ def train(cwd: Path, zero: str, offload: str, ranks: int, micro: int, accum: int
     return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=1800)
 
 
+class Chain:
+    """The runs of CHAIN, each trained the first time a test asks for it (after the run it resumes from)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root, self.done = root, {}  # type: ignore[var-annotated]
+
+    def __getitem__(self, name: str) -> tuple[Path, str]:
+        if name not in self.done:
+            zero, offload, ranks, micro, accum, source = CHAIN[name]
+            if offload == "nvme":
+                require(nvme.aio_prerequisites() is None, "libaio-dev is not installed")
+            extra = [f"resume={ckpt(self[source[0]][0], source[1])}"] if source else []
+            result = train(self.root / name, zero, offload, ranks, micro, accum, *extra)
+            assert result.returncode == 0, f"{name}: {result.stderr[-3000:]}"
+            (run_dir,) = run_dirs(self.root / name)
+            self.done[name] = (run_dir, result.stderr)
+        return self.done[name]  # type: ignore[no-any-return]
+
+
 @pytest.fixture(scope="module")
-def chain(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, str]]:
-    require(nvme.aio_prerequisites() is None, "libaio-dev is not installed")
-    root = tmp_path_factory.mktemp("chain")
-    done: dict[str, tuple[Path, str]] = {}
-    for name, (zero, offload, ranks, micro, accum, source) in CHAIN.items():
-        extra = [f"resume={ckpt(done[source[0]][0], source[1])}"] if source else []
-        result = train(root / name, zero, offload, ranks, micro, accum, *extra)
-        assert result.returncode == 0, f"{name}: {result.stderr[-3000:]}"
-        (run_dir,) = run_dirs(root / name)
-        done[name] = (run_dir, result.stderr)
-    return done
+def chain(tmp_path_factory: pytest.TempPathFactory) -> Chain:
+    return Chain(tmp_path_factory.mktemp("chain"))
 
 
 def metrics(run_dir: Path) -> dict[int, dict]:
@@ -100,9 +112,9 @@ def assert_same_state(got: dict[str, torch.Tensor], expected: dict[str, torch.Te
 @pytest.mark.slow
 @pytest.mark.multiproc
 @pytest.mark.parametrize("name", [n for n, spec in CHAIN.items() if spec[5] is not None])
-def test_resume_under_another_configuration_continues_the_run(chain: dict[str, tuple[Path, str]], name: str) -> None:
+def test_resume_under_another_configuration_continues_the_run(chain: Chain, name: str) -> None:
     zero, offload, ranks, micro, accum, (source, step) = CHAIN[name]  # type: ignore[misc]
-    reference, _ = chain["stage3_nvme"]
+    reference, _ = chain[REFERENCE]
     run_dir, stderr = chain[name]
     assert "under another configuration" in stderr and "Adam moments" in stderr, stderr[-2000:]
     expected, got = metrics(reference), metrics(run_dir)
@@ -124,9 +136,9 @@ def convert(*args: str | Path, cwd: Path) -> subprocess.CompletedProcess[str]:
 
 @pytest.mark.slow
 @pytest.mark.multiproc
-def test_another_optimizer_or_architecture_is_refused_before_the_run(chain: dict[str, tuple[Path, str]],
+def test_another_optimizer_or_architecture_is_refused_before_the_run(chain: Chain,
                                                                      tmp_path: Path) -> None:
-    saved = ckpt(chain["stage3_nvme"][0], 4)
+    saved = ckpt(chain[REFERENCE][0], 4)
     for change, key in (("optimizer=lion", "optimizer=lion"), ("model=sdxl_base", "model.architecture=sdxl_base")):
         result = run_cli(f"resume={saved}", change, "dry_run=true", *COMMON, cwd=tmp_path)
         assert result.returncode == 2, result.stderr[-2000:]
@@ -136,9 +148,9 @@ def test_another_optimizer_or_architecture_is_refused_before_the_run(chain: dict
 
 @pytest.mark.slow
 @pytest.mark.multiproc
-def test_the_override_carries_the_weights_and_starts_the_optimizer_fresh(chain: dict[str, tuple[Path, str]],
+def test_the_override_carries_the_weights_and_starts_the_optimizer_fresh(chain: Chain,
                                                                          tmp_path: Path) -> None:
-    reference = chain["stage3_nvme"][0]
+    reference = chain[REFERENCE][0]
     result = train(tmp_path, "stage2", "none", 1, 2, 1, f"resume={ckpt(reference, M - 2)}", "optimizer=adam",
                    "resume_optimizer=reset")
     assert result.returncode == 0, result.stderr[-3000:]
@@ -156,7 +168,7 @@ def test_the_override_carries_the_weights_and_starts_the_optimizer_fresh(chain: 
 
 @pytest.mark.slow
 @pytest.mark.multiproc
-def test_offline_export_of_a_two_rank_stage3_checkpoint_equals_zero_to_fp32(chain: dict[str, tuple[Path, str]],
+def test_offline_export_of_a_two_rank_stage3_checkpoint_equals_zero_to_fp32(chain: Chain,
                                                                             tmp_path: Path) -> None:
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     from safetensors.torch import load_file
