@@ -2,8 +2,10 @@
 
 One chain of runs shares the work: a reference run of M steps (checkpoint every step), and runs that
 each resume from an earlier run's checkpoint under another configuration and train to step M, with the
-same global batch (2) and seed. Every resumed run must match the reference at every step it trains
-(step count, LR, samples seen, loss) and at step M (fp32 weights, Adam moments, step counts).
+same global batch (2) and seed (so each pair A -> B is "2N steps under A" against "N under A, then
+under B", the reference standing for A: all layouts compute the same steps up to summation order).
+Every resumed run must match the reference at every step it trains (step count, LR, samples seen,
+loss) and at step M (fp32 weights, Adam moments, step counts, EMA).
 
 Tolerances: the runs differ only in floating-point summation order (gradients reduced over 2 ranks or
 accumulated over 2 micro-batches, DeepSpeed's Adam kernels vs torch.optim.AdamW). Measured here that
@@ -128,6 +130,10 @@ def test_resume_under_another_configuration_continues_the_run(chain: Chain, name
     assert (ref_meta["step"], ref_meta["optimizer_step"], ref_meta["samples"]) == (M, M, 2 * M)
     assert meta["layout"]["zero"] == zero and meta["layout"]["world_size"] == ranks
     assert_same_state(state, ref_state, f"{source} -> {name}")
+    ema, ref_ema = (torch.load(ckpt(r, M) / "ema.pt", weights_only=True) for r in (run_dir, reference))
+    assert ema["step"] == ref_ema["step"] == M
+    for key, value in ref_ema["shadow"].items():
+        torch.testing.assert_close(ema["shadow"][key], value, rtol=0, atol=2e-5, msg=f"EMA {key}")
 
 
 def convert(*args: str | Path, cwd: Path) -> subprocess.CompletedProcess[str]:
