@@ -14,9 +14,10 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from ds_trainer import CONF_DIR
-from ds_trainer.config import accelerate_file, distributed, ds_config, rundir, schema, validation
+from ds_trainer.config import accelerate_file, distributed, ds_config, portability, rundir, schema, validation
 from ds_trainer.errors import TrainingError
 from ds_trainer.launch import sweep
+from ds_trainer.train import checkpoint
 
 log = logging.getLogger("ds_trainer")
 
@@ -36,9 +37,14 @@ def prepare(cfg: DictConfig, run_dir: Path) -> tuple[DictConfig, dict | None]:
     report = validation.check(cfg)
     if not report.ok:
         raise validation.ConfigError(report.render())
-    for warning in report.warnings:
-        log.warning("%s", warning)
     cfg = report.cfg
+    # A resume under another optimizer or architecture is refused here, before anything starts.
+    problems, carried = portability.check(cfg, checkpoint.find_resume(cfg, run_dir) if cfg.resume else None)
+    if problems:
+        raise validation.ConfigError(validation.Report(cfg, problems).render())
+    cfg.resolved.warnings = [*report.warnings, *carried]  # recorded in config.yaml
+    for warning in cfg.resolved.warnings:
+        log.warning("%s", warning)
     world_size = int(cfg.resolved.world_size)
     ds = ds_config.build(cfg, world_size) if cfg.resolved.backend == "deepspeed" else None
     ds_json = run_dir / "ds_config.json" if ds is not None else None

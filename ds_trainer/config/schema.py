@@ -19,6 +19,11 @@ class Backend(str, Enum):
     deepspeed = "deepspeed"
 
 
+class ResumeOptimizer(str, Enum):
+    keep = "keep"  # the optimizer state carries over (refused when it cannot)
+    reset = "reset"  # weights only: the optimizer starts fresh (recorded as a warning)
+
+
 class OffloadDevice(str, Enum):
     none = "none"
     cpu = "cpu"
@@ -338,6 +343,8 @@ class Config:
     dry_run: bool = False
     # None, "latest", or a checkpoint folder.
     resume: str | None = None
+    # What a resume under another optimizer type or architecture carries: `reset` takes the weights only.
+    resume_optimizer: ResumeOptimizer = ResumeOptimizer.keep
 
 
 def register() -> None:

@@ -95,8 +95,10 @@ def find_resume(cfg: DictConfig, run_dir: Path) -> Path | None:
 
 
 def save(accelerator: Any, run_dir: Path, step: int, state: dict[str, Any], keep: int,
-         extra: dict[str, Any] | None = None, save_kwargs: dict[str, Any] | None = None) -> Path:
-    """Collective: every rank calls it. Returns the completed checkpoint folder."""
+         extra: dict[str, Any] | None = None, save_kwargs: dict[str, Any] | None = None,
+         also: Callable[[Path, int], None] | None = None) -> Path:
+    """Collective: every rank calls it (and `also(folder, step)`, e.g. the portable state). Returns the
+    completed checkpoint folder."""
     import torch
 
     final = root(run_dir) / f"step_{step:08d}"
@@ -107,6 +109,8 @@ def save(accelerator: Any, run_dir: Path, step: int, state: dict[str, Any], keep
     accelerator.wait_for_everyone()
     try:
         accelerator.save_state(str(partial), **(save_kwargs or {}))
+        if also is not None:
+            also(partial, step)
         if accelerator.is_main_process and extra:
             for name, value in extra.items():
                 torch.save(value, partial / f"{name}.pt")
@@ -139,8 +143,8 @@ class Saver:
 
     def __init__(self, cfg: DictConfig, accelerator: Any, run_dir: Path, ema: Any, wandb_id: str | None,
                  last: Path | None, save_kwargs: dict[str, Any] | None = None,
-                 on_save: Callable[[], None] | None = None) -> None:
-        self.accelerator, self.run_dir, self.ema, self.last = accelerator, run_dir, ema, last
+                 on_save: Callable[[], None] | None = None, also: Callable[[Path, int], None] | None = None) -> None:
+        self.accelerator, self.run_dir, self.ema, self.last, self.also = accelerator, run_dir, ema, last, also
         # `accelerator.save_state` arguments (a LoRA leaves frozen weights out), and what to do after a save.
         self.save_kwargs, self.on_save = save_kwargs, on_save
         self.every, self.keep = int(cfg.train.checkpoint_every), int(cfg.train.checkpoints_to_keep)
@@ -151,7 +155,8 @@ class Saver:
     def after_step(self, step: int, stopping: bool) -> None:
         if step == self.final or (self.every and step % self.every == 0) or stopping:
             extra = {"ema": self.ema.state_dict()} if self.ema is not None else None
-            self.last = save(self.accelerator, self.run_dir, step, self.state, self.keep, extra, self.save_kwargs)
+            self.last = save(self.accelerator, self.run_dir, step, self.state, self.keep, extra, self.save_kwargs,
+                             self.also)
             if self.on_save is not None:
                 self.on_save()
 

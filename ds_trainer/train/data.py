@@ -257,10 +257,15 @@ def dataset(cfg: DictConfig, accelerator: Any = None) -> SyntheticImages | Folde
 def batch_indices(batch: int, rank: int, world: int, micro: int, n: int, seed: int) -> list[int]:
     """Indices of global micro-batch `batch` for `rank`: a fixed function of its arguments, so a resumed
     run sees exactly the data an uninterrupted one would. Epochs are seeded permutations of the data."""
-    start = (batch * world + rank) * micro
+    return sample_indices((batch * world + rank) * micro, micro, n, seed)
+
+
+def sample_indices(position: int, count: int, n: int, seed: int) -> list[int]:
+    """The dataset indices of `count` samples from sample `position` of the run's endless sample sequence
+    (one seeded permutation per epoch): the sequence does not depend on ranks or batch sizes."""
     out = []
-    for position in range(start, start + micro):
-        epoch, offset = divmod(position, n)
+    for p in range(position, position + count):
+        epoch, offset = divmod(p, n)
         out.append(_permutation(n, seed, epoch)[offset])
     return out
 
@@ -361,21 +366,35 @@ def encode_batch(data: SyntheticImages | FolderImages, frozen: Any, indices: lis
 
 class Loader:
     """The micro-batches of one rank: `loader(b)` is this rank's part of global micro-batch `b`, from the
-    latent cache, or encoded now when there is none (`data.cache=false`)."""
+    latent cache, or encoded now when there is none (`data.cache=false`).
+
+    `start` (step, samples) is where a resumed run continues: micro-batch `step * accumulation` begins at
+    sample `samples` of the sample sequence, so a resume under another world size or micro batch goes on
+    with the samples an uninterrupted run would have seen. Each batch carries its samples' positions
+    (`position`), which seed their noise.
+    """
 
     def __init__(self, cfg: DictConfig, data: SyntheticImages | FolderImages, cache: LatentCache | None,
-                 frozen: Any, rank: int, world: int, device: torch.device) -> None:
+                 frozen: Any, rank: int, world: int, device: torch.device,
+                 start: tuple[int, int] | None = None) -> None:
         self.data, self.cache, self.frozen, self.device = data, cache, frozen, device
         self.rank, self.world = rank, world
         self.micro, self.seed = int(cfg.train.micro_batch_size), int(cfg.train.seed)
         self.plan = data.plan if isinstance(data, FolderImages) else None
+        step, self.offset = start or (0, 0)
+        self.first = step * int(cfg.train.gradient_accumulation_steps)
+
+    def position(self, b: int) -> int:
+        """The first sample position of this rank's part of micro-batch `b`."""
+        return self.offset + ((b - self.first) * self.world + self.rank) * self.micro
 
     def __call__(self, b: int) -> dict[str, torch.Tensor]:
+        position = self.position(b)
         if self.plan is not None:  # one bucket per global batch: every rank gets the same shape
-            indices = self.plan.indices(b, self.rank, self.world, self.micro)
+            indices = self.plan.samples(position, self.micro)
         else:
-            indices = batch_indices(b, self.rank, self.world, self.micro, len(self.data), self.seed)
-        if self.cache is not None:
-            return self.cache.load(indices)
-        return encode_batch(self.data, self.frozen, indices, self.device)
-
+            indices = sample_indices(position, self.micro, len(self.data), self.seed)
+        batch = self.cache.load(indices) if self.cache is not None else encode_batch(self.data, self.frozen, indices,
+                                                                                      self.device)
+        batch["position"] = torch.arange(position, position + self.micro)
+        return batch

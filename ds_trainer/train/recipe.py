@@ -21,7 +21,7 @@ from omegaconf import DictConfig
 
 from ds_trainer.config import ds_config, hardware, nvme
 from ds_trainer.errors import TrainingError
-from ds_trainer.train import accel, adapter, checkpoint, data, export, metrics, models, oom
+from ds_trainer.train import accel, adapter, carry, checkpoint, data, export, metrics, models, oom, portable
 from ds_trainer.train.ema import EMA
 from ds_trainer.train.sampling import Sampler
 from ds_trainer.train.step import TrainStep
@@ -177,6 +177,10 @@ def _train(cfg: DictConfig, ds: dict[str, Any] | None, run_dir: Path, accelerato
         torch.cuda.empty_cache()
     unet = models.load_unet(cfg)
     trained = adapter.build(cfg, unet)  # adapter=lora: inject, freeze, cast the base; else the whole UNet
+    # Under another layout than the checkpoint's (stage, offload, ranks, batch split) its portable state
+    # carries over; otherwise DeepSpeed's native load (`_resume`).
+    resumed = carry.Carry(cfg, resume_from, accelerator.num_processes)
+    resumed.before_prepare(unet)
     ema = EMA(unet, float(cfg.train.ema_decay), "cpu" if cfg.train.ema_device == "cpu" else str(accelerator.device)) \
         if cfg.train.ema else None
     optimizer, scheduler = _optimizer_and_scheduler(cfg, ds, trained.parameters)
@@ -187,13 +191,17 @@ def _train(cfg: DictConfig, ds: dict[str, Any] | None, run_dir: Path, accelerato
     else:
         unet, optimizer, scheduler = accelerator.prepare(unet, optimizer, scheduler)
     trained.after_prepare(accelerator, unet)
-    start_step = _resume(accelerator, ds, ema, resume_from, trained.load_kwargs(ds is not None))
+    start_step = resumed.after_prepare(accelerator, unet, optimizer, scheduler, ema) if resumed.changed \
+        else _resume(accelerator, ds, ema, resume_from, trained.load_kwargs(ds is not None))
+    start = resumed.start(start_step, int(cfg.train.micro_batch_size) * int(cfg.train.gradient_accumulation_steps)
+                          * accelerator.num_processes)
     loader = data.Loader(cfg, dataset, cache, frozen, accelerator.process_index, accelerator.num_processes,
-                         accelerator.device)
+                         accelerator.device, start)
     max_steps = int(cfg.train.max_steps)
     saver = checkpoint.Saver(cfg, accelerator, run_dir, ema, wandb_id=tracker.wandb_id, last=resume_from,
                              save_kwargs=trained.save_kwargs(ds is not None),
-                             on_save=lambda: trained.on_save(accelerator, unet, ema, run_dir))
+                             on_save=lambda: trained.on_save(accelerator, unet, ema, run_dir),
+                             also=portable.Writer(cfg, accelerator, unet, optimizer, scheduler, start))
     progress = _progress_bar(accelerator, max_steps, start_step)
     sampler = Sampler(cfg, accelerator, unet, ema, frozen, run_dir, tracker, progress)
     if info.kind == "cuda":  # peaks from here on are training's (not the cache build's or DeepSpeed's setup)

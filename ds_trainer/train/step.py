@@ -1,8 +1,9 @@
 """One optimizer step: its micro-batches, backward, the optimizer and LR step, EMA, the stop signal and
 the metrics. `TrainStep.__call__` is the body of the recipe's loop.
 
-Noise and timesteps come from a generator seeded by (seed, micro-batch, rank), and the data of a
-micro-batch is a function of its index, so a resumed run repeats an uninterrupted one.
+Noise and timesteps of a sample come from a generator seeded by (seed, the sample's position in the run's
+sample sequence), and the data of a micro-batch is a function of its index, so a resumed run repeats an
+uninterrupted one, also under another world size or micro batch.
 """
 
 from __future__ import annotations
@@ -21,13 +22,16 @@ from ds_trainer.train.stop import StopRequest
 
 
 def diffusion_loss(cfg: DictConfig, unet: Any, noise_sched: Any, batch: dict[str, torch.Tensor],
-                   gen: torch.Generator, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """The denoising loss of one micro-batch (epsilon or v-prediction, optional min-SNR weighting)."""
+                   gens: list[torch.Generator], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """The denoising loss of one micro-batch (epsilon or v-prediction, optional min-SNR weighting);
+    `gens` holds one generator per sample."""
     latents = batch["latents"]
-    noise = torch.randn(latents.shape, generator=gen)
+    noise = torch.stack([torch.randn(latents.shape[1:], generator=g) for g in gens])
     if cfg.train.noise_offset:
-        noise += cfg.train.noise_offset * torch.randn((*latents.shape[:2], 1, 1), generator=gen)
-    t = torch.randint(0, noise_sched.config.num_train_timesteps, (latents.shape[0],), generator=gen)
+        noise += cfg.train.noise_offset * torch.stack([torch.randn((latents.shape[1], 1, 1), generator=g)
+                                                       for g in gens])
+    steps = noise_sched.config.num_train_timesteps
+    t = torch.cat([torch.randint(0, steps, (1,), generator=g) for g in gens])
     noisy = noise_sched.add_noise(latents, noise, t)
     prediction_type = noise_sched.config.prediction_type
     target = noise if prediction_type == "epsilon" else noise_sched.get_velocity(latents, noise, t)
@@ -106,9 +110,9 @@ class TrainStep:
         return bool(stopping)
 
     def _micro_step(self, b: int, batch: dict[str, torch.Tensor], logging: bool) -> torch.Tensor:
-        gen = torch.Generator().manual_seed((self.seed * 1_000_003 + b) * 1009 + self.rank)
+        gens = [torch.Generator().manual_seed(self.seed * 1_000_003 + int(i)) for i in batch["position"]]
         with self.accelerator.accumulate(self.unet), self.accelerator.autocast():
-            loss = diffusion_loss(self.cfg, self.unet, self.noise_sched, batch, gen, self.device, self.dtype)
+            loss = diffusion_loss(self.cfg, self.unet, self.noise_sched, batch, gens, self.device, self.dtype)
             self.accelerator.backward(loss)
             if not self.deepspeed and self.accelerator.sync_gradients and (self.clip > 0 or logging):
                 # DeepSpeed clips inside its step; DDP clips here (an infinite limit only measures).

@@ -1,0 +1,94 @@
+"""Whether a checkpoint can continue under this configuration, decided before a run. Torch-free.
+
+Every checkpoint holds a portable state next to DeepSpeed's own files (`portable/meta.json` and
+safetensors shards, written by `train/portable.py`). Its `layout` (ZeRO stage or DDP, offload, ranks,
+micro batch, accumulation, precision) may differ from the resumed run's: the state is then carried over
+parameter by parameter. Its `identity` (optimizer type, architecture, adapter/LoRA shape) may not, unless the
+user asks for the weights only with `resume_optimizer=reset`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from ds_trainer.config.validation import Problem
+
+META = "portable/meta.json"
+# Optimizers whose state the portable format holds (DeepSpeed's Adam/AdamW map 1:1 onto torch's).
+MOMENT_OPTIMIZERS = ("adam", "adamw")
+
+
+def layout(cfg: DictConfig) -> dict[str, Any]:
+    """What may change between a run and its resume: where and how the state is split."""
+    return {"zero": "ddp" if cfg.resolved.backend == "ddp" else f"stage{int(cfg.zero.stage)}",
+            "offload": str(cfg.offload.device.value), "world_size": int(cfg.resolved.world_size),
+            "micro_batch_size": int(cfg.train.micro_batch_size),
+            "gradient_accumulation_steps": int(cfg.train.gradient_accumulation_steps),
+            "precision": str(cfg.precision.name.value)}
+
+
+def identity(cfg: DictConfig) -> dict[str, Any]:
+    """What must not change for the optimizer state to carry: optimizer type, architecture, LoRA shape."""
+    adapter = cfg.get("adapter")  # LoRA: its shape decides which parameters train
+    return {"optimizer": str(cfg.resolved.optimizer), "architecture": Path(str(cfg.model.architecture)).name,
+            "adapter": OmegaConf.to_container(adapter, resolve=True) if adapter is not None else None}
+
+
+def read_meta(checkpoint: Path) -> dict[str, Any] | None:
+    """The portable state's description, or None for a checkpoint without one (written before it existed)."""
+    path = Path(checkpoint) / META
+    if not path.is_file():
+        return None
+    meta: dict[str, Any] = json.loads(path.read_text())
+    return meta
+
+
+def changes(meta: dict[str, Any], cfg: DictConfig) -> list[str]:
+    """The layout differences, as `key: saved -> now`."""
+    now = layout(cfg)
+    return [f"{key}: {meta['layout'].get(key)} -> {value}" for key, value in now.items()
+            if meta["layout"].get(key) != value]
+
+
+def reset_requested(cfg: DictConfig) -> bool:
+    value = cfg.get("resume_optimizer")
+    return getattr(value, "value", value) == "reset"
+
+
+def check(cfg: DictConfig, checkpoint: Path | None) -> tuple[list[Problem], list[str]]:
+    """Problems that refuse the resume, and warnings to record (the weights-only override)."""
+    meta = read_meta(checkpoint) if checkpoint is not None else None
+    if meta is None:
+        return [], []
+    saved, now = meta["identity"], identity(cfg)
+    differ = [key for key in now if saved.get(key) != now[key]]
+    moved = changes(meta, cfg)
+    if saved["optimizer"] not in MOMENT_OPTIMIZERS and moved and "optimizer" not in differ:
+        differ.append("optimizer")
+    if not differ:
+        return [], []
+    if reset_requested(cfg):
+        what = ", ".join(f"{key} {saved.get(key)} -> {now[key]}" for key in differ)
+        return [], [f"resume_optimizer=reset: resuming {checkpoint} with the WEIGHTS ONLY ({what}); the optimizer "
+                    "state (Adam moments) starts fresh, so the first steps differ from an uninterrupted run"]
+    return [_problem(key, saved.get(key), now[key], checkpoint, moved) for key in differ], []
+
+
+def _problem(key: str, saved: Any, now: Any, checkpoint: Path | None, moved: list[str]) -> Problem:
+    fix = "resume_optimizer=reset to carry the weights only (the optimizer starts fresh)"
+    if key == "optimizer" and saved == now:
+        return Problem("optimizer", now, f"the checkpoint {checkpoint} holds no portable optimizer state for {saved} "
+                       f"(only {'/'.join(MOMENT_OPTIMIZERS)}), and the run changed ({'; '.join(moved)})",
+                       f"resume with the saved layout, or {fix}")
+    if key == "optimizer":
+        return Problem("optimizer", now, f"the checkpoint {checkpoint} was trained with optimizer={saved}; its "
+                       "state cannot continue under another optimizer type", f"optimizer={saved}, or {fix}")
+    if key == "architecture":
+        return Problem("model.architecture", now, f"the checkpoint {checkpoint} holds a UNet of architecture {saved}",
+                       f"model.architecture={saved} (its model option), or {fix} (names that match carry over)")
+    return Problem("adapter", now, f"the checkpoint {checkpoint} was trained with adapter={saved}: another adapter "
+                   "shape has other trainable parameters", f"the saved adapter settings, or {fix}")

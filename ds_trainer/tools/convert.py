@@ -1,0 +1,172 @@
+"""`python -m ds_trainer.convert`: checkpoints without GPUs and without the run's world size.
+
+- `convert <checkpoint> --unet <dir>` writes the UNet (or with `--ema` its EMA) in diffusers format from
+  a ds_trainer checkpoint: its portable state, or DeepSpeed's files (zero_to_fp32) for older checkpoints.
+- `convert <accelerate save_state folder> --import-to <dir> --architecture sdxl_base` turns a DeepSpeed
+  ZeRO-1/2/3 checkpoint written by Accelerate in another tool (diffusers' SDXL script, for example) into a
+  ds_trainer checkpoint: fp32 weights and Adam moments from the ZeRO partitions (merged with
+  zero_to_fp32's own functions), step, samples and LR schedule. `resume=<dir>` then continues from it
+  under any configuration. Merging needs host memory for one full copy of each tensor kind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("ds_trainer.convert")
+
+KINDS = ("fp32", "exp_avg", "exp_avg_sq")
+
+
+class ConvertError(Exception):
+    """A user mistake: printed as one message, exit status 2."""
+
+
+def _portable_weights(checkpoint: Path) -> dict[str, Any] | None:
+    from safetensors import safe_open
+
+    meta_path = checkpoint / "portable" / "meta.json"
+    if not meta_path.is_file():
+        return None
+    meta = json.loads(meta_path.read_text())
+    out = {}
+    for key, shard in meta["index"].items():
+        if key.startswith("fp32/"):
+            with safe_open(str(checkpoint / "portable" / shard), framework="pt") as f:
+                out[key[len("fp32/"):]] = f.get_tensor(key)
+    return out
+
+
+def _weights(checkpoint: Path, ema: bool) -> dict[str, Any]:
+    import torch
+
+    if ema:
+        if not (checkpoint / "ema.pt").is_file():
+            raise ConvertError(f"{checkpoint}: no ema.pt (the run had train.ema=false)")
+        return dict(torch.load(checkpoint / "ema.pt", weights_only=True)["shadow"])
+    portable = _portable_weights(checkpoint)
+    if portable is not None:
+        return portable
+    if (checkpoint / "model.safetensors").is_file():  # an older DDP checkpoint
+        from safetensors.torch import load_file
+
+        return dict(load_file(str(checkpoint / "model.safetensors")))
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    return dict(get_fp32_state_dict_from_zero_checkpoint(str(checkpoint)))
+
+
+def export_unet(checkpoint: Path, out: Path, ema: bool = False) -> Path:
+    """Write the checkpoint's UNet (fp32) as a diffusers folder; the architecture is the run's config.yaml."""
+    from omegaconf import DictConfig, OmegaConf
+
+    from ds_trainer.train import models
+
+    config = checkpoint.parent.parent / "config.yaml"
+    if not config.is_file():
+        raise ConvertError(f"{checkpoint}: no config.yaml two folders up (is it a ds_trainer checkpoint folder?)")
+    cfg = OmegaConf.load(config)
+    assert isinstance(cfg, DictConfig)
+    unet = models.load_unet(cfg)
+    weights = _weights(checkpoint, ema)
+    missing, unexpected = unet.load_state_dict(weights, strict=False)
+    trained = {n for n, p in unet.named_parameters() if p.requires_grad}
+    if unexpected or trained & set(missing):
+        raise ConvertError(f"{checkpoint}: the weights do not fit the run's UNet (missing {sorted(missing)[:3]}, "
+                           f"unexpected {sorted(unexpected)[:3]})")
+    unet.save_pretrained(out, safe_serialization=True)
+    return out
+
+
+def _merge(kind_groups: list[list[Any]], stage: int, world: int, model_states: Any, paddings: Any) -> dict[str, Any]:
+    """Full tensors by name from per-rank ZeRO partitions, with zero_to_fp32's own merge."""
+    from collections import OrderedDict
+
+    from deepspeed.utils import zero_to_fp32 as z
+
+    merged: dict[str, Any] = OrderedDict()
+    if stage <= 2:
+        z._zero2_merge_trainable_params(merged, world, kind_groups, model_states, paddings)
+    else:
+        z._zero3_merge_trainable_params(merged, world, kind_groups, model_states)
+    return dict(z.to_torch_tensor(merged))
+
+
+def import_accelerate(source: Path, out: Path, architecture: str, optimizer: str = "adamw") -> Path:
+    """A ds_trainer checkpoint (portable state + COMPLETE) from an Accelerate/DeepSpeed `save_state` folder."""
+    import torch
+    from deepspeed.utils import zero_to_fp32 as z
+    from safetensors.torch import save_file
+
+    tag_dirs = [d for d in source.iterdir() if d.is_dir() and list(d.glob("*optim_states.pt"))]
+    if len(tag_dirs) != 1:
+        raise ConvertError(f"{source}: expected one DeepSpeed checkpoint folder with *_optim_states.pt files inside "
+                           f"(Accelerate's save_state under ZeRO-1/2/3), found {len(tag_dirs)}")
+    ds_dir = tag_dirs[0]
+    model_states = z.parse_model_states(z.get_model_state_files(str(ds_dir)))
+    optim = [torch.load(f, map_location="cpu", weights_only=False)["optimizer_state_dict"]
+             for f in z.get_optim_files(str(ds_dir))]
+    stage, world = int(optim[0]["zero_stage"]), len(optim)
+    inner_key, flat_key = ("base_optimizer_state", "single_partition_of_fp32_groups") if stage <= 2 else \
+        ("optimizer_state_dict", "fp32_flat_groups")
+    tensors: dict[str, torch.Tensor] = {}
+    shapes: dict[str, list[int]] = {}
+    for kind in KINDS:
+        groups = [o[flat_key] if kind == "fp32" else [o[inner_key]["state"][g][kind] for g in
+                                                      sorted(o[inner_key]["state"])] for o in optim]
+        for name, value in _merge(groups, stage, world, model_states, optim[0].get("param_alignment_paddings")).items():
+            if name in {n for d in model_states[0].param_shapes for n in d}:
+                tensors[f"{kind}/{name}"] = value.float().contiguous()
+                shapes[name] = list(value.shape)
+    first_state = optim[0][inner_key]["state"][min(optim[0][inner_key]["state"])]
+    group = optim[0][inner_key]["param_groups"][0]
+    main = torch.load(z.get_model_state_files(str(ds_dir))[0], map_location="cpu", weights_only=False)
+    step, samples = int(main["global_steps"]), int(main["global_samples"])
+    (out / "portable").mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "portable" / "state-00001.safetensors"))
+    # DeepSpeed's schedulers store their position; a torch scheduler (Accelerate's scheduler.bin) is not
+    # ds_trainer's schedule, which then continues at the imported step.
+    sched = main.get("lr_scheduler") or {"last_batch_iteration": step - 1}
+    torch.save(sched, out / "portable" / "scheduler.pt")
+    meta = {"format": 1, "imported_from": str(source),
+            "layout": {"zero": f"imported-stage{stage}", "world_size": world},
+            "identity": {"optimizer": optimizer, "architecture": architecture, "adapter": None},
+            "step": step, "samples": samples, "optimizer_step": int(first_state["step"]), "moments": True,
+            "hyper": {k: group[k] for k in ("lr", "betas", "eps", "weight_decay") if k in group},
+            "params": shapes, "index": dict.fromkeys(tensors, "state-00001.safetensors"),
+            "bytes": sum(t.numel() * 4 for t in tensors.values())}
+    (out / "portable" / "meta.json").write_text(json.dumps(meta, indent=1, default=list))
+    (out / "COMPLETE").write_text(json.dumps({"backend": "deepspeed", "stage": stage, "world_size": world,
+                                              "fingerprint": None, "step": step, "imported_from": str(source)}))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ds_trainer.convert", description=__doc__.split("\n")[0])
+    parser.add_argument("checkpoint", type=Path, help="a ds_trainer checkpoint, or an Accelerate save_state folder")
+    parser.add_argument("--unet", type=Path, help="write the UNet in diffusers format here")
+    parser.add_argument("--ema", action="store_true", help="with --unet: the EMA weights")
+    parser.add_argument("--import-to", type=Path, help="import a DeepSpeed save_state folder as a checkpoint")
+    parser.add_argument("--architecture", default="sdxl_base", help="with --import-to: the model's architecture")
+    parser.add_argument("--optimizer", default="adamw", help="with --import-to: the source's optimizer (adam/adamw)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        if not args.checkpoint.is_dir():
+            raise ConvertError(f"{args.checkpoint}: not a folder")
+        if (args.unet is None) == (args.import_to is None):
+            raise ConvertError("give one of --unet <dir> (export) or --import-to <dir> (import)")
+        if args.unet is not None:
+            print(f"wrote {export_unet(args.checkpoint, args.unet, args.ema)}")
+        else:
+            print(f"wrote {import_accelerate(args.checkpoint, args.import_to, args.architecture, args.optimizer)}; "
+                  f"continue with resume={args.import_to}")
+    except ConvertError as exc:
+        print(f"ds_trainer.convert: {exc}", file=sys.stderr)
+        return 2
+    return 0

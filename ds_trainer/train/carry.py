@@ -1,0 +1,168 @@
+"""Resuming from a checkpoint's portable state under another configuration (see `portable.py`).
+
+The recipe calls `Carry` at two points: `before_prepare` puts the saved fp32 weights into the UNet (so
+DeepSpeed's fp32 masters and the DDP module start from them), `after_prepare` writes the masters and the
+Adam state into whatever optimizer the configuration built, restores the step count (with DeepSpeed's
+C++ Adam clocks), the LR schedule, the EMA and the data position. When nothing changed it does nothing
+and the recipe keeps DeepSpeed's native, bit-exact load.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+
+from ds_trainer.config import portability
+from ds_trainer.errors import TrainingError
+from ds_trainer.train import checkpoint
+from ds_trainer.train.portable import KINDS, Reader, _base_optimizer, _engine, _mapped, _scheduler, _shape, trainable
+
+log = logging.getLogger("ds_trainer")
+MOMENTS = portability.MOMENT_OPTIMIZERS
+
+
+class Carry:
+    """The resume plan: `changed` when the portable state must carry over (else native or fresh)."""
+
+    def __init__(self, cfg: DictConfig, resume_from: Path | None, world: int) -> None:
+        self.path = resume_from
+        self.meta = portability.read_meta(resume_from) if resume_from is not None else None
+        self.reset = portability.reset_requested(cfg) and self.meta is not None
+        moved = portability.changes(self.meta, cfg) if self.meta is not None else []
+        self.changes = moved
+        self.changed = self.meta is not None and (bool(moved) or self.reset)
+        self.reader = Reader(resume_from, self.meta) if self.changed and resume_from and self.meta else None
+        self.carried: list[str] = []
+
+    def start(self, step: int, global_batch: int) -> tuple[int, int]:
+        """(step, samples seen) where the data continues: the saved count, or for a checkpoint without a
+        portable state (same layout by definition) the count its fixed global batch gives."""
+        if self.meta is not None and int(self.meta["step"]) == step:
+            return step, int(self.meta["samples"])
+        return step, step * global_batch
+
+    def before_prepare(self, unet: torch.nn.Module) -> None:
+        """Load the saved fp32 weights into the (not yet prepared) UNet, by name."""
+        if self.reader is None:
+            return
+        assert self.meta is not None
+        named = trainable(unet)
+        self._check_names(named)
+        with torch.no_grad():
+            for name, p in named:
+                key = f"fp32/{name}"
+                if key in self.reader and list(p.shape) == list(self.meta["params"].get(name, [])):
+                    p.copy_(self.reader.get(key))
+                    self.carried.append(name)
+
+    def _check_names(self, named: list[tuple[str, torch.nn.Parameter]]) -> None:
+        """The trainable parameters must match by name and shape unless only the weights are carried."""
+        assert self.meta is not None
+        now = {name: list(p.shape) for name, p in named}
+        saved = {name: list(shape) for name, shape in self.meta["params"].items()}
+        if now == saved or self.reset:
+            return
+        missing, extra = sorted(saved.keys() - now.keys()), sorted(now.keys() - saved.keys())
+        shaped = sorted(n for n in now.keys() & saved.keys() if now[n] != saved[n])
+        what = "; ".join(f"{label}: {', '.join(names[:3])}{' ...' if len(names) > 3 else ''} ({len(names)})"
+                         for label, names in (("only in the checkpoint", missing), ("only in this model", extra),
+                                              ("another shape", shaped)) if names)
+        raise TrainingError(f"resume={self.path}: the trainable parameters differ from the checkpoint's ({what}); "
+                            "the optimizer state cannot carry over. Resume with the same model and adapter "
+                            "settings, or with resume_optimizer=reset to carry the weights only")
+
+    def after_prepare(self, accelerator: Any, unet: Any, optimizer: Any, scheduler: Any, ema: Any) -> int:
+        """Write the state into the prepared engine or optimizer; returns the step to continue after."""
+        assert self.meta is not None and self.reader is not None
+        if not self.meta["moments"] and not self.reset and self.meta["identity"]["optimizer"] in MOMENTS:
+            raise TrainingError(f"resume={self.path}: the checkpoint's portable state holds no Adam moments (it was "
+                                f"saved under {self.meta['layout']}); resume with that layout, or with "
+                                "resume_optimizer=reset to carry the weights only")
+        base = _base_optimizer(accelerator, optimizer)
+        engine = _engine(accelerator)
+        moments = bool(self.meta["moments"]) and not self.reset
+        t = int(self.meta["optimizer_step"])
+        if moments:
+            _prefill(engine, base, t)
+        for name, p in trainable(accelerator.unwrap_model(unet)):
+            if name not in self.carried:
+                continue
+            self._set(p, name, base, moments, t)
+        step = int(self.meta["step"])
+        sched = _scheduler(accelerator, scheduler)
+        if sched is not None and (self.path / "portable" / "scheduler.pt").exists():  # type: ignore[operator]
+            sched.load_state_dict(torch.load(self.path / "portable" / "scheduler.pt", weights_only=False))  # type: ignore[operator]
+            if engine is None:
+                sched.step(sched.last_batch_iteration)  # the LR of the current position (as DeepSpeed's load)
+        if engine is not None:
+            checkpoint.restore_optimizer_clocks(engine)
+            engine.global_steps, engine.global_samples = step, int(self.meta["samples"])
+        self._load_ema(ema)
+        how = ("the WEIGHTS ONLY (resume_optimizer=reset: the optimizer starts fresh)" if not moments else
+               f"fp32 weights and Adam moments (optimizer step {t})")
+        log.warning("resumed from %s at step %d under another configuration (%s): carried %s of %d/%d trainable "
+                    "parameters, the LR schedule, the EMA and the data position (sample %d)", self.path, step,
+                    "; ".join(self.changes) or "same layout", how, len(self.carried), len(self.meta["params"]),
+                    int(self.meta["samples"]))
+        return step
+
+    def _set(self, p: torch.nn.Parameter, name: str, base: Any, moments: bool, t: int) -> None:
+        from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+        assert self.reader is not None
+        values = {kind: self.reader.get(f"{kind}/{name}") for kind in KINDS
+                  if kind == "fp32" or moments and f"{kind}/{name}" in self.reader}
+        if _mapped(p):
+            safe_set_full_fp32_param(p, values["fp32"].to(p.device))
+            for kind in ("exp_avg", "exp_avg_sq"):
+                if kind in values:
+                    safe_set_full_optimizer_state(p, values[kind].to(p.device), kind)
+            return
+        with torch.no_grad():
+            p.copy_(values["fp32"].reshape(_shape(p)))
+        if moments and "exp_avg" in values:
+            base.state[p] = {"step": _step_value(base, t), "exp_avg": values["exp_avg"].to(p.device, p.dtype),
+                             "exp_avg_sq": values["exp_avg_sq"].to(p.device, p.dtype)}
+
+    def _load_ema(self, ema: Any) -> None:
+        assert self.path is not None
+        if ema is None or not (self.path / "ema.pt").exists():
+            return
+        state = torch.load(self.path / "ema.pt", weights_only=True)
+        if set(state["shadow"]) != set(ema.shadow):
+            log.warning("the checkpoint's EMA covers other parameters: the EMA starts from the carried weights")
+            return
+        ema.load_state_dict(state)
+
+
+def _step_value(base: Any, t: int) -> Any:
+    """torch's Adam/AdamW keep the step as a float tensor; DeepSpeed's Adams as an int."""
+    return torch.tensor(float(t)) if isinstance(base, torch.optim.Adam | torch.optim.AdamW) else t
+
+
+def _prefill(engine: Any, base: Any, t: int) -> None:
+    """Create DeepSpeed's optimizer state (zeros, at step t) that its first step would create, and link it to
+    the parameters, so `safe_set_full_optimizer_state` has somewhere to write before any step ran."""
+    if engine is None:
+        return
+    zero = engine.optimizer
+    if getattr(zero, "swap_optimizer", False):
+        raise TrainingError("resuming under another configuration into offload=nvme is not supported yet: resume "
+                            "with offload=cpu (or none) first, save, then switch to offload=nvme")
+    flats = (getattr(zero, "fp32_partitioned_groups_flat", None)  # ZeRO-3
+             or getattr(zero, "single_partition_of_fp32_groups", None)  # ZeRO-1/2
+             or getattr(zero, "fp32_groups_flat_partition", None))  # BF16_Optimizer
+    if not flats:
+        for group in base.param_groups:  # ZeRO-0: the basic optimizer holds the module's parameters
+            group["step"] = t
+        return
+    for flat in flats:
+        base.state[flat] = {"step": _step_value(base, t), "exp_avg": torch.zeros_like(flat),
+                            "exp_avg_sq": torch.zeros_like(flat)}
+    if hasattr(zero, "_lazy_init_hp_params_optimizer_state"):  # ZeRO-1/2 link lazily, after the first step
+        zero._hp_optimizer_states_linked = False
+        zero._lazy_init_hp_params_optimizer_state()

@@ -1,0 +1,166 @@
+"""The portable state of a checkpoint, and resuming from it under another configuration.
+
+Next to DeepSpeed's native files every checkpoint gets `portable/`: per trainable parameter (by name)
+the fp32 master weight and, for Adam/AdamW, `exp_avg` and `exp_avg_sq`, in safetensors shards; the
+optimizer step count and hyperparameters, the data position in samples and the layout in `meta.json`;
+the LR scheduler's state in `scheduler.pt` (the EMA is the checkpoint's `ema.pt`). It is read and
+written one parameter at a time through DeepSpeed's `safe_get/set_full_*` API (collective under ZeRO:
+every rank calls, rank 0 writes), so no rank holds a second full copy of model and optimizer.
+
+A resume under the same layout stays DeepSpeed's native load (bit-exact). Under another layout the
+weights go into the module before `prepare`, and after it into the fp32 masters and optimizer state.
+DeepSpeed creates its optimizer state only in the first step, so that state is created here, zero
+and at the saved step count, before the values are written into it (see `_prefill`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+
+from ds_trainer.config import portability
+
+log = logging.getLogger("ds_trainer")
+
+SHARD_BYTES = 1 << 30  # rank 0 holds at most one shard of gathered tensors at once
+KINDS = ("fp32", "exp_avg", "exp_avg_sq")
+
+
+def trainable(module: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    return [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+
+
+def _shape(p: torch.nn.Parameter) -> list[int]:
+    return list(getattr(p, "ds_shape", p.shape))
+
+
+def _engine(accelerator: Any) -> Any:
+    wrapped = getattr(accelerator, "deepspeed_engine_wrapped", None)
+    return wrapped.engine if wrapped is not None else None
+
+
+def _base_optimizer(accelerator: Any, optimizer: Any) -> Any:
+    """The optimizer that holds the Adam state: DeepSpeed's inner one (or its basic one on ZeRO-0), or torch's."""
+    engine = _engine(accelerator)
+    outer = engine.optimizer if engine is not None else optimizer
+    return getattr(outer, "optimizer", outer)
+
+
+def _mapped(p: torch.nn.Parameter) -> bool:
+    """Whether DeepSpeed keeps this parameter's fp32 master apart (ZeRO-1/2/3, BF16_Optimizer)."""
+    return hasattr(p, "ds_id") or hasattr(p, "_hp_mapping")
+
+
+def _step_count(base: Any) -> int:
+    steps = [int(s["step"]) for s in base.state.values() if isinstance(s, dict) and "step" in s]
+    return max(steps) if steps else 0
+
+
+def _scheduler(accelerator: Any, scheduler: Any) -> Any:
+    engine = _engine(accelerator)
+    if engine is not None:
+        return engine.lr_scheduler
+    return getattr(scheduler, "scheduler", scheduler)
+
+
+class Writer:
+    """Writes `portable/` into a checkpoint folder being saved (`checkpoint.Saver` calls it, collectively)."""
+
+    def __init__(self, cfg: DictConfig, accelerator: Any, unet: Any, optimizer: Any, scheduler: Any,
+                 start: tuple[int, int]) -> None:
+        self.accelerator, self.unet, self.optimizer, self.scheduler = accelerator, unet, optimizer, scheduler
+        self.start_step, self.start_samples = start
+        self.global_batch = (int(cfg.train.micro_batch_size) * int(cfg.train.gradient_accumulation_steps)
+                             * accelerator.num_processes)
+        ident = portability.identity(cfg)
+        self.meta: dict[str, Any] = {"format": 1, "layout": portability.layout(cfg), "identity": ident}
+        self.moments = ident["optimizer"] in portability.MOMENT_OPTIMIZERS
+
+    def samples(self, step: int) -> int:
+        """Samples the run has trained on after `step` (counted across resumes with other batch sizes)."""
+        return self.start_samples + (step - self.start_step) * self.global_batch
+
+    def __call__(self, folder: Path, step: int) -> None:
+        begin, main = time.perf_counter(), self.accelerator.is_main_process
+        out = folder / "portable"
+        if main:
+            out.mkdir(parents=True, exist_ok=True)
+        base = _base_optimizer(self.accelerator, self.optimizer)
+        shard: dict[str, torch.Tensor] = {}
+        index: dict[str, str] = {}
+        params: dict[str, list[int]] = {}
+        written, without_moments = 0, 0
+        for name, p in trainable(self.accelerator.unwrap_model(self.unet)):
+            values = self._read(p, base)  # collective under ZeRO
+            params[name] = _shape(p)
+            if not main:
+                continue
+            without_moments += values[1] is None
+            for kind, value in zip(KINDS, values, strict=True):
+                if value is not None:
+                    shard[f"{kind}/{name}"] = value.detach().to("cpu", torch.float32).reshape(params[name]).clone()
+            if sum(t.numel() * 4 for t in shard.values()) >= SHARD_BYTES:
+                written += self._flush(out, shard, index)
+        if main:
+            written += self._flush(out, shard, index)
+            sched = _scheduler(self.accelerator, self.scheduler)
+            if sched is not None:
+                torch.save(sched.state_dict(), out / "scheduler.pt")
+            group = base.param_groups[0]
+            hyper = {k: group[k] for k in ("lr", "betas", "eps", "weight_decay") if k in group}
+            meta = {**self.meta, "step": step, "samples": self.samples(step), "optimizer_step": _step_count(base),
+                    "moments": self.moments and not without_moments, "hyper": hyper, "params": params,
+                    "index": index, "bytes": written}
+            (out / "meta.json").write_text(json.dumps(meta, indent=1, default=list))
+            log.info("portable state of step %d: %d parameters, %.1f MiB in %.1fs", step, len(params),
+                     written / 2**20, time.perf_counter() - begin)
+            if self.moments and without_moments:  # ZeRO-0 with bf16/fp16 keeps them in flat groups only
+                log.warning("portable state of step %d: no Adam moments for %d parameters under this layout; a "
+                            "resume under another one needs resume_optimizer=reset", step, without_moments)
+
+    def _read(self, p: torch.nn.Parameter, base: Any) -> tuple[torch.Tensor | None, ...]:
+        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+        if _mapped(p):
+            weight = safe_get_full_fp32_param(p)
+            if not self.moments:
+                return weight, None, None
+            return (weight, safe_get_full_optimizer_state(p, "exp_avg"),
+                    safe_get_full_optimizer_state(p, "exp_avg_sq"))
+        state = base.state.get(p, {}) if self.moments else {}
+        return p.detach(), state.get("exp_avg"), state.get("exp_avg_sq")
+
+    @staticmethod
+    def _flush(out: Path, shard: dict[str, torch.Tensor], index: dict[str, str]) -> int:
+        if not shard:
+            return 0
+        from safetensors.torch import save_file
+
+        name = f"state-{len(set(index.values())) + 1:05d}.safetensors"
+        save_file(shard, str(out / name))
+        size = sum(t.numel() * t.element_size() for t in shard.values())
+        index.update(dict.fromkeys(shard, name))
+        shard.clear()
+        return size
+
+
+class Reader:
+    """Tensors of a portable state, one at a time (memory-mapped shards)."""
+
+    def __init__(self, checkpoint: Path, meta: dict[str, Any]) -> None:
+        self.dir, self.index = Path(checkpoint) / "portable", meta["index"]
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.index
+
+    def get(self, key: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        with safe_open(str(self.dir / self.index[key]), framework="pt") as f:
+            return f.get_tensor(key)

@@ -1,0 +1,221 @@
+"""Checkpoints that resume anywhere: another ZeRO stage, DDP, offload, number of ranks and batch split.
+
+One chain of runs shares the work: a reference run of M steps (checkpoint every step), and runs that
+each resume from an earlier run's checkpoint under another configuration and train to step M, with the
+same global batch (2) and seed (so each pair A -> B is "2N steps under A" against "N under A, then
+under B", the reference standing for A: all layouts compute the same steps up to summation order).
+Every resumed run must match the reference at every step it trains (step count, LR, samples seen,
+loss) and at step M (fp32 weights, Adam moments, step counts, EMA).
+
+Tolerances: the runs differ only in floating-point summation order (gradients reduced over 2 ranks or
+accumulated over 2 micro-batches, DeepSpeed's Adam kernels vs torch.optim.AdamW). Measured here that
+noise is below 3e-6 on the weights and 1e-5 of the moments' scale; one training step moves weights by
+up to 5e-5 and moments by ~20% of their scale, so a lost moment, a skipped or repeated step or
+sample, or a wrong LR fails the test. (Parameters whose true gradient is zero, such as biases ahead of
+a GroupNorm, hold pure rounding noise in their moments; the moments are compared on their global
+scale for that reason.)
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import require, run_cli, run_dirs
+
+from ds_trainer.config import nvme
+
+torch = pytest.importorskip("torch")
+
+M = 6
+COMMON = ["precision=fp32", "logger=none", "data.num_samples=8", "train.export=false", "train.checkpoint_every=1",
+          f"train.checkpoints_to_keep={M}", f"scheduler.warmup_steps={M}", "train.ema=true", f"train.max_steps={M}"]
+REFERENCE = "stage0"
+# name: (zero, offload, ranks, micro, accumulation, resumes from (run, step)); the global batch is 2 throughout.
+# Runs start when a selected test needs them (with the runs they resume from).
+CHAIN: dict[str, tuple[str, str, int, int, int, tuple[str, int] | None]] = {
+    REFERENCE: ("stage0", "none", 1, 2, 1, None),
+    "stage2_x2": ("stage2", "none", 2, 1, 1, (REFERENCE, 1)),
+    "ddp": ("ddp", "none", 1, 1, 2, ("stage2_x2", 2)),
+    "stage3_cpu": ("stage3", "cpu", 1, 2, 1, ("ddp", 3)),
+    "stage1": ("stage1", "none", 1, 2, 1, ("ddp", 3)),
+    "stage3_x2": ("stage3", "none", 2, 1, 1, ("stage1", 4)),
+    "stage1_after_stage3_x2": ("stage1", "none", 1, 2, 1, ("stage3_x2", 5)),
+    "stage3_nvme": ("stage3", "nvme", 1, 2, 1, None),  # resuming into NVMe offload is not supported yet
+    "stage2_after_stage3_nvme": ("stage2", "none", 1, 1, 2, ("stage3_nvme", 2)),
+}
+
+
+def ckpt(run_dir: Path, step: int) -> Path:
+    return run_dir / "checkpoints" / f"step_{step:08d}"
+
+
+def train(cwd: Path, zero: str, offload: str, ranks: int, micro: int, accum: int, *extra: str,
+          ) -> subprocess.CompletedProcess[str]:
+    args = [f"zero={zero}", f"offload={offload}", f"train.micro_batch_size={micro}",
+            f"train.gradient_accumulation_steps={accum}", *COMMON, *extra]
+    cwd.mkdir(parents=True, exist_ok=True)
+    if ranks == 1:
+        return run_cli(*args, cwd=cwd, timeout=1800)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "-m", "ds_trainer", *args]
+    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=1800)
+
+
+class Chain:
+    """The runs of CHAIN, each trained the first time a test asks for it (after the run it resumes from)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root, self.done = root, {}  # type: ignore[var-annotated]
+
+    def __getitem__(self, name: str) -> tuple[Path, str]:
+        if name not in self.done:
+            zero, offload, ranks, micro, accum, source = CHAIN[name]
+            if offload == "nvme":
+                require(nvme.aio_prerequisites() is None, "libaio-dev is not installed")
+            extra = [f"resume={ckpt(self[source[0]][0], source[1])}"] if source else []
+            result = train(self.root / name, zero, offload, ranks, micro, accum, *extra)
+            assert result.returncode == 0, f"{name}: {result.stderr[-3000:]}"
+            (run_dir,) = run_dirs(self.root / name)
+            self.done[name] = (run_dir, result.stderr)
+        return self.done[name]  # type: ignore[no-any-return]
+
+
+@pytest.fixture(scope="module")
+def chain(tmp_path_factory: pytest.TempPathFactory) -> Chain:
+    return Chain(tmp_path_factory.mktemp("chain"))
+
+
+def metrics(run_dir: Path) -> dict[int, dict]:
+    return {row["step"]: row for row in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+
+
+def portable_state(folder: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    for shard in sorted((folder / "portable").glob("state-*.safetensors")):
+        tensors.update(load_file(shard))
+    return json.loads((folder / "portable" / "meta.json").read_text()), tensors
+
+
+def assert_same_state(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], what: str) -> None:
+    assert got.keys() == expected.keys(), what
+    for kind, tolerance in (("fp32", 2e-5), ("exp_avg", 1e-4), ("exp_avg_sq", 1e-4)):
+        keys = [k for k in expected if k.startswith(kind + "/")]
+        assert keys, f"{what}: no {kind} in the portable state"
+        scale = 1.0 if kind == "fp32" else max(expected[k].abs().max().item() for k in keys)
+        worst = max(((got[k] - expected[k]).abs().max().item(), k) for k in keys)
+        assert worst[0] <= tolerance * scale, f"{what}: {worst[1]} differs by {worst[0]:.3g} (scale {scale:.3g})"
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+@pytest.mark.parametrize("name", [n for n, spec in CHAIN.items() if spec[5] is not None])
+def test_resume_under_another_configuration_continues_the_run(chain: Chain, name: str) -> None:
+    zero, offload, ranks, micro, accum, (source, step) = CHAIN[name]  # type: ignore[misc]
+    reference, _ = chain[REFERENCE]
+    run_dir, stderr = chain[name]
+    assert "under another configuration" in stderr and "Adam moments" in stderr, stderr[-2000:]
+    expected, got = metrics(reference), metrics(run_dir)
+    assert sorted(got) == list(range(step + 1, M + 1))  # the same step count, continuing after the checkpoint
+    for s in got:
+        assert got[s]["lr"] == expected[s]["lr"], f"LR at step {s}"
+        assert got[s]["loss"] == pytest.approx(expected[s]["loss"], rel=1e-4), f"loss at step {s}"
+    ref_meta, ref_state = portable_state(ckpt(reference, M))
+    meta, state = portable_state(ckpt(run_dir, M))
+    assert (meta["step"], meta["optimizer_step"], meta["samples"]) == (M, M, 2 * M)
+    assert (ref_meta["step"], ref_meta["optimizer_step"], ref_meta["samples"]) == (M, M, 2 * M)
+    assert meta["layout"]["zero"] == zero and meta["layout"]["world_size"] == ranks
+    assert_same_state(state, ref_state, f"{source} -> {name}")
+    ema, ref_ema = (torch.load(ckpt(r, M) / "ema.pt", weights_only=True) for r in (run_dir, reference))
+    assert ema["step"] == ref_ema["step"] == M
+    for key, value in ref_ema["shadow"].items():
+        torch.testing.assert_close(ema["shadow"][key], value, rtol=0, atol=2e-5, msg=f"EMA {key}")
+
+
+def convert(*args: str | Path, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return run_cli(*map(str, args), cwd=cwd, module="ds_trainer.convert")
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_another_optimizer_or_architecture_is_refused_before_the_run(chain: Chain,
+                                                                     tmp_path: Path) -> None:
+    saved = ckpt(chain[REFERENCE][0], 4)
+    for change, key in (("optimizer=lion", "optimizer=lion"), ("model=sdxl_base", "model.architecture=sdxl_base")):
+        result = run_cli(f"resume={saved}", change, "dry_run=true", *COMMON, cwd=tmp_path)
+        assert result.returncode == 2, result.stderr[-2000:]
+        assert key in result.stderr and "resume_optimizer=reset" in result.stderr
+        assert "Traceback" not in result.stderr and not list((tmp_path / "outputs").glob("runs/*/*/config.yaml"))
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_the_override_carries_the_weights_and_starts_the_optimizer_fresh(chain: Chain,
+                                                                         tmp_path: Path) -> None:
+    reference = chain[REFERENCE][0]
+    result = train(tmp_path, "stage2", "none", 1, 2, 1, f"resume={ckpt(reference, M - 2)}", "optimizer=adam",
+                   "resume_optimizer=reset")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "WEIGHTS ONLY" in result.stderr
+    (run_dir,) = run_dirs(tmp_path)
+    assert "WEIGHTS ONLY" in (run_dir / "config.yaml").read_text()  # the warning is recorded with the run
+    got, expected = metrics(run_dir), metrics(reference)
+    assert sorted(got) == [M - 1, M]
+    # The first step's loss is computed before any update: the same weights and samples give the same loss.
+    assert got[M - 1]["loss"] == pytest.approx(expected[M - 1]["loss"], rel=1e-4)
+    assert got[M - 1]["lr"] == expected[M - 1]["lr"]
+    meta, _ = portable_state(ckpt(run_dir, M))
+    assert (meta["step"], meta["optimizer_step"], meta["identity"]["optimizer"]) == (M, 2, "adam")
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_offline_export_of_a_two_rank_stage3_checkpoint_equals_zero_to_fp32(chain: Chain,
+                                                                            tmp_path: Path) -> None:
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from safetensors.torch import load_file
+
+    saved = ckpt(chain["stage3_x2"][0], M)
+    result = convert(saved, "--unet", tmp_path / "unet", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    exported = load_file(tmp_path / "unet" / "diffusion_pytorch_model.safetensors")
+    expected = get_fp32_state_dict_from_zero_checkpoint(str(saved))
+    assert exported.keys() == expected.keys()
+    for key, value in expected.items():
+        torch.testing.assert_close(exported[key], value, rtol=0, atol=0, msg=key)
+
+
+@pytest.mark.slow
+def test_an_accelerate_deepspeed_checkpoint_of_another_tool_is_imported_and_continues(tmp_path: Path) -> None:
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from safetensors.torch import load_file
+
+    source = tmp_path / "diffusers_script_checkpoint"
+    script = Path(__file__).parent / "scripts" / "foreign_checkpoint.py"
+    made = subprocess.run([sys.executable, str(script), str(source), "2", "2"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=1800)
+    assert made.returncode == 0, made.stderr[-3000:]
+    imported = tmp_path / "imported"
+    result = convert(source, "--import-to", imported, "--architecture", "sdxl_tiny", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    weights = load_file(imported / "portable" / "state-00001.safetensors")
+    for key, value in get_fp32_state_dict_from_zero_checkpoint(str(source)).items():
+        torch.testing.assert_close(weights[f"fp32/{key}"], value, rtol=0, atol=0, msg=key)
+    assert all(weights[k].abs().max() > 0 for k in weights if k.startswith("exp_avg_sq/") and "norm" not in k)
+    resumed = train(tmp_path / "run", "stage1", "none", 1, 1, 1, f"resume={imported}", "train.max_steps=3",
+                    "scheduler.warmup_steps=3")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "at step 2 under another configuration" in resumed.stderr and "Adam moments" in resumed.stderr
+    (run_dir,) = run_dirs(tmp_path / "run")
+    assert sorted(metrics(run_dir)) == [3]
+
+
+def test_convert_reports_a_bad_folder_in_one_line(tmp_path: Path) -> None:
+    result = convert(tmp_path / "missing", "--unet", tmp_path / "out", cwd=tmp_path)
+    assert result.returncode == 2 and "not a folder" in result.stderr and "Traceback" not in result.stderr
+    result = convert(tmp_path, "--import-to", tmp_path / "out", cwd=tmp_path)
+    assert result.returncode == 2 and "_optim_states.pt" in result.stderr and "Traceback" not in result.stderr
