@@ -124,6 +124,7 @@ def _efficient_attention_counted(count: list[int]) -> Iterator[None]:
         F.scaled_dot_product_attention = real
 
 
+@cache  # a pure function of its arguments; the tuner asks for the same few shapes many times
 def activation_bytes(architecture: str, batch: int, width: int, height: int, dtype_bytes: int,
                      checkpointing: bool, cross_dim_tokens: int = 77) -> int:
     """Bytes autograd keeps for backward in one UNet forward (see the module docstring)."""
@@ -209,8 +210,9 @@ def _architecture(cfg: DictConfig) -> str:
     return str(cfg.model.pretrained or cfg.model.architecture)
 
 
-def estimate(cfg: DictConfig, zero: str, offload: str, world_size: int) -> Estimate:
-    """The estimate of one zero x offload cell for the composed config."""
+def estimate(cfg: DictConfig, zero: str, offload: str, world_size: int, activation_factor: float = 1.0) -> Estimate:
+    """The estimate of one zero x offload cell for the composed config; `activation_factor` is the
+    calibration from measured cells (tools/calibration.py)."""
     stats = unet_stats(_architecture(cfg))
     precision = cfg.precision.name.value
     params_offload = cfg.offload.params is not False
@@ -220,6 +222,7 @@ def estimate(cfg: DictConfig, zero: str, offload: str, world_size: int) -> Estim
     activations = activation_bytes(_architecture(cfg), int(cfg.train.micro_batch_size),
                                    int(cfg.resolution.width), int(cfg.resolution.height), act_bytes,
                                    bool(cfg.train.gradient_checkpointing))
+    activations = int(activations * activation_factor)
     z = cfg.zero
     buffers = 0
     if zero in ("stage1", "stage2"):
@@ -238,8 +241,8 @@ def estimate(cfg: DictConfig, zero: str, offload: str, world_size: int) -> Estim
     return Estimate(zero, offload, params, grads, optimizer, activations, buffers, host, nvme_bytes, notes)
 
 
-def plan(cfg: DictConfig, world_size: int) -> list[Estimate]:
-    return [estimate(cfg, zero, offload, world_size) for zero, offload in CELLS]
+def plan(cfg: DictConfig, world_size: int, activation_factor: float = 1.0) -> list[Estimate]:
+    return [estimate(cfg, zero, offload, world_size, activation_factor) for zero, offload in CELLS]
 
 
 def describe(e: Estimate) -> str:
@@ -300,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from ds_trainer import CONF_DIR
     from ds_trainer.config import hardware, rundir, schema, validation
+    from ds_trainer.tools import calibration
 
     overrides = list(sys.argv[1:] if argv is None else argv)
     schema.register()
@@ -311,11 +315,13 @@ def main(argv: list[str] | None = None) -> int:
     budget_gib = cfg.plan.vram_gib if cfg.plan.vram_gib is not None else (
         info.gpu_memory_mib / 1024 if info.gpu_memory_mib else None)
     budget = budget_gib * GIB if budget_gib is not None else None
-    estimates = plan(cfg, world)
+    calibrated = calibration.for_config(cfg, info)
+    estimates = plan(cfg, world, calibrated.factor)
     print(f"ds_trainer plan: {cfg.model.name} {cfg.resolution.width}x{cfg.resolution.height}, micro batch "
           f"{cfg.train.micro_batch_size}, {cfg.precision.name.value}, gradient checkpointing "
           f"{'on' if cfg.train.gradient_checkpointing else 'off'}, {world} rank(s); GiB per rank")
     print(table(estimates, budget))
+    print(calibrated.describe())
     if budget is None:
         print("no GPU detected: pass plan.vram_gib=<GiB per GPU> to see what fits")
         return 0
