@@ -188,3 +188,23 @@ def test_a_budget_no_cell_fits_names_the_closest_cell(capsys: pytest.CaptureFixt
     assert code == 2
     assert "tune.vram_gib=0.01" in err and "closest, stage3/cpu b1x1 ckpt" in err and "GiB per rank" in err
     assert not (tmp_path / "outputs" / "tune").exists()  # nothing ran
+
+
+def test_sweep_report_labels_cells_by_every_axis_that_varies(tmp_path: Path) -> None:
+    from ds_trainer.launch import report
+
+    common = {"zero": "stage2", "offload": "cpu", "resolution": "128x128", "micro_batch_size": 2,
+              "precision": "bf16", "world_size": 1}
+    table = [{**common, "gradient_accumulation_steps": a, "gradient_checkpointing": c, "status": s,
+              "host_rss_peak_mib": 700.0, "median_s_per_it": 0.5, "images_per_s": 4.0 * a}
+             for a, c, s in ((1, False, "ok"), (1, True, "ok"), (2, False, "ok"), (2, True, "oom"))]
+    names = report.labels(table)
+    assert len(set(names)) == 4  # these four once all read `stage2/cpu 128x128 b2`
+    assert names == ["accum 1 no ckpt", "accum 1 ckpt", "accum 2 no ckpt", "accum 2 ckpt"]
+    for r, cell in zip(table, ("a", "b", "c", "d"), strict=True):
+        (tmp_path / cell).mkdir()
+        (tmp_path / cell / "summary.json").write_text(json.dumps(r))
+    out = report.write(tmp_path, use_wandb=False)
+    assert out["png"].stat().st_size > 0
+    text = out["md"].read_text()
+    assert "| accum | ckpt |" in text and "oom" in text

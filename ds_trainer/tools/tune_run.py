@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,16 @@ def _budget(t: DictConfig, info: Any) -> float | None:
     if info.gpu_memory_mib:
         return info.gpu_memory_mib * 2**20 * (1 - float(t.margin))
     return None
+
+
+def _calibration(cfg: DictConfig, info: Any, base: list[str], state: Path) -> calibration.Calibration:
+    """The planner's calibration at the tune's first start: a resumed tune keeps it, so the records its own
+    first cells added do not change which cells it prunes half-way."""
+    if state.exists():
+        saved = json.loads(state.read_text())
+        if saved.get("base") == base:
+            return calibration.Calibration(**saved["calibration"])
+    return calibration.for_config(cfg, info)
 
 
 def _previous(cell_dir: Path, overrides: list[str]) -> dict[str, Any] | None:
@@ -109,7 +120,8 @@ def _tune(argv: list[str]) -> int:
     ranks = validation.world_size_of(cfg)
     budget = _budget(t, info)
     cells = tn.space(t, fixed, ranks, int(cfg.train.gradient_accumulation_steps))
-    calibrated = calibration.for_config(cfg, info)
+    tune_dir = Path(str(t.dir)).absolute()
+    calibrated = _calibration(cfg, info, base, tune_dir / "tune_state.json")
     tn.plan_cells(cells, compose, base, budget, info, calibrated.factor)
     for c in cells:
         c.result["factor"] = calibrated.factor
@@ -118,8 +130,8 @@ def _tune(argv: list[str]) -> int:
                                 f"{cells[0].message}", "fix the training overrides, or widen tune.zero/tune.offload")])
     if budget is not None and not any(c.status == "planned" for c in cells):
         raise tn.nothing_fits(cells, budget)
-    tune_dir = Path(str(t.dir)).absolute()
     tune_dir.mkdir(parents=True, exist_ok=True)
+    (tune_dir / "tune_state.json").write_text(json.dumps({"base": base, "calibration": asdict(calibrated)}))
     measure = [o for o in base if not _key(o).startswith(MEASURE_KEYS)] + tn.measure_overrides(
         t, cfg.logger.name.value, str(t.name))
     ctx = tune_out.Context(cfg, base, budget, ranks, calibrated, tune_dir, info)
