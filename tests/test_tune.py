@@ -207,4 +207,4 @@ def test_sweep_report_labels_cells_by_every_axis_that_varies(tmp_path: Path) -> 
     out = report.write(tmp_path, use_wandb=False)
     assert out["png"].stat().st_size > 0
     text = out["md"].read_text()
-    assert "| accum | ckpt |" in text and "oom" in text
+    assert "| accum | ckpt | message |" in text and "oom" in text

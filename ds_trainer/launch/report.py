@@ -17,10 +17,9 @@ from typing import Any
 
 import yaml
 
-COLUMNS = ("cell", "zero", "offload", "resolution", "micro_batch_size", "gradient_accumulation_steps",
-           "gradient_checkpointing", "world_size", "precision", "status",
+COLUMNS = ("cell", "zero", "offload", "resolution", "micro_batch_size", "world_size", "precision", "status",
            "gpu_mem_peak_allocated_mib", "gpu_mem_peak_reserved_mib", "host_rss_peak_mib", "median_s_per_it",
-           "images_per_s", "message")
+           "images_per_s", "gradient_accumulation_steps", "gradient_checkpointing", "message")
 HEADERS = {"micro_batch_size": "micro batch", "gradient_accumulation_steps": "accum", "gradient_checkpointing": "ckpt",
            "world_size": "world", "gpu_mem_peak_allocated_mib": "peak VRAM MiB",
            "gpu_mem_peak_reserved_mib": "reserved MiB", "host_rss_peak_mib": "host RSS MiB",

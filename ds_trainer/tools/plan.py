@@ -285,11 +285,14 @@ def log_for_run(cfg: DictConfig, info: Any, world: int) -> None:
     offload = "none" if cfg.resolved.optimizer_state_on == "gpu" else (
         cfg.offload.device.value if zero == "stage3" else "cpu")
     try:
-        result = estimate(cfg, zero, offload, world)
+        from ds_trainer.tools import calibration
+
+        calibrated = calibration.for_config(cfg, info)
+        result = estimate(cfg, zero, offload, world, calibrated.factor)
     except Exception as exc:  # noqa: BLE001 - a plan is advice; training goes on without it
         log.warning("no memory plan for this model (%s)", exc)
         return
-    log.info("memory plan (python -m ds_trainer.plan): %s", describe(result))
+    log.info("memory plan (python -m ds_trainer.plan): %s; %s", describe(result), calibrated.describe())
     total = (info.gpu_memory_mib or 0) * 2**20
     if info.kind == "cuda" and total and result.gpu > total:
         log.warning("the memory plan (%.1f GiB per rank) exceeds this GPU's %.1f GiB: expect out of memory; "

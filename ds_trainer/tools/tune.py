@@ -89,6 +89,9 @@ def space(t: DictConfig, fixed: dict[str, str], ranks: int, accumulation: int) -
     micros = [int(fixed["micro_batch_size"])] if "micro_batch_size" in fixed else [int(m) for m in t.micro_batch_size]
     ckpts = ([fixed["gradient_checkpointing"].lower() == "true"] if "gradient_checkpointing" in fixed
              else [bool(c) for c in t.gradient_checkpointing])
+    if t.global_batch is not None and int(t.global_batch) < 1:
+        raise BadInput([Problem("tune.global_batch", t.global_batch, "must be at least 1 image per optimizer step",
+                                "tune.global_batch=16, or tune.global_batch=null (free)")])
     pairs: list[tuple[int, int]] = []
     for m in micros:
         if t.global_batch is None:
@@ -96,11 +99,12 @@ def space(t: DictConfig, fixed: dict[str, str], ranks: int, accumulation: int) -
         elif int(t.global_batch) % (m * ranks) == 0:
             pairs.append((m, int(t.global_batch) // (m * ranks)))
     if not pairs:
-        makeable = sorted({m * ranks * a for m in micros for a in (1, 2, 4)})
+        makeable = sorted({m * ranks * a for m in micros for a in (1, 2, 4, 8)})
+        nearest = min(makeable, key=lambda g: abs(g - int(t.global_batch)))
         raise BadInput([Problem("tune.global_batch", t.global_batch,
                                 f"no micro batch of {micros} x accumulation x {ranks} rank(s) makes it (each "
                                 f"micro batch x {ranks} must divide it)",
-                                f"tune.global_batch={makeable[-1]} (or one of {makeable}), or tune.global_batch=null")])
+                                f"tune.global_batch={nearest} (or one of {makeable}), or tune.global_batch=null")])
     cells = [Cell(z, o, m, a, c) for z in zeros for o in offloads for m, a in pairs for c in ckpts]
     from ds_trainer.tools.plan import CELLS
 

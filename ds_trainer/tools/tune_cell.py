@@ -75,10 +75,11 @@ def others(before: dict[int, tuple[int, str, int]], after: dict[int, tuple[int, 
 
 def command(overrides: list[str], cell_dir: Path, launcher: str | None) -> tuple[list[str], Path]:
     """The cell's command and the folder its run writes `summary.json` into."""
-    base = [sys.executable, "-m", "ds_trainer", *overrides]
+    base = [sys.executable, "-m", "ds_trainer"]
     if launcher is None:
-        return [*base, "hydra.mode=RUN", f"hydra.run.dir={cell_dir}"], cell_dir
-    return [*base, "--multirun", f"hydra/launcher={launcher}", f"hydra.sweep.dir={cell_dir}",
+        return [*base, *overrides, "hydra.mode=RUN", f"hydra.run.dir={cell_dir}"], cell_dir
+    # --multirun before the overrides: Hydra reads one run of positional overrides
+    return [*base, "--multirun", *overrides, f"hydra/launcher={launcher}", f"hydra.sweep.dir={cell_dir}",
             "hydra.sweep.subdir=run"], cell_dir / "run"
 
 
