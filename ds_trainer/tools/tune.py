@@ -14,10 +14,8 @@
 
 from __future__ import annotations
 
-import shutil
 import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig
@@ -70,15 +68,16 @@ class BadInput(Exception):
         super().__init__("\n".join([head, *(p.render() for p in problems)]))
 
 
-def _key(override: str) -> str:
+def override_key(override: str) -> str:
+    """`train.max_steps` of `train.max_steps=4` (also of `+key=...` and `~key`)."""
     return override.lstrip("+~").split("=", 1)[0]
 
 
 def split_overrides(argv: list[str]) -> tuple[list[str], dict[str, str]]:
     """(the training overrides, axes the user fixed); tune.* and plan.* configure this command only."""
-    base = [o for o in argv if not _key(o).startswith(("tune.", "plan."))]
-    fixed = {AXES[_key(o)]: o.split("=", 1)[1] for o in base if _key(o) in AXES}
-    base = [o for o in base if _key(o) not in AXES and _key(o) != "train.gradient_accumulation_steps"]
+    base = [o for o in argv if not override_key(o).startswith(("tune.", "plan."))]
+    fixed = {AXES[override_key(o)]: o.split("=", 1)[1] for o in base if override_key(o) in AXES}
+    base = [o for o in base if override_key(o) not in AXES and override_key(o) != "train.gradient_accumulation_steps"]
     return base, fixed
 
 
@@ -170,12 +169,6 @@ def main(argv: list[str] | None = None) -> int:
     except BadInput as exc:
         print(exc, file=sys.stderr)
         return 2
-
-
-def fresh_cell_dir(path: Path) -> None:
-    """A cell without a result (killed mid-way) starts again from an empty folder."""
-    if path.exists():
-        shutil.rmtree(path)
 
 
 if __name__ == "__main__":

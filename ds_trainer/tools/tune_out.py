@@ -13,7 +13,7 @@ import yaml
 from omegaconf import DictConfig
 
 from ds_trainer.tools.calibration import Calibration
-from ds_trainer.tools.tune import GIB, Cell, _key
+from ds_trainer.tools.tune import GIB, Cell, override_key
 
 COLUMNS = ("cell", "zero", "offload", "micro_batch_size", "gradient_accumulation_steps", "gradient_checkpointing",
            "status", "predicted_peak_gib", "measured_peak_gib", "measure", "s_per_it", "images_per_s",
@@ -54,7 +54,7 @@ def row(cell: Cell) -> dict[str, Any]:
 
 def winning_line(ctx: Context, best: Cell) -> list[str]:
     """The training overrides of the winner, as a user runs them."""
-    return [o for o in ctx.base if not _key(o).startswith("hydra.")] + best.overrides()
+    return [o for o in ctx.base if not override_key(o).startswith("hydra.")] + best.overrides()
 
 
 def preset(ctx: Context, best: Cell, line: list[str]) -> str:

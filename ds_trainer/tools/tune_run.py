@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 import time
 from dataclasses import asdict
@@ -13,7 +14,7 @@ from omegaconf import DictConfig
 
 from ds_trainer.config.validation import Problem
 from ds_trainer.tools import calibration, tune_cell, tune_out
-from ds_trainer.tools.tune import GIB, MEASURE_KEYS, BadInput, Cell, _key
+from ds_trainer.tools.tune import GIB, MEASURE_KEYS, BadInput, Cell, override_key
 
 
 def _compose(overrides: list[str]) -> DictConfig:
@@ -75,9 +76,8 @@ def _measure(cell: Cell, cfg: DictConfig, cmd: list[str], tune_dir: Path, device
         cell.result.update({k: v for k, v in earlier.items() if k not in ("status", "message")})
         print(f"tune: {cell.label}: {cell.status} (measured before, not run again)", file=sys.stderr, flush=True)
         return
-    from ds_trainer.tools.tune import fresh_cell_dir
-
-    fresh_cell_dir(cell_dir)
+    if cell_dir.exists():  # a cell cut short (the tune was killed) starts again from an empty folder
+        shutil.rmtree(cell_dir)
     print(f"tune: {cell.label}: running (predicted {cell.predicted_gib or 0:.2f} GiB per rank)", file=sys.stderr,
           flush=True)
     result = tune_cell.run(cmd, cell_dir, t.launcher, float(t.time_limit_s), int(t.warmup_steps))
@@ -132,7 +132,7 @@ def _tune(argv: list[str]) -> int:
         raise tn.nothing_fits(cells, budget)
     tune_dir.mkdir(parents=True, exist_ok=True)
     (tune_dir / "tune_state.json").write_text(json.dumps({"base": base, "calibration": asdict(calibrated)}))
-    measure = [o for o in base if not _key(o).startswith(MEASURE_KEYS)] + tn.measure_overrides(
+    measure = [o for o in base if not override_key(o).startswith(MEASURE_KEYS)] + tn.measure_overrides(
         t, cfg.logger.name.value, str(t.name))
     ctx = tune_out.Context(cfg, base, budget, ranks, calibrated, tune_dir, info)
     print(f"tune: {sum(c.status == 'planned' for c in cells)} of {len(cells)} cells to measure "
