@@ -111,9 +111,10 @@ class Tracker:
     def log(self, step: int, values: dict[str, Any]) -> None:
         if not self.main:
             return
+        loop_peak = _status_mib("VmHWM") if self.loop_rss_mib is not None else None
+        if loop_peak is not None:  # what the steps added over the set-up model (the tuner's CPU measure)
+            values = {**values, "host_rss_loop_start_mib": self.loop_rss_mib, "host_rss_loop_peak_mib": loop_peak}
         row = {"step": step, **values}
-        if self.loop_rss_mib is not None:  # on the CPU: what the steps added over the set-up model
-            row.update(host_rss_loop_start_mib=self.loop_rss_mib, host_rss_loop_peak_mib=_status_mib("VmHWM"))
         self.rows.append(row)
         self.file.write(json.dumps(row) + "\n")
         self.file.flush()
