@@ -297,6 +297,35 @@ class PlanConfig:
     """`python -m ds_trainer.plan`: the VRAM budget per GPU (None: the detected GPU's memory)."""
 
     vram_gib: float | None = None
+    # Measured cells (written by `python -m ds_trainer.tune`) the planner corrects its activations from.
+    calibration: str = "${paths.outputs}/plan_calibration.jsonl"
+
+
+@dataclass
+class TuneConfig:
+    """`python -m ds_trainer.tune`: the search space and how each cell is measured (see tools/tune.py)."""
+
+    # GiB per GPU; None: the detected GPU's memory minus `margin` (no GPU: nothing is pruned).
+    vram_gib: float | None = None
+    margin: float = 0.1
+    # Images per optimizer step (accumulation derived per micro batch); None: free (train's accumulation).
+    global_batch: int | None = None
+    zero: list[str] = field(default_factory=lambda: ["stage0", "stage1", "stage2", "stage3"])
+    offload: list[str] = field(default_factory=lambda: ["none", "cpu"])
+    micro_batch_size: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
+    gradient_checkpointing: list[bool] = field(default_factory=lambda: [False, True])
+    warmup_steps: int = 2
+    timed_steps: int = 5
+    # Seconds per cell, start-up included: a cell still running then is stopped and counts as a hang.
+    time_limit_s: float = 900.0
+    # None: each cell a local process; else a hydra/launcher option (local_2proc, slurm_gpu, ...).
+    launcher: str | None = None
+    # The tune folder (re-running the same command continues there) and the experiment preset's name.
+    name: str = "tuned"
+    dir: str = "${paths.outputs}/tune/${tune.name}"
+    # A config folder: the preset goes to <preset_dir>/experiment/<name>.yaml. None: the repo's conf/
+    # (found by `+experiment=<name>` as is); another folder needs `hydra.searchpath=[file://<folder>]`.
+    preset_dir: str | None = None
 
 
 @dataclass
@@ -336,6 +365,7 @@ class Config:
     samples: SamplesConfig = field(default_factory=SamplesConfig)
     paths: PathsConfig = field(default_factory=PathsConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
+    tune: TuneConfig = field(default_factory=TuneConfig)
     resolved: ResolvedConfig = field(default_factory=ResolvedConfig)
     # Processes of the run; None: from the launcher (WORLD_SIZE), else 1.
     world_size: int | None = None

@@ -19,8 +19,9 @@ import yaml
 
 COLUMNS = ("cell", "zero", "offload", "resolution", "micro_batch_size", "world_size", "precision", "status",
            "gpu_mem_peak_allocated_mib", "gpu_mem_peak_reserved_mib", "host_rss_peak_mib", "median_s_per_it",
-           "images_per_s", "message")
-HEADERS = {"micro_batch_size": "micro batch", "world_size": "world", "gpu_mem_peak_allocated_mib": "peak VRAM MiB",
+           "images_per_s", "gradient_accumulation_steps", "gradient_checkpointing", "message")
+HEADERS = {"micro_batch_size": "micro batch", "gradient_accumulation_steps": "accum", "gradient_checkpointing": "ckpt",
+           "world_size": "world", "gpu_mem_peak_allocated_mib": "peak VRAM MiB",
            "gpu_mem_peak_reserved_mib": "reserved MiB", "host_rss_peak_mib": "host RSS MiB",
            "median_s_per_it": "median s/it", "images_per_s": "images/s"}
 
@@ -43,6 +44,8 @@ def _row(cell: Path, root: Path) -> dict[str, Any]:
         res = cfg.get("resolution", {})
         row["resolution"] = f"{res.get('width')}x{res.get('height')}"
         row["micro_batch_size"] = cfg.get("train", {}).get("micro_batch_size")
+        row["gradient_accumulation_steps"] = cfg.get("train", {}).get("gradient_accumulation_steps")
+        row["gradient_checkpointing"] = cfg.get("train", {}).get("gradient_checkpointing")
         row["precision"] = cfg.get("precision", {}).get("name")
         row["world_size"] = (cfg.get("resolved") or {}).get("world_size") or cfg.get("world_size")
     row["cell"] = str(cell.relative_to(root))
@@ -86,8 +89,69 @@ def csv_text(table: list[dict[str, Any]]) -> str:
     return out.getvalue()
 
 
+AXES = ("zero", "offload", "resolution", "micro_batch_size", "gradient_accumulation_steps", "gradient_checkpointing",
+        "precision", "world_size")
+_SHORT = {"micro_batch_size": "b", "gradient_accumulation_steps": "accum ", "world_size": "ranks ",
+          "gradient_checkpointing": "ckpt "}
+
+
+def labels(table: list[dict[str, Any]]) -> list[str]:
+    """Each cell named by every axis that varies in this sweep (all of zero/offload when nothing varies)."""
+    varying = [a for a in AXES if len({str(r.get(a)) for r in table}) > 1] or ["zero", "offload"]
+    def name(r: dict[str, Any]) -> str:
+        parts = []
+        for axis in varying:
+            value = r.get(axis)
+            if axis == "gradient_checkpointing":
+                parts.append("ckpt" if value else "no ckpt")
+            else:
+                parts.append(f"{_SHORT.get(axis, '')}{value}")
+        return " ".join(parts)
+    return [name(r) for r in table]
+
+
+def memory_speed(points: list[dict[str, Any]], path: Path, xlabel: str, budget: float | None = None,
+                 title: str = "memory against speed") -> None:
+    """Memory (x) against images/s (y), one point per cell; failed cells drawn at 0 with their status,
+    the winner (`winner: True`) as a star. Points: label, status, memory, images_per_s, winner."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    _memory_speed_axes(ax, points, xlabel, budget, title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _memory_speed_axes(ax: Any, points: list[dict[str, Any]], xlabel: str, budget: float | None,
+                       title: str) -> None:
+    for p in points:
+        x, ok = p.get("memory"), p.get("status") == "ok"
+        if x is None:
+            continue
+        y = float(p.get("images_per_s") or 0) if ok else 0.0
+        if p.get("winner"):
+            ax.scatter([x], [y], marker="*", s=300, color="tab:red", zorder=3, label="winner")
+        else:
+            ax.scatter([x], [y], marker="o" if ok else "x", color="tab:blue" if ok else "tab:gray", zorder=2)
+        text = p["label"] if ok else f"{p['label']} ({p.get('status')})"
+        ax.annotate(text, (x, y), fontsize=7, xytext=(4, 4), textcoords="offset points",
+                    color="black" if ok else "tab:red")
+    if budget is not None:
+        ax.axvline(budget, color="tab:red", linestyle="--", linewidth=1, label="budget")
+    if any(p.get("winner") for p in points) or budget is not None:
+        ax.legend(loc="best", fontsize=8)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("images/s (failed cells at 0)")
+    ax.set_title(title)
+
+
 def chart(table: list[dict[str, Any]], path: Path) -> None:
-    """Peak memory and median s/it per cell, side by side; a failed cell shows its status instead of a bar."""
+    """Peak memory, s/it and images/s per cell (failed cells show their status instead of a bar), and
+    memory against images/s."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -96,9 +160,10 @@ def chart(table: list[dict[str, Any]], path: Path) -> None:
     gpu = any(r.get("gpu_mem_peak_allocated_mib") for r in table)
     mem_key, mem_label = (("gpu_mem_peak_allocated_mib", "peak VRAM allocated (MiB)") if gpu
                           else ("host_rss_peak_mib", "peak host RSS (MiB), no GPU"))
-    labels = [f"{r.get('zero')}/{r.get('offload')}\n{r.get('resolution')} b{r.get('micro_batch_size')}" for r in table]
-    fig, axes = plt.subplots(1, 2, figsize=(max(8, 1.2 * len(table) + 4), 5))
-    for ax, key, title in ((axes[0], mem_key, mem_label), (axes[1], "median_s_per_it", "median s/it")):
+    names = labels(table)
+    fig, axes = plt.subplots(1, 4, figsize=(max(16, 2.4 * len(table) + 8), 5.5))
+    panels = ((mem_key, mem_label), ("median_s_per_it", "median s/it"), ("images_per_s", "images/s"))
+    for ax, (key, title) in zip(axes[:3], panels, strict=True):
         values = [float(r.get(key) or 0) for r in table]
         bars = ax.bar(range(len(table)), values, color=["tab:blue" if r.get("status") == "ok" else "tab:gray"
                                                        for r in table])
@@ -106,8 +171,11 @@ def chart(table: list[dict[str, Any]], path: Path) -> None:
             if r.get("status") != "ok":
                 ax.text(bar.get_x() + bar.get_width() / 2, 0, r.get("status", "?"), ha="center", va="bottom",
                         rotation=90, color="tab:red")
-        ax.set_xticks(range(len(table)), labels, rotation=45, ha="right", fontsize=8)
+        ax.set_xticks(range(len(table)), names, rotation=45, ha="right", fontsize=8)
         ax.set_title(title)
+    points = [{"label": n, "status": r.get("status"), "memory": r.get(mem_key), "images_per_s": r.get("images_per_s")}
+              for n, r in zip(names, table, strict=True)]
+    _memory_speed_axes(axes[3], points, mem_label, None, "memory against images/s")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

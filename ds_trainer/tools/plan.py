@@ -127,6 +127,7 @@ def _efficient_attention_counted(count: list[int]) -> Iterator[None]:
         F.scaled_dot_product_attention = real
 
 
+@cache  # a pure function of its arguments; the tuner asks for the same few shapes many times
 def activation_bytes(architecture: str, batch: int, width: int, height: int, dtype_bytes: int,
                      checkpointing: bool, cross_dim_tokens: int = 77) -> int:
     """Bytes autograd keeps for backward in one UNet forward (see the module docstring)."""
@@ -212,8 +213,9 @@ def _architecture(cfg: DictConfig) -> str:
     return str(cfg.model.pretrained or cfg.model.architecture)
 
 
-def estimate(cfg: DictConfig, zero: str, offload: str, world_size: int) -> Estimate:
-    """The estimate of one zero x offload cell for the composed config."""
+def estimate(cfg: DictConfig, zero: str, offload: str, world_size: int, activation_factor: float = 1.0) -> Estimate:
+    """The estimate of one zero x offload cell for the composed config; `activation_factor` is the
+    calibration from measured cells (tools/calibration.py)."""
     stats = unet_stats(_architecture(cfg))
     precision = cfg.precision.name.value
     params_offload = cfg.offload.params is not False
@@ -228,6 +230,7 @@ def estimate(cfg: DictConfig, zero: str, offload: str, world_size: int) -> Estim
     width, height = buckets.largest(cfg)  # with aspect-ratio buckets the largest one bounds memory
     activations = activation_bytes(_architecture(cfg), int(cfg.train.micro_batch_size), width, height, act_bytes,
                                    bool(cfg.train.gradient_checkpointing))
+    activations = int(activations * activation_factor)
     z = cfg.zero
     buffers = 0
     if zero in ("stage1", "stage2"):
@@ -247,8 +250,8 @@ def estimate(cfg: DictConfig, zero: str, offload: str, world_size: int) -> Estim
     return Estimate(zero, offload, params, grads, optimizer, activations, buffers, host, nvme_bytes, notes, sampling)
 
 
-def plan(cfg: DictConfig, world_size: int) -> list[Estimate]:
-    return [estimate(cfg, zero, offload, world_size) for zero, offload in CELLS]
+def plan(cfg: DictConfig, world_size: int, activation_factor: float = 1.0) -> list[Estimate]:
+    return [estimate(cfg, zero, offload, world_size, activation_factor) for zero, offload in CELLS]
 
 
 def describe(e: Estimate) -> str:
@@ -291,12 +294,15 @@ def log_for_run(cfg: DictConfig, info: Any, world: int) -> None:
     offload = "none" if cfg.resolved.optimizer_state_on == "gpu" else (
         cfg.offload.device.value if zero == "stage3" else "cpu")
     try:
-        result = estimate(cfg, zero, offload, world)
+        from ds_trainer.tools import calibration
+
+        calibrated = calibration.for_config(cfg, info)
+        result = estimate(cfg, zero, offload, world, calibrated.factor)
     except Exception as exc:  # noqa: BLE001 - a plan is advice; training goes on without it
         log.warning("no memory plan for this model (%s)", exc)
         return
     at = f" at the largest bucket {buckets.name(buckets.largest(cfg))}" if buckets.enabled(cfg) else ""
-    log.info("memory plan (python -m ds_trainer.plan)%s: %s", at, describe(result))
+    log.info("memory plan (python -m ds_trainer.plan)%s: %s; %s", at, describe(result), calibrated.describe())
     if result.sampling is not None:
         log.info("memory plan: %s", plan_samples.describe(result.sampling, result.gpu))
     total = (info.gpu_memory_mib or 0) * 2**20
@@ -315,6 +321,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from ds_trainer import CONF_DIR
     from ds_trainer.config import hardware, rundir, schema, validation
+    from ds_trainer.tools import calibration
 
     overrides = list(sys.argv[1:] if argv is None else argv)
     schema.register()
@@ -326,12 +333,14 @@ def main(argv: list[str] | None = None) -> int:
     budget_gib = cfg.plan.vram_gib if cfg.plan.vram_gib is not None else (
         info.gpu_memory_mib / 1024 if info.gpu_memory_mib else None)
     budget = budget_gib * GIB if budget_gib is not None else None
-    estimates = plan(cfg, world)
+    calibrated = calibration.for_config(cfg, info)
+    estimates = plan(cfg, world, calibrated.factor)
     size = buckets.name(buckets.largest(cfg)) + (" (largest bucket)" if buckets.enabled(cfg) else "")
     print(f"ds_trainer plan: {cfg.model.name} {size}, micro batch "
           f"{cfg.train.micro_batch_size}, {cfg.precision.name.value}, gradient checkpointing "
           f"{'on' if cfg.train.gradient_checkpointing else 'off'}, {world} rank(s); GiB per rank")
     print(table(estimates, budget))
+    print(calibrated.describe())
     if estimates[0].sampling is not None:
         print("samples=on, GiB per rank while sampling: " + ", ".join(
             f"{e.zero}/{e.offload} {(e.sampling or 0) / GIB:.2f}"

@@ -33,8 +33,37 @@ def run_name(overrides: list[str]) -> str:
     return ",".join(sorted(kept)) or "default"
 
 
+_SETUP_PEAK_MIB = 0.0  # the process's peak before `loop_start` reset the kernel's high-water mark
+
+
 def host_rss_peak_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+    """The process's peak RSS since it started (a reset at the loop's start does not lower it)."""
+    return max(_SETUP_PEAK_MIB, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0)
+
+
+def _status_mib(field: str) -> float | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) / 1024.0
+    except OSError:
+        return None
+    return None
+
+
+def loop_start_rss() -> float | None:
+    """Current RSS (MiB), then reset the kernel's peak RSS so that VmHWM from here on is the training loop's
+    (like `torch.cuda.reset_peak_memory_stats` for a GPU). None where /proc has no such counters."""
+    global _SETUP_PEAK_MIB
+    _SETUP_PEAK_MIB = host_rss_peak_mib()
+    now = _status_mib("VmRSS")
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # Linux >= 4.0: high-water mark := current RSS
+    except OSError:
+        return None
+    return now
 
 
 def gpu_memory(device: Any) -> dict[str, float]:
@@ -59,6 +88,7 @@ class Tracker:
         self.main = accelerator.is_main_process
         self.rows: list[dict[str, Any]] = []
         self.facts: dict[str, Any] = {}  # facts about the run found during setup (e.g. buckets), for summary.json
+        self.loop_rss_mib: float | None = None
         self.wandb_id: str | None = None
         self.wandb_broken = False
         if not self.main:
@@ -74,9 +104,17 @@ class Tracker:
             accelerator.init_trackers(cfg.logger.project, config=config,
                                       init_kwargs={"wandb": {k: v for k, v in init.items() if v is not None}})
 
+    def loop_start(self) -> None:
+        """Called right before the training loop: host memory from here on is the steps' own."""
+        if self.main:
+            self.loop_rss_mib = loop_start_rss()
+
     def log(self, step: int, values: dict[str, Any]) -> None:
         if not self.main:
             return
+        loop_peak = _status_mib("VmHWM") if self.loop_rss_mib is not None else None
+        if loop_peak is not None:  # what the steps added over the set-up model (the tuner's CPU measure)
+            values = {**values, "host_rss_loop_start_mib": self.loop_rss_mib, "host_rss_loop_peak_mib": loop_peak}
         row = {"step": step, **values}
         self.rows.append(row)
         self.file.write(json.dumps(row) + "\n")
@@ -134,6 +172,8 @@ def summarize(cfg: DictConfig, rows: list[dict[str, Any]], status: str, message:
         "gpu_mem_peak_allocated_mib": peak("gpu_mem_peak_allocated_mib"),
         "gpu_mem_peak_reserved_mib": peak("gpu_mem_peak_reserved_mib"),
         "host_rss_peak_mib": peak("host_rss_peak_mib"),
+        "host_rss_loop_start_mib": peak("host_rss_loop_start_mib"),
+        "host_rss_loop_peak_mib": peak("host_rss_loop_peak_mib"),
         "final_loss": rows[-1]["loss"] if rows else None,
         "world_size": world_size, "zero": ds_config.zero_option(cfg),
         "offload": cfg.offload.device.value,

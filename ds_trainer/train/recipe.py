@@ -206,6 +206,7 @@ def _train(cfg: DictConfig, ds: dict[str, Any] | None, run_dir: Path, accelerato
     sampler = Sampler(cfg, accelerator, unet, ema, frozen, run_dir, tracker, progress)
     if info.kind == "cuda":  # peaks from here on are training's (not the cache build's or DeepSpeed's setup)
         torch.cuda.reset_peak_memory_stats(accelerator.device)
+    tracker.loop_start()  # the host's counterpart: the loop's own peak RSS (the tuner's CPU measure)
 
     # --- the loop: one call per optimizer step
     with StopRequest() as stop:

@@ -1,0 +1,175 @@
+"""What a tune leaves in its folder: tune.md, tune.csv, tune.png, winner.txt, ds_config.json, the preset."""
+
+from __future__ import annotations
+
+import csv
+import io
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from omegaconf import DictConfig
+
+from ds_trainer.tools.calibration import Calibration
+from ds_trainer.tools.tune import GIB, Cell, override_key
+
+COLUMNS = ("cell", "zero", "offload", "micro_batch_size", "gradient_accumulation_steps", "gradient_checkpointing",
+           "status", "predicted_peak_gib", "measured_peak_gib", "measure", "s_per_it", "images_per_s",
+           "load_before", "load_after", "others", "message")
+
+
+@dataclass
+class Context:
+    cfg: DictConfig
+    base: list[str]
+    budget: float | None
+    ranks: int
+    calibration: Calibration
+    tune_dir: Path
+    info: Any
+
+
+def measured_gib(cell: Cell) -> tuple[float | None, str]:
+    """The measured peak per rank: the GPU's allocated peak, or on a CPU what the training loop added."""
+    summary = cell.result.get("summary", {})
+    if summary.get("gpu_mem_peak_allocated_mib"):
+        return summary["gpu_mem_peak_allocated_mib"] / 1024, "gpu allocated"
+    if summary.get("host_rss_loop_peak_mib") is not None and summary.get("host_rss_loop_start_mib") is not None:
+        return (summary["host_rss_loop_peak_mib"] - summary["host_rss_loop_start_mib"]) / 1024, "host RSS of the loop"
+    return None, ""
+
+
+def row(cell: Cell) -> dict[str, Any]:
+    peak, measure = measured_gib(cell)
+    r = cell.result
+    return {"cell": cell.label, "zero": cell.zero, "offload": cell.offload, "micro_batch_size": cell.micro,
+            "gradient_accumulation_steps": cell.accum, "gradient_checkpointing": cell.ckpt, "status": cell.status,
+            "predicted_peak_gib": cell.predicted_gib, "measured_peak_gib": peak, "measure": measure,
+            "s_per_it": r.get("s_per_it"), "images_per_s": r.get("images_per_s"),
+            "load_before": r.get("load_before"), "load_after": r.get("load_after"),
+            "others": "; ".join(r.get("others") or []), "message": cell.message}
+
+
+def winning_line(ctx: Context, best: Cell) -> list[str]:
+    """The training overrides of the winner, as a user runs them."""
+    return [o for o in ctx.base if not override_key(o).startswith("hydra.")] + best.overrides()
+
+
+def preset(ctx: Context, best: Cell, line: list[str]) -> str:
+    """The winner as an experiment preset: group choices in its defaults list, the rest as values."""
+    from omegaconf import OmegaConf
+
+    from ds_trainer import CONF_DIR
+
+    defaults, values = [], OmegaConf.create({})
+    for override in line:
+        key, value = override.split("=", 1)
+        name = key.lstrip("+")
+        if "." not in name and (CONF_DIR / name).is_dir():
+            defaults.append({f"override /{name}" if not key.startswith("+") else f"/{name}": value})
+        elif not key.startswith("~"):
+            OmegaConf.update(values, name, yaml.safe_load(value), force_add=True)
+    head = (f"# @package _global_\n# Written by python -m ds_trainer.tune: the fastest cell that fit, {best.label}, "
+            f"{best.result.get('images_per_s') or 0:.2f} images/s measured on {ctx.info.kind}.\n"
+            f"# Apply: python -m ds_trainer +experiment={ctx.cfg.tune.name}\n")
+    rest = OmegaConf.to_container(values)
+    assert isinstance(rest, dict)
+    body = {"defaults": defaults, **rest} if defaults else rest
+    return head + yaml.safe_dump(body, sort_keys=False)
+
+
+def preset_path(ctx: Context) -> tuple[Path, list[str]]:
+    """Where the preset goes and the extra overrides that make Hydra find it there."""
+    from ds_trainer import CONF_DIR
+
+    root = Path(str(ctx.cfg.tune.preset_dir)).absolute() if ctx.cfg.tune.preset_dir else CONF_DIR
+    extra = [] if root == CONF_DIR else [f"hydra.searchpath=[file://{root}]"]
+    return root / "experiment" / f"{ctx.cfg.tune.name}.yaml", extra
+
+
+def chart(ctx: Context, cells: list[Cell], best: Cell | None, path: Path) -> None:
+    from ds_trainer.launch.report import memory_speed
+
+    points = []
+    for c in cells:
+        peak, _ = measured_gib(c)
+        points.append({"label": c.label, "status": c.status, "images_per_s": c.result.get("images_per_s"),
+                       "memory": peak if peak is not None else c.predicted_gib, "winner": c is best})
+    measured = any(measured_gib(c)[1] == "gpu allocated" for c in cells)
+    xlabel = "peak GPU memory per rank (GiB, measured)" if measured else \
+        "memory per rank (GiB): host RSS the loop added (CPU), else the planner's prediction"
+    memory_speed(points, path, xlabel, ctx.budget / GIB if ctx.budget and measured else None,
+                 f"tune {ctx.cfg.model.name} {ctx.cfg.resolution.width}x{ctx.cfg.resolution.height}")
+
+
+def markdown(ctx: Context, cells: list[Cell], best: Cell | None) -> str:
+    from ds_trainer.launch.report import _fmt
+
+    budget = f"{ctx.budget / GIB:.2f} GiB per rank" if ctx.budget else "none (no GPU; nothing pruned)"
+    lines = [f"# Tune {ctx.cfg.tune.name}", "", f"Training overrides: `{' '.join(ctx.base) or '(none)'}`; "
+             f"{ctx.ranks} rank(s); budget {budget}; global batch "
+             f"{ctx.cfg.tune.global_batch if ctx.cfg.tune.global_batch is not None else 'free'}.",
+             f"Planner: {ctx.calibration.describe()}.", ""]
+    if best is not None:
+        lines += [f"**Winner: {best.label}**, {best.result['images_per_s']:.2f} images/s, "
+                  f"{best.result['s_per_it']:.3f} s/it.", "", "```", "python -m ds_trainer "
+                  + " ".join(winning_line(ctx, best)), "```", ""]
+    table = [row(c) for c in cells]
+    lines += ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(_fmt(r[k]) for k in COLUMNS) + " |" for r in table]
+    lines += ["", "![memory against images/s](tune.png)", ""]
+    return "\n".join(lines)
+
+
+def to_wandb(ctx: Context, cells: list[Cell]) -> None:
+    logger = ctx.cfg.logger
+    if logger.name.value != "wandb" or logger.mode.value == "disabled":
+        return
+    import wandb
+
+    run = wandb.init(project=logger.project, entity=logger.entity, mode=logger.mode.value,
+                     group=f"tune-{ctx.cfg.tune.name}", name=f"tune {ctx.cfg.tune.name}", job_type="tune",
+                     dir=str(ctx.tune_dir))
+    run.log({"tune": wandb.Table(columns=list(COLUMNS), data=[[row(c)[k] for k in COLUMNS] for c in cells])})
+    run.finish()
+
+
+def write(ctx: Context, cells: list[Cell], best: Cell | None, final: bool = False) -> dict[str, Path]:
+    """Write (again) every output; the winner's line, ds_config.json and preset once there is one."""
+    d = ctx.tune_dir
+    out = {"md": d / "tune.md", "csv": d / "tune.csv", "png": d / "tune.png", "winner": d / "winner.txt"}
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=COLUMNS)
+    writer.writeheader()
+    writer.writerows(row(c) for c in cells)
+    out["csv"].write_text(buf.getvalue())
+    chart(ctx, cells, best, out["png"])
+    out["md"].write_text(markdown(ctx, cells, best))
+    if best is None:
+        return out
+    line = winning_line(ctx, best)
+    out["winner"].write_text(" ".join(line) + "\n")
+    ds_json = Path(best.result.get("run_dir", "")) / "ds_config.json"
+    if ds_json.is_file():
+        shutil.copyfile(ds_json, d / "ds_config.json")
+    if final:
+        path, _ = preset_path(ctx)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        text = preset(ctx, best, line)
+        path.write_text(text)
+        (d / f"{ctx.cfg.tune.name}.yaml").write_text(text)
+        out["preset"] = path
+        to_wandb(ctx, cells)
+    return out
+
+
+def announce(ctx: Context, best: Cell, out: dict[str, Path]) -> str:
+    """What the user reads at the end: the winner, the line to paste, the preset command."""
+    _, extra = preset_path(ctx)
+    return "\n".join([
+        f"tune: winner {best.label}: {best.result['images_per_s']:.2f} images/s, {best.result['s_per_it']:.3f} s/it",
+        "  python -m ds_trainer " + " ".join(winning_line(ctx, best)),
+        f"  or: python -m ds_trainer {' '.join(extra + ['+experiment=' + str(ctx.cfg.tune.name)])}",
+        f"  report: {out['md']} (ds_config.json, tune.csv, tune.png beside it); preset: {out.get('preset')}"])

@@ -1,0 +1,210 @@
+"""`python -m ds_trainer.tune` on the CPU with sdxl_tiny: planner pruning, the measured winner, its outputs and
+preset, a hang stopped at its time limit, a killed tune that continues, and the planner's calibration.
+
+The machine may be loaded by others: these tests assert what ran and which measured cell won, never timings.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import make_cfg, run_cli, wait_until
+
+from ds_trainer.tools import calibration, plan
+
+# Space: stage0/none (fits), stage0/cpu (invalid: nothing to offload), stage2/none (0.127 GiB predicted:
+# above the budget, pruned), stage2/cpu (fits). Two cells train.
+SPACE = ["tune.zero=[stage0,stage2]", "tune.offload=[none,cpu]", "tune.micro_batch_size=[2]",
+         "tune.gradient_checkpointing=[false]", "tune.vram_gib=0.12", "tune.warmup_steps=1", "tune.timed_steps=2",
+         "tune.time_limit_s=600"]
+
+
+def base(root: Path) -> list[str]:
+    """What a user's training overrides would be (train.max_steps is the training's own, not the tune's)."""
+    return ["model=sdxl_tiny", "resolution=px128", "logger=none", "data.num_samples=4", "train.max_steps=2",
+            f"paths.outputs={root / 'outputs'}"]
+
+
+def tune_cmd(root: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "ds_trainer.tune", *base(root), *SPACE, f"tune.preset_dir={root / 'presets'}",
+            *extra]
+
+
+def rows(tune_dir: Path) -> dict[str, dict[str, str]]:
+    return {r["cell"]: r for r in csv.DictReader(io.StringIO((tune_dir / "tune.csv").read_text()))}
+
+
+@pytest.fixture(scope="module")
+def tuned(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """A tune killed (SIGTERM) once its first cell has a result, then run again to the end."""
+    root = tmp_path_factory.mktemp("tune")
+    tune_dir = root / "outputs" / "tune" / "tuned"
+    first = tune_dir / "cells" / "stage0-none-b2-a1-nockpt" / "tune_cell.json"
+    proc = subprocess.Popen(tune_cmd(root), cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_until(first.exists, "the first cell never got a result", deadline=time.time() + 900, proc=proc, interval=1)
+    first_result = first.read_text()
+    proc.send_signal(signal.SIGTERM)
+    _, killed_err = proc.communicate(timeout=120)
+    second = subprocess.run(tune_cmd(root), cwd=root, capture_output=True, text=True, timeout=1200)
+    return {"root": root, "dir": tune_dir, "killed_rc": proc.returncode, "killed_err": killed_err,
+            "first_result": first_result, "first": first, "second": second}
+
+
+@pytest.mark.slow
+def test_planner_prunes_and_the_winner_is_the_fastest_measured_cell_that_fits(tuned: dict) -> None:
+    assert tuned["second"].returncode == 0, tuned["second"].stderr[-3000:]
+    table = rows(tuned["dir"])
+    status = {cell: r["status"] for cell, r in table.items()}
+    assert status == {"stage0/none b2x1": "ok", "stage0/cpu b2x1": "invalid", "stage2/none b2x1": "pruned",
+                      "stage2/cpu b2x1": "ok"}
+    cells = tuned["dir"] / "cells"
+    assert sorted(p.name for p in cells.iterdir()) == ["stage0-none-b2-a1-nockpt", "stage2-cpu-b2-a1-nockpt"]
+    assert "budget" in table["stage2/none b2x1"]["message"]
+    ok = {cell: float(r["images_per_s"]) for cell, r in table.items() if r["status"] == "ok"}
+    best = max(ok, key=ok.__getitem__)
+    md = (tuned["dir"] / "tune.md").read_text()
+    assert f"**Winner: {best}**" in md
+    best_row = table[best]
+    line = (tuned["dir"] / "winner.txt").read_text().split()
+    assert f"zero={best_row['zero']}" in line and f"offload={best_row['offload']}" in line
+    assert "train.max_steps=2" in line and not any(o.startswith("tune.") for o in line)
+    assert json.loads((tuned["dir"] / "ds_config.json").read_text())["zero_optimization"]["stage"] == \
+        int(best_row["zero"][-1])
+    assert (tuned["dir"] / "tune.png").stat().st_size > 0
+    for r in table.values():  # each measured cell says what else ran on the machine meanwhile
+        if r["status"] == "ok":
+            assert r["load_before"] and r["load_after"] and r["measure"] == "host RSS of the loop"
+
+
+@pytest.mark.slow
+def test_a_killed_tune_continues_without_running_finished_cells_again(tuned: dict) -> None:
+    assert tuned["killed_rc"] != 0
+    assert "stage0/none b2x1: ok" in tuned["killed_err"]
+    assert tuned["first"].read_text() == tuned["first_result"]  # not measured again
+    assert "stage0/none b2x1: ok (measured before, not run again)" in tuned["second"].stderr
+    assert "stage2/cpu b2x1: running" in tuned["second"].stderr
+    # the cell interrupted by the kill left no process behind
+    leftover = [p for p in Path("/proc").iterdir() if p.name.isdigit() and str(tuned["dir"]) in
+                _cmdline(p)]
+    assert not leftover
+
+
+def _cmdline(p: Path) -> str:
+    try:
+        return (p / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+@pytest.mark.slow
+def test_the_winning_line_and_the_preset_train(tuned: dict) -> None:
+    root = tuned["root"]
+    line = (tuned["dir"] / "winner.txt").read_text().split()
+    run = run_cli(*line, cwd=root)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "ds_trainer: ok after 2 steps" in run.stderr
+    preset = root / "presets" / "experiment" / "tuned.yaml"
+    assert preset.read_text().startswith("# @package _global_")
+    run = run_cli(f"hydra.searchpath=[file://{root / 'presets'}]", "+experiment=tuned",
+                  f"paths.outputs={root / 'preset_run'}", cwd=root)
+    assert run.returncode == 0, run.stderr[-3000:]
+    config = next((root / "preset_run" / "runs").glob("*/*/config.yaml")).read_text()
+    winner = {o.split("=", 1)[0]: o.split("=", 1)[1] for o in line}
+    assert f"stage: {winner['zero'][-1]}" in config and f"device: {winner['offload']}" in config
+    assert "ds_trainer: ok after 2 steps" in run.stderr
+
+
+@pytest.mark.slow
+def test_the_planner_learns_from_the_measured_cells(tuned: dict, capsys: pytest.CaptureFixture[str]) -> None:
+    root = tuned["root"]
+    records = calibration.read(root / "outputs" / "plan_calibration.jsonl",
+                               {"model": "sdxl_tiny", "device": "cpu", "precision": "bf16"})
+    assert sorted(r["cell"] for r in records) == ["stage0-none-b2-a1-nockpt", "stage2-cpu-b2-a1-nockpt"]
+    cal = calibration.fit(records, "cpu")
+    before = after = 0.0
+    for r in records:
+        cfg = make_cfg(*base(root), f"zero={r['zero']}", f"offload={r['offload']}", "train.micro_batch_size=2")
+        raw = plan.estimate(cfg, r["zero"], r["offload"], 1).activations
+        calibrated = plan.estimate(cfg, r["zero"], r["offload"], 1, cal.factor).activations
+        before += abs(raw - r["measured_activation_bytes"])
+        after += abs(calibrated - r["measured_activation_bytes"])
+    assert after < before
+    assert plan.main([*base(root), "plan.vram_gib=1"]) == 0
+    out = capsys.readouterr().out
+    assert "activations calibrated from 2 measured cell(s) on cpu" in out and "remaining error" in out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.slow
+def test_a_hanging_cell_is_stopped_at_its_time_limit_and_recorded(tmp_path: Path) -> None:
+    # A real hang: the environment announces a second rank that never starts, so the cell's process group
+    # setup waits for it (the way a job with a lost rank hangs). The tune must stop it at the time limit.
+    env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    cmd = [sys.executable, "-m", "ds_trainer.tune", *base(tmp_path), "tune.zero=[stage2]", "tune.offload=[none]",
+           "tune.micro_batch_size=[1]", "tune.gradient_checkpointing=[false]", "tune.time_limit_s=25",
+           f"tune.preset_dir={tmp_path / 'presets'}"]
+    start = time.time()
+    run = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 1, run.stderr[-3000:]
+    tune_dir = tmp_path / "outputs" / "tune" / "tuned"
+    (row,) = rows(tune_dir).values()
+    assert row["status"] == "timeout" and "tune.time_limit_s=25" in row["message"]
+    assert time.time() - start < 300
+    assert not [p for p in Path("/proc").iterdir() if p.name.isdigit() and str(tune_dir) in _cmdline(p)]
+    assert not (tune_dir / "winner.txt").exists()
+
+
+def test_a_global_batch_no_cell_makes_is_one_screen(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    from ds_trainer.tools import tune
+
+    code = tune.main([*base(tmp_path), "world_size=1", "tune.global_batch=3", "tune.micro_batch_size=[2,4]"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "tune.global_batch=3" in err and "fix: tune.global_batch=" in err and "Traceback" not in err
+
+
+def test_a_budget_no_cell_fits_names_the_closest_cell(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    from ds_trainer.tools import tune
+
+    code = tune.main([*base(tmp_path), "tune.vram_gib=0.01", "tune.zero=[stage2,stage3]", "tune.offload=[cpu]",
+                      "tune.micro_batch_size=[1]", "tune.gradient_checkpointing=[true]"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "tune.vram_gib=0.01" in err and "closest, stage3/cpu b1x1 ckpt" in err and "GiB per rank" in err
+    assert not (tmp_path / "outputs" / "tune").exists()  # nothing ran
+
+
+def test_sweep_report_labels_cells_by_every_axis_that_varies(tmp_path: Path) -> None:
+    from ds_trainer.launch import report
+
+    common = {"zero": "stage2", "offload": "cpu", "resolution": "128x128", "micro_batch_size": 2,
+              "precision": "bf16", "world_size": 1}
+    table = [{**common, "gradient_accumulation_steps": a, "gradient_checkpointing": c, "status": s,
+              "host_rss_peak_mib": 700.0, "median_s_per_it": 0.5, "images_per_s": 4.0 * a}
+             for a, c, s in ((1, False, "ok"), (1, True, "ok"), (2, False, "ok"), (2, True, "oom"))]
+    names = report.labels(table)
+    assert len(set(names)) == 4  # these four once all read `stage2/cpu 128x128 b2`
+    assert names == ["accum 1 no ckpt", "accum 1 ckpt", "accum 2 no ckpt", "accum 2 ckpt"]
+    for r, cell in zip(table, ("a", "b", "c", "d"), strict=True):
+        (tmp_path / cell).mkdir()
+        (tmp_path / cell / "summary.json").write_text(json.dumps(r))
+    out = report.write(tmp_path, use_wandb=False)
+    assert out["png"].stat().st_size > 0
+    text = out["md"].read_text()
+    assert "| accum | ckpt | message |" in text and "oom" in text
