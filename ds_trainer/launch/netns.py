@@ -102,10 +102,11 @@ def remove_hosts() -> None:
         HOSTS.write_text("\n".join(kept) + "\n")
 
 
-def exec_prefix(node: Node) -> list[str]:
-    """The command prefix that runs a program on `node`: its network namespace and its own hostname.
+def exec_prefix(node: Node, local_dir: Path) -> list[str]:
+    """The command prefix that runs a program on `node`: its network namespace, its own hostname, and a
+    node-local disk at `local_dir` (a tmpfs only this node sees, like a real node's local scratch).
 
     nsenter rather than `ip netns exec`, which also remounts /sys (slurmd then finds no cgroup file system).
     """
-    return ["nsenter", f"--net=/run/netns/{node.netns}", "unshare", "--uts", "sh", "-c",
-            f'hostname {node.name} && exec "$@"', "sh"]
+    return ["nsenter", f"--net=/run/netns/{node.netns}", "unshare", "--uts", "--mount", "--propagation", "private",
+            "sh", "-c", f'hostname {node.name} && mount -t tmpfs -o size=256m tmpfs {local_dir} && exec "$@"', "sh"]

@@ -104,6 +104,11 @@ def default_dir(nodes: int = 1) -> Path:
     return DEFAULT_DIR if nodes == 1 else DEFAULT_DIR.with_name(f"{DEFAULT_DIR.name}_{nodes}nodes")
 
 
+def local_dir(folder: Path) -> Path:
+    """A folder that is a separate disk on each node of a multi-node cluster (node-local scratch)."""
+    return folder / "local"
+
+
 def cluster_nodes(folder: Path) -> list[netns.Node]:
     """The namespaced nodes of the cluster in `folder` (none for a one-node cluster on the host)."""
     path = folder / "nodes"
@@ -177,7 +182,7 @@ def start(folder: Path = DEFAULT_DIR, timeout: float = 30, nodes: int = 1) -> Pa
             if probe.connect_ex(("127.0.0.1", port)) == 0:
                 raise ClusterError(f"port {port} is taken: another Slurm is running here; stop it (`python -m "
                                    "ds_trainer.slurm_local stop --dir <its folder>`) or use it")
-    for sub in ("state", "spool", "log"):
+    for sub in ("state", "spool", "log", "local"):
         (folder / sub).mkdir(parents=True, exist_ok=True)
     folder.chmod(0o755)
     _start_munge(folder)
@@ -196,7 +201,7 @@ def start(folder: Path = DEFAULT_DIR, timeout: float = 30, nodes: int = 1) -> Pa
     for node in cluster:
         (folder / f"spool-{node.name}").mkdir(exist_ok=True)
         if not _alive(folder / f"slurmd-{node.name}.pid", "slurmd"):
-            _run(*netns.exec_prefix(node), "slurmd", "-N", node.name, "-f", str(conf_path(folder)))
+            _run(*netns.exec_prefix(node, local_dir(folder)), "slurmd", "-N", node.name, "-f", str(conf_path(folder)))
     if not cluster and not _alive(folder / "slurmd.pid", "slurmd"):
         _run("slurmd", "-f", str(conf_path(folder)))
     deadline = time.time() + timeout

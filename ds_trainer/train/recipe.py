@@ -21,7 +21,7 @@ from omegaconf import DictConfig
 
 from ds_trainer.config import ds_config, hardware, nvme
 from ds_trainer.errors import TrainingError
-from ds_trainer.train import accel, checkpoint, data, export, metrics, models, oom
+from ds_trainer.train import accel, checkpoint, data, export, metrics, models, oom, rendezvous
 from ds_trainer.train.ema import EMA
 from ds_trainer.train.step import TrainStep
 from ds_trainer.train.stop import Interrupted, StopRequest
@@ -116,6 +116,8 @@ def run(cfg: DictConfig, ds: dict[str, Any] | None, run_dir: Path, name: str = "
     """Train as `cfg` says; returns the summary, also written to `summary.json` whatever happens:
     `ok`, `oom` (with what to try next), `interrupted` or `error` (with its message)."""
     _single_process_env()
+    # Several nodes: all ranks reach the master address and see one run directory, or a clear error now.
+    nodes = rendezvous.check(cfg, run_dir)
     info = hardware.confirm_with_torch(hardware.detect(cfg.resolved.platform))
     accelerator = accel.make_accelerator(cfg, ds, info.kind, run_dir)
     # Rank 0 decides what to resume from and tells the others: ranks looking at the file system at
@@ -143,7 +145,7 @@ def run(cfg: DictConfig, ds: dict[str, Any] | None, run_dir: Path, name: str = "
             status, message = "error", str(exc) if ours else f"{type(exc).__name__}: {exc}"
     finally:
         tracker.close()
-    summary = metrics.summarize(cfg, tracker.rows, status, message, accelerator.num_processes)
+    summary = metrics.summarize(cfg, tracker.rows, status, message, accelerator.num_processes, nodes)
     if accelerator.is_main_process:
         metrics.write_summary(run_dir, summary)
         metrics.print_summary(summary, run_dir)

@@ -182,7 +182,11 @@ class _Resubmitting(submitit_launcher.BaseSubmititLauncher):
         if outcome == "done":
             try:
                 result: JobReturn = cell.job.results()[0]
-                return result
+                if result.status != JobStatus.FAILED:
+                    return result
+                # The task raised (a multi-node run whose ranks could not meet, or that do not share the run
+                # directory): its message is recorded here, in the folder as the launcher sees it.
+                message = str(result._return_value)
             except Exception as exc:  # noqa: BLE001 - one cell's failure must not end the sweep
                 message = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
         else:
