@@ -241,17 +241,34 @@ def stop(folder: Path = DEFAULT_DIR, timeout: float = 30) -> None:
         netns.teardown(cluster)
 
 
+def _exec(folder: Path, name: str | None, command: list[str]) -> int:
+    """Run `command` on a node of a multi-node cluster, as if logged in there (replaces this process)."""
+    found = [n for n in cluster_nodes(folder) if n.name == name]
+    if not found or not command:
+        names = ", ".join(n.name for n in cluster_nodes(folder)) or "none: start one with --nodes 2"
+        print(f"slurm_local: exec --node {name}: {'no such node' if not found else 'no command'} (nodes: {names}); "
+              "use: exec --nodes 2 --node dsnode1 -- COMMAND", file=sys.stderr)
+        return 2
+    prefix = netns.exec_prefix(found[0], local_dir(folder))
+    os.execvp(prefix[0], [*prefix, *command])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ds_trainer.slurm_local", description=__doc__.splitlines()[0])
-    parser.add_argument("action", choices=("start", "stop", "status"))
+    parser.add_argument("action", choices=("start", "stop", "status", "exec"))
     parser.add_argument("--nodes", type=int, default=1, help="nodes of the cluster (each >1 in a network namespace)")
     parser.add_argument("--dir", type=Path, default=None, help="where the cluster keeps its files")
-    args = parser.parse_args(argv)
+    parser.add_argument("--node", help="exec: the node to run the command (after --) on: its network and host name")
+    argv = sys.argv[1:] if argv is None else argv
+    command = argv[argv.index("--") + 1:] if "--" in argv else []
+    args = parser.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
     if args.nodes < 1:
         print(f"slurm_local: --nodes {args.nodes}: a cluster needs at least one node; use --nodes 1 or 2",
               file=sys.stderr)
         return 2
     folder = args.dir or default_dir(args.nodes)
+    if args.action == "exec":
+        return _exec(folder, args.node, command)
     try:
         if args.action == "start":
             conf = start(folder, nodes=args.nodes)

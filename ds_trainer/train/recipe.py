@@ -140,6 +140,8 @@ def run(cfg: DictConfig, ds: dict[str, Any] | None, run_dir: Path, name: str = "
             status, message = "interrupted", str(exc)
         elif oom.is_oom(exc):
             status, message = "oom", oom.message(cfg, info.kind)
+        elif rendezvous.peer_lost(exc):  # another node's rank died: the launcher brings the whole job back
+            status, message = "lost", rendezvous.lost_message(exc)
         else:
             ours = isinstance(exc, TrainingError)
             status, message = "error", str(exc) if ours else f"{type(exc).__name__}: {exc}"
@@ -154,7 +156,7 @@ def run(cfg: DictConfig, ds: dict[str, Any] | None, run_dir: Path, name: str = "
         failure.stop.forward()  # under submitit, SIGUSR2 requeues the job (and exits) from here
     if failure is None:
         _shutdown(accelerator)
-    elif status in ("oom", "interrupted") or isinstance(failure, TrainingError):
+    elif status in ("oom", "interrupted", "lost") or isinstance(failure, TrainingError):
         raise TrainingError(message or "") from None
     else:
         raise failure

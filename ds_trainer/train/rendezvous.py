@@ -70,6 +70,7 @@ def _meet(run_dir: Path, world: int, rank: int) -> list[str]:
         (run_dir / MARKER).write_text(token)
         store.set("token", token)
     store.set(f"node/{rank}", me)
+    store.set(f"dir/{rank}", str(run_dir))
     token = _get(store, "token", where, addr, port)
     marker = run_dir / MARKER
     store.set(f"sees/{rank}", "1" if marker.exists() and marker.read_text() == token else "0")
@@ -114,6 +115,12 @@ def _judge(store: Any, world: int, run_dir: Path, limit: float) -> dict[str, Any
                                       "cannot reach it, or one that never started; see their logs"}
     nodes = [bytes(store.get(f"node/{r}")).decode() for r in range(world)]
     blind = [r for r in range(world) if bytes(store.get(f"sees/{r}")).decode() != "1"]
+    dirs = [bytes(store.get(f"dir/{r}")).decode() for r in range(world)]
+    elsewhere = [f"rank {r} on node {nodes[r]} uses {dirs[r]}" for r in blind if dirs[r] != str(run_dir)]
+    if elsewhere:  # torchrun on several machines: each names its run directory from its own clock
+        return {"nodes": nodes, "error": f"the ranks do not use one run directory: rank 0 on node {nodes[0]} uses "
+                                         f"{run_dir}, {', '.join(elsewhere)}. Give every node the same one: "
+                                         "hydra.run.dir=<a path on a shared file system>"}
     if blind:
         who = ", ".join(f"rank {r} on node {nodes[r]}" for r in blind)
         return {"nodes": nodes, "error": f"the run directory {run_dir} is not shared between the nodes: rank 0 on "
@@ -129,3 +136,20 @@ def _fail(cfg: DictConfig, run_dir: Path, world: int, rank: int, message: str) -
         from ds_trainer.train import metrics
 
         metrics.write_summary(run_dir, metrics.summarize(cfg, [], "error", message, world))
+
+
+# How a collective fails when another rank died (kill -9, the out-of-memory killer, a node gone): gloo
+# and NCCL. The run itself is fine; the launcher submits the job again (status `lost`).
+_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "NCCL communicator was aborted",
+              "remote process exited or there was a network error", "Socket Timeout")
+
+
+def peer_lost(exc: BaseException) -> bool:
+    """Whether `exc` is a collective failing because another rank went away."""
+    return isinstance(exc, RuntimeError | OSError) and any(s in str(exc) for s in _PEER_LOST)
+
+
+def lost_message(exc: BaseException) -> str:
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return (f"another rank went away ({node_name()} saw: {first[:300]}); its node's log says why. The job "
+            "is submitted again and resumes from the latest checkpoint")
