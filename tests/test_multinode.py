@@ -192,3 +192,33 @@ def test_torchrun_across_the_two_node_addresses(tmp_path: Path, two_nodes: dict[
     assert [p.returncode for p in procs] == [1, 1]  # (torchrun adds its own report of the failed rank)
     assert re.search(r"the ranks do not use one run directory: rank 0 on node dsnode1 uses \S+, rank 1 on node "
                      r"dsnode2 uses \S+\. Give every node the same one: hydra.run.dir=", errs[0]), errs[0][-2000:]
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_a_run_directory_on_one_node_only_or_an_unreachable_master_fails_fast_naming_the_node(
+        tmp_path: Path, two_nodes: dict[str, str]) -> None:
+    setup = '"export OMP_NUM_THREADS=1","export DS_TRAINER_RENDEZVOUS_TIMEOUT_S=20"'
+    local = slurm_local.local_dir(slurm_local.default_dir(2))  # a separate disk on each node
+    cases = {
+        # The sweep's run directories on node-local scratch (submitit's own files on the shared disk).
+        "local_disk": [f"paths.outputs={local}/{tmp_path.name}", f"hydra.launcher.submitit_folder={tmp_path}/sub/%j",
+                       f"hydra.launcher.setup=[{setup}]"],
+        # A master address no node has (on the cluster's own private subnet).
+        "no_master": [f"hydra.launcher.setup=[{setup},\"export MASTER_ADDR={netns.SUBNET}.99\"]"],
+    }
+    for name, args in cases.items():
+        (tmp_path / name).mkdir()
+        started = time.time()
+        result = run_cli("-m", "zero=stage2", TWO_NODES, *FAST, *args, cwd=tmp_path / name, env=two_nodes, timeout=600)
+        assert result.returncode == 1, result.stderr[-3000:]  # one failed cell
+        assert time.time() - started < 300  # not Slurm's 10-minute limit
+        assert "Traceback" not in result.stderr
+        if name == "local_disk":
+            assert re.search(r"cell #0: the run directory \S+/0 is not shared between the nodes: rank 0 on node "
+                             r"dsnode1 wrote it, rank 1 on node dsnode2 does not see it\. Put paths.outputs",
+                             result.stderr)
+        else:
+            assert re.search(rf"cell #0: node dsnode\d \(rank \d\) cannot reach the master address {netns.SUBNET}\.99:"
+                             r"\d+ within 20s", result.stderr)
+        assert "0 of 1 cells ok, 1 failed" in result.stderr
