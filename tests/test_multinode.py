@@ -167,7 +167,8 @@ def test_kill_9_of_one_node_task_brings_the_whole_two_node_job_back(tmp_path: Pa
 def _on_node(node: str, cwd: Path, *command: str) -> subprocess.Popen:
     """`command` on a node of the local cluster, as the README shows (`slurm_local exec`)."""
     return subprocess.Popen([sys.executable, "-m", "ds_trainer.slurm_local", "exec", "--nodes", "2", "--node", node,
-                             "--", *command], cwd=cwd, env={**os.environ, "GLOO_SOCKET_IFNAME": netns.IFNAME},
+                             "--", *command], cwd=cwd, env={**{k: v for k, v in os.environ.items() if not k.startswith(
+                                 "ACCELERATE_")}, "GLOO_SOCKET_IFNAME": netns.IFNAME},
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
@@ -176,9 +177,16 @@ def _torchrun(node_rank: int, *args: str) -> list[str]:
             "dsnode1", "--master-port", "29500", "-m", "ds_trainer", "zero=stage3", *FAST, *args]
 
 
+def _accelerate(machine_rank: int, config: Path, *args: str) -> list[str]:
+    return ["accelerate", "launch", "--config_file", str(config), "--num_machines", "2", "--machine_rank",
+            str(machine_rank), "--main_process_ip", "dsnode1", "--main_process_port", "29500",
+            "--deepspeed_multinode_launcher", "standard", "-m", "ds_trainer", "zero=stage3", *FAST, *args]
+
+
 @pytest.mark.slow
 @pytest.mark.multiproc
-def test_torchrun_across_the_two_node_addresses(tmp_path: Path, two_nodes: dict[str, str]) -> None:
+def test_torchrun_and_accelerate_launch_across_the_two_node_addresses(tmp_path: Path,
+                                                                      two_nodes: dict[str, str]) -> None:
     run_dir = tmp_path / "run"
     procs = [_on_node(f"dsnode{i + 1}", tmp_path, *_torchrun(i, f"hydra.run.dir={run_dir}")) for i in range(2)]
     errs = [p.communicate(timeout=600)[1] for p in procs]
@@ -186,6 +194,16 @@ def test_torchrun_across_the_two_node_addresses(tmp_path: Path, two_nodes: dict[
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "ok" and summary["world_size"] == 2 and summary["nodes"] == ["dsnode1", "dsnode2"]
     assert _steps(run_dir) == [1, 2, 3]
+    # accelerate launch: the dry run's accelerate_config.yaml, told the machines and the main address.
+    dry = run_cli("zero=stage3", "world_size=2", "dry_run=true", f"hydra.run.dir={tmp_path / 'dry'}", cwd=tmp_path)
+    assert dry.returncode == 0, dry.stderr[-2000:]
+    config = tmp_path / "dry" / "accelerate_config.yaml"
+    procs = [_on_node(f"dsnode{i + 1}", tmp_path, *_accelerate(i, config, f"hydra.run.dir={tmp_path / 'accel'}"))
+             for i in range(2)]
+    errs = [p.communicate(timeout=600)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], errs[0][-2000:] + errs[1][-2000:]
+    summary = json.loads((tmp_path / "accel" / "summary.json").read_text())
+    assert summary["status"] == "ok" and summary["nodes"] == ["dsnode1", "dsnode2"]
     # Without hydra.run.dir each machine names the run directory from its own clock: a clear error, at once.
     procs = [_on_node(f"dsnode{i + 1}", tmp_path, *_torchrun(i, "train.seed=7")) for i in range(2)]
     errs = [p.communicate(timeout=300)[1] for p in procs]
