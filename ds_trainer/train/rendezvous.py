@@ -151,5 +151,5 @@ def peer_lost(exc: BaseException) -> bool:
 
 def lost_message(exc: BaseException) -> str:
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    return (f"another rank went away ({node_name()} saw: {first[:300]}); its node's log says why. The job "
-            "is submitted again and resumes from the latest checkpoint")
+    return (f"another rank went away ({node_name()} saw: {first[:300]}); its node's log says why. The "
+            "ds_submitit launchers submit the job again; elsewhere resume=latest continues from the latest checkpoint")
