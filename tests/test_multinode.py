@@ -38,8 +38,8 @@ def two_nodes() -> Iterator[dict[str, str]]:
         slurm_local.stop(folder)
 
 
-def _cell_dirs(root: Path) -> list[Path]:
-    return sorted(p.parent for p in (root / "outputs" / "sweeps").glob("*/*/*/summary.json"))
+def _cell_dirs(root: Path, marker: str = "summary.json") -> list[Path]:
+    return sorted(p.parent for p in (root / "outputs" / "sweeps").glob(f"*/*/*/{marker}"))
 
 
 def _steps(cell: Path) -> list[int]:
@@ -123,22 +123,28 @@ def _starts_per_node(cell: Path) -> dict[str, int]:
 
 @pytest.mark.slow
 @pytest.mark.multiproc
-def test_a_two_node_job_at_its_time_limit_signal_is_requeued_and_resumes_on_both_nodes(
+def test_a_two_node_job_at_its_time_limit_signal_or_scancelled_comes_back_and_resumes_on_both_nodes(
         tmp_path: Path, two_nodes: dict[str, str]) -> None:
     # SIGUSR2 is what Slurm sends both nodes' tasks ahead of the time limit (submitit asks for it): the
-    # ranks agree to stop after the same step, save, and submitit requeues the whole job.
-    proc = _start(tmp_path, two_nodes, "train.max_steps=20")
+    # ranks agree to stop after the same step, save, and submitit requeues the whole job (same job id).
+    # Then scancel (SIGTERM on both nodes): the ranks save again, and the launcher submits the job anew.
+    proc = _start(tmp_path, two_nodes, "train.max_steps=25")
     job = _job_after_checkpoint(tmp_path, two_nodes, proc, 5)
     subprocess.run(["scancel", "--signal=USR2", job], env=two_nodes, check=True)
+    cell = wait_until(lambda: next((c for c in _cell_dirs(tmp_path, "metrics.jsonl") if "resumed from" in
+                                    (c / "ds_trainer.log").read_text() and len(_steps(c)) >= 12), None),
+                      "the requeued job did not get going", proc=proc, deadline=time.time() + 600)
+    subprocess.run(["scancel", job], env=two_nodes, check=True)
     _, err = proc.communicate(timeout=900)
     assert proc.returncode == 0, err[-3000:]
-    (cell,) = _cell_dirs(tmp_path)
+    assert re.search(rf"cell #0: job {job} stopped on a signal with a checkpoint; submitted again as job \d+", err)
     log_text = (cell / "ds_trainer.log").read_text()
-    stopped = re.search(r"stopped by SIGUSR2 after step (\d+)", log_text)
-    resumed = re.search(r"resumed from \S+/step_(\d+) at step (\d+)", log_text)
-    assert stopped and resumed and resumed.group(2) == stopped.group(1)
-    assert _steps(cell) == list(range(1, 21))  # each step trained once, on both nodes
-    assert _starts_per_node(cell) == {"dsnode1": 2, "dsnode2": 2}  # the whole job came back
+    stops = [int(m) for m in re.findall(r"stopped by SIG(?:USR2|TERM) after step (\d+)", log_text)]
+    starts = [int(m) for m in re.findall(r"resumed from \S+/step_\d+ at step (\d+)", log_text)]
+    assert "stopped by SIGUSR2" in log_text and "stopped by SIGTERM" in log_text
+    assert len(stops) == 2 and starts == stops  # each instance resumed where the last one stopped
+    assert _steps(cell) == list(range(1, 26))  # each step trained once, on both nodes
+    assert _starts_per_node(cell) == {"dsnode1": 3, "dsnode2": 3}  # the whole job came back, twice
     summary = json.loads((cell / "summary.json").read_text())
     assert summary["status"] == "ok" and summary["nodes"] == ["dsnode1", "dsnode2"]
 
