@@ -15,6 +15,7 @@ import os
 import secrets
 import socket
 import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -73,7 +74,7 @@ def _meet(run_dir: Path, world: int, rank: int) -> list[str]:
     store.set(f"dir/{rank}", str(run_dir))
     token = _get(store, "token", where, addr, port)
     marker = run_dir / MARKER
-    store.set(f"sees/{rank}", "1" if marker.exists() and marker.read_text() == token else "0")
+    store.set(f"sees/{rank}", "1" if _sees(marker, token) else "0")
     if rank == 0:
         verdict = _judge(store, world, run_dir, limit)
         store.set("verdict", json.dumps(verdict))
@@ -91,6 +92,20 @@ def _meet(run_dir: Path, world: int, rank: int) -> list[str]:
              run_dir)
     nodes: list[str] = verdict["nodes"]
     return nodes
+
+
+def _sees(marker: Path, token: str, wait_s: float = 10.0) -> bool:
+    """Whether `marker` holds `token`; a network file system may show a new file a few seconds late."""
+    deadline = time.time() + wait_s
+    while True:
+        try:
+            if marker.read_text() == token:
+                return True
+        except OSError:
+            pass
+        if time.time() > deadline:
+            return False
+        time.sleep(0.5)
 
 
 def _get(store: Any, key: str, where: str, addr: str, port: int) -> str:
