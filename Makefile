@@ -16,9 +16,10 @@ setup: system-deps
 	$(PYTHON) -m pip install -e ".[test]"
 
 # libaio-dev for DeepSpeed's async_io op (NVMe offload); Debian's Slurm and munge for the local
-# SLURM cluster (`python -m ds_trainer.slurm_local start`) the sweep tests submit to. Installed when
-# running as root (a policy-rc.d keeps the packages from starting their daemons); otherwise listed.
-SYSTEM_PACKAGES = libaio-dev slurmctld slurmd slurm-client munge
+# SLURM cluster (`python -m ds_trainer.slurm_local start`) the sweep tests submit to; iproute2 for its
+# two-node form (`--nodes 2`: network namespaces). Installed when running as root (a policy-rc.d keeps
+# the packages from starting their daemons); otherwise listed.
+SYSTEM_PACKAGES = libaio-dev slurmctld slurmd slurm-client munge iproute2
 system-deps:
 	@missing=$$(for p in $(SYSTEM_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
 	if [ -z "$$missing" ]; then exit 0; fi; \

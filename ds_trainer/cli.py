@@ -15,7 +15,7 @@ from omegaconf import DictConfig
 
 from ds_trainer import CONF_DIR
 from ds_trainer.config import accelerate_file, distributed, ds_config, portability, rundir, schema, validation
-from ds_trainer.errors import TrainingError
+from ds_trainer.errors import NodesError, TrainingError
 from ds_trainer.launch import sweep
 from ds_trainer.train import checkpoint
 
@@ -99,6 +99,8 @@ def main(cfg: DictConfig) -> None:
     except validation.ConfigError as exc:
         log.error("%s", exc)
         sweep.failed_cell(cfg, run_dir, "error", validation.first_problem(str(exc)))
+    except NodesError:
+        raise  # the job fails with the message, which the launcher records where it can see
     except TrainingError as exc:
         log.error("cell failed: %s", exc)
     except Exception as exc:  # noqa: BLE001 - a crashed cell must not end the sweep

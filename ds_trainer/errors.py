@@ -7,3 +7,8 @@ class TrainingError(Exception):
 
 class DataError(TrainingError):
     """Data that cannot be trained on, found before training starts."""
+
+
+class NodesError(TrainingError):
+    """The ranks of a multi-node run could not meet at the master address, or do not share the run
+    directory. A sweep cell's job fails with it: the launcher may not see the run directory to read why."""

@@ -24,10 +24,14 @@ def is_main() -> bool:
 def export_submitit_env() -> None:
     """Inside a submitit task, set RANK, WORLD_SIZE, LOCAL_RANK and MASTER_ADDR/PORT for torch.distributed.
 
-    One task per GPU, started by srun: each task is one DeepSpeed rank.
+    One task per GPU, started by srun: each task is one DeepSpeed rank. The master is the job's first
+    node by its host name; a cluster whose host names resolve to the wrong network sets MASTER_ADDR
+    (and MASTER_PORT) in the launcher's `setup` lines, and those win.
     """
     if "RANK" in os.environ or "SUBMITIT_EXECUTOR" not in os.environ:
         return
     import submitit
 
-    submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+    job = submitit.helpers.TorchDistributedEnvironment()  # reads MASTER_PORT when set
+    job.master_addr = os.environ.get("MASTER_ADDR", job.master_addr)
+    job.export(set_cuda_visible_devices=False, overwrite=True)

@@ -159,8 +159,8 @@ def _new_id() -> str:
 
 
 def summarize(cfg: DictConfig, rows: list[dict[str, Any]], status: str, message: str | None,
-              world_size: int, warmup: int = 2) -> dict[str, Any]:
-    """The run's `summary.json`: status, speed and memory, and what defines the run."""
+              world_size: int, nodes: list[str] | None = None, warmup: int = 2) -> dict[str, Any]:
+    """The run's `summary.json`: status, speed and memory, what defines the run, and the node of each rank."""
     timed = [r for r in rows if r.get("step", 0) > warmup] or rows
     def peak(key: str) -> float | None:
         values = [r[key] for r in rows if key in r]
@@ -175,7 +175,8 @@ def summarize(cfg: DictConfig, rows: list[dict[str, Any]], status: str, message:
         "host_rss_loop_start_mib": peak("host_rss_loop_start_mib"),
         "host_rss_loop_peak_mib": peak("host_rss_loop_peak_mib"),
         "final_loss": rows[-1]["loss"] if rows else None,
-        "world_size": world_size, "zero": ds_config.zero_option(cfg),
+        "world_size": world_size, "nodes": nodes, "num_nodes": len(set(nodes)) if nodes else None,
+        "zero": ds_config.zero_option(cfg),
         "offload": cfg.offload.device.value,
         "resolution": f"{cfg.resolution.width}x{cfg.resolution.height}",
         "micro_batch_size": int(cfg.train.micro_batch_size),

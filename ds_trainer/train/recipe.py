@@ -21,7 +21,7 @@ from omegaconf import DictConfig
 
 from ds_trainer.config import ds_config, hardware, nvme
 from ds_trainer.errors import TrainingError
-from ds_trainer.train import accel, adapter, carry, checkpoint, data, export, metrics, models, oom, portable
+from ds_trainer.train import accel, adapter, carry, checkpoint, data, export, metrics, models, oom, portable, rendezvous
 from ds_trainer.train.ema import EMA
 from ds_trainer.train.sampling import Sampler
 from ds_trainer.train.step import TrainStep
@@ -117,6 +117,8 @@ def run(cfg: DictConfig, ds: dict[str, Any] | None, run_dir: Path, name: str = "
     """Train as `cfg` says; returns the summary, also written to `summary.json` whatever happens:
     `ok`, `oom` (with what to try next), `interrupted` or `error` (with its message)."""
     _single_process_env()
+    # Several nodes: all ranks reach the master address and see one run directory, or a clear error now.
+    nodes = rendezvous.check(cfg, run_dir)
     info = hardware.confirm_with_torch(hardware.detect(cfg.resolved.platform))
     accelerator = accel.make_accelerator(cfg, ds, info.kind, run_dir)
     # Rank 0 decides what to resume from and tells the others: ranks looking at the file system at
@@ -139,12 +141,15 @@ def run(cfg: DictConfig, ds: dict[str, Any] | None, run_dir: Path, name: str = "
             status, message = "interrupted", str(exc)
         elif oom.is_oom(exc):
             status, message = "oom", oom.message(cfg, info.kind)
+        elif rendezvous.peer_lost(exc):  # another node's rank died: the launcher brings the whole job back
+            status, message = "lost", rendezvous.lost_message(exc)
         else:
             ours = isinstance(exc, TrainingError)
             status, message = "error", str(exc) if ours else f"{type(exc).__name__}: {exc}"
     finally:
         tracker.close()
-    summary = {**metrics.summarize(cfg, tracker.rows, status, message, accelerator.num_processes), **tracker.facts}
+    summary = {**metrics.summarize(cfg, tracker.rows, status, message, accelerator.num_processes, nodes),
+               **tracker.facts}
     if accelerator.is_main_process:
         metrics.write_summary(run_dir, summary)
         metrics.print_summary(summary, run_dir)
@@ -153,7 +158,7 @@ def run(cfg: DictConfig, ds: dict[str, Any] | None, run_dir: Path, name: str = "
         failure.stop.forward()  # under submitit, SIGUSR2 requeues the job (and exits) from here
     if failure is None:
         _shutdown(accelerator)
-    elif status in ("oom", "interrupted") or isinstance(failure, TrainingError):
+    elif status in ("oom", "interrupted", "lost") or isinstance(failure, TrainingError):
         raise TrainingError(message or "") from None
     else:
         raise failure

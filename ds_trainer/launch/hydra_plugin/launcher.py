@@ -115,10 +115,12 @@ class _Resubmitting(submitit_launcher.BaseSubmititLauncher):
                     outcome = "lost"  # over (sacct or the local process says so) but killed before a result
                 # Killed mid-run (no summary yet, or the one an earlier SIGTERM left) or stopped on SIGTERM:
                 # worth another attempt. A run that failed on its own (oom, error) would fail again.
+                # `lost`: a rank of a multi-node run saw another rank die (kill -9 on one node).
                 status = self._summary(cell).get("status")
-                if (status == "interrupted" or (outcome == "lost" and status is None)) and cell.attempt <= resubmits:
+                if (status in ("interrupted", "lost") or (outcome == "lost" and status is None)) and \
+                        cell.attempt <= resubmits:
                     why = "stopped on a signal with a checkpoint" if status == "interrupted" else \
-                        f"ended {self._state(cell.job)} without a result"
+                        "lost a rank" if status == "lost" else f"ended {self._state(cell.job)} without a result"
                     old = cell.job.job_id
                     cell.job = executor.submit(self, *cell.args)
                     cell.attempt += 1
@@ -182,7 +184,11 @@ class _Resubmitting(submitit_launcher.BaseSubmititLauncher):
         if outcome == "done":
             try:
                 result: JobReturn = cell.job.results()[0]
-                return result
+                if result.status != JobStatus.FAILED:
+                    return result
+                # The task raised (a multi-node run whose ranks could not meet, or that do not share the run
+                # directory): its message is recorded here, in the folder as the launcher sees it.
+                message = str(result._return_value)
             except Exception as exc:  # noqa: BLE001 - one cell's failure must not end the sweep
                 message = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
         else:
