@@ -43,8 +43,8 @@ def check(cfg: DictConfig, run_dir: Path) -> list[str]:
     """The node of each rank, once all ranks have met and agree on `run_dir`; raises TrainingError (after
     printing it, and recording it in summary.json where rank 0 can) when they cannot: NodesError."""
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
-    if world == 1:
-        return [node_name()]
+    if int(os.environ.get("LOCAL_WORLD_SIZE", world)) == world:  # one machine: nothing to check
+        return [node_name()] * world
     try:
         return _meet(run_dir, world, rank)
     except TrainingError as exc:
