@@ -89,6 +89,7 @@ def _problem(key: str, saved: Any, now: Any, checkpoint: Path | None, moved: lis
                        "state cannot continue under another optimizer type", f"optimizer={saved}, or {fix}")
     if key == "architecture":
         return Problem("model.architecture", now, f"the checkpoint {checkpoint} holds a UNet of architecture {saved}",
-                       f"model.architecture={saved} (its model option), or {fix} (names that match carry over)")
+                       f"model={saved} (the model option of that architecture), or {fix} (weights whose names "
+                       "match carry over)")
     return Problem("adapter", now, f"the checkpoint {checkpoint} was trained with adapter={saved}: another adapter "
                    "shape has other trainable parameters", f"the saved adapter settings, or {fix}")
