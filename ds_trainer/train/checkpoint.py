@@ -34,6 +34,9 @@ def fingerprint(cfg: DictConfig) -> str:
     """
     keys = {k: OmegaConf.to_container(cfg[k], resolve=True) for k in ("model", "data", "resolution")}
     keys["seed"] = int(cfg.train.seed)
+    if cfg.adapter.method.value != "none":  # a LoRA never resumes from a full fine-tune's checkpoint, or another rank's
+        a = cfg.adapter
+        keys["adapter"] = [a.method.value, int(a.rank), int(a.alpha), list(a.targets)]
     return hashlib.sha256(json.dumps(keys, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
