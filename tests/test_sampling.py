@@ -175,3 +175,28 @@ def test_the_planner_counts_the_sampling_peak(capsys: pytest.CaptureFixture[str]
     plan.main(["zero=stage3", "offload=cpu", "samples=on", "train.ema=true", f"plan.vram_gib={budget}"])
     out = capsys.readouterr().out
     assert "stage3/cpu" in out and "(does not fit)" in out.split("stage3/cpu", 1)[1].split(",")[0]
+
+
+@pytest.mark.slow
+def test_lora_sample_equals_the_base_pipeline_with_the_exported_lora(workdir: Path) -> None:
+    # fp32: the sampled UNet is the training UNet with its peft layers; the export is the untrained base
+    # pipeline plus <run>/lora, loaded the way users load a LoRA. Same weights, same kernels: same pixels.
+    import numpy as np
+    from diffusers import StableDiffusionXLPipeline
+
+    from ds_trainer.train import sampling
+
+    result = run_cli("zero=stage2", "adapter=lora", "precision=fp32", "train.max_steps=2", "data.num_samples=4",
+                     "optimizer.lr=0.01", "samples.steps=2", "logger=none", "samples=on", "samples.every=0",
+                     "samples.seeds=[3]", "samples.prompts=[a small house]", cwd=workdir)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (run_dir,) = run_dirs(workdir)
+    got = _image(run_dir / "samples" / "step_00000002" / "0_3.png")
+    pipe = StableDiffusionXLPipeline.from_pretrained(run_dir / "pipeline")
+    pipe.set_progress_bar_config(disable=True)
+    settings = sampling.Settings(2, 5.0, "", 128, 128)
+    base = np.asarray(sampling.generate(pipe, "a small house", 3, settings))
+    pipe.load_lora_weights(run_dir / "lora")
+    with_lora = np.asarray(sampling.generate(pipe, "a small house", 3, settings))
+    assert (got == with_lora).all()
+    assert (got != base).any()  # the sample did use the trained adapters

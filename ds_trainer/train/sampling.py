@@ -157,6 +157,11 @@ class Sampler:
         self.dir = run_dir / "samples"
         if not self.enabled:
             return
+        if self.ema is not None and cfg.adapter.method.value != "none":
+            # A LoRA's EMA holds the adapters only; sampling with it would need the frozen base gathered too.
+            log.warning("samples: adapter=%s samples with the trained adapters, not their EMA (the EMA LoRA is "
+                        "exported to <run>/lora_ema)", cfg.adapter.method.value)
+            self.ema = None
         # Rank 0 reads the prompts file: nodes could see different copies of it.
         self.prompts: list[str] = accel.from_main(
             accelerator, samples.prompts(cfg) if accelerator.is_main_process else None)
