@@ -14,7 +14,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from ds_trainer import CONF_DIR
-from ds_trainer.config import accelerate_file, distributed, ds_config, rundir, schema, validation
+from ds_trainer.config import accelerate_file, distributed, ds_config, overrides, rundir, schema, validation
 from ds_trainer.errors import TrainingError
 from ds_trainer.launch import sweep
 
@@ -63,8 +63,14 @@ def run(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> None:
     recipe.run(cfg, ds, run_dir, metrics.run_name(overrides), memory_plan=plan.log_for_run)
 
 
+def main(argv: list[str] | None = None) -> None:
+    """`python -m ds_trainer [overrides]`: a mistake at any layer exits 2 with one screen, no traceback."""
+    overrides.guarded(hydra_main, argv)
+
+
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
-def main(cfg: DictConfig) -> None:
+@overrides.task
+def hydra_main(cfg: DictConfig) -> None:
     distributed.export_submitit_env()  # a submitit task is one rank: RANK, WORLD_SIZE, MASTER_* from SLURM
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)

@@ -296,16 +296,11 @@ def log_for_run(cfg: DictConfig, info: Any, world: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Compose the overrides like training does, print the table and the recommendation."""
-    from hydra import compose, initialize_config_dir
+    from ds_trainer.config import hardware, overrides, rundir, schema, validation
 
-    from ds_trainer import CONF_DIR
-    from ds_trainer.config import hardware, rundir, schema, validation
-
-    overrides = list(sys.argv[1:] if argv is None else argv)
     schema.register()
     rundir.register_resolvers()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=overrides)
+    cfg = overrides.compose_checked(list(sys.argv[1:] if argv is None else argv))  # a mistake: exit 2
     info = hardware.detect(cfg.platform.value)
     world = validation.world_size_of(cfg)
     budget_gib = cfg.plan.vram_gib if cfg.plan.vram_gib is not None else (

@@ -120,8 +120,7 @@ def run(cfg: DictConfig, ds: dict[str, Any] | None, run_dir: Path, name: str = "
     accelerator = accel.make_accelerator(cfg, ds, info.kind, run_dir)
     # Rank 0 decides what to resume from and tells the others: ranks looking at the file system at
     # different moments could otherwise disagree and then load different checkpoints.
-    resume_from = accel.from_main(accelerator, checkpoint.find_resume(cfg, run_dir) if accelerator.is_main_process
-                                  else None)
+    resume_from = checkpoint.resume_point(cfg, run_dir, accelerator)
     wandb_id = (checkpoint.complete(resume_from) or {}).get("wandb_id") if resume_from else None
     tracker = metrics.Tracker(accelerator, cfg, run_dir, ds, name, wandb_id)
     status, message, failure = "ok", None, None
