@@ -128,6 +128,17 @@ def _resume_error(value: str, why: str) -> Exception:
     return ConfigError(report.render())
 
 
+def _not_running(path: Path | None, run_dir: Path) -> Path | None:
+    """Refuse to resume from the checkpoints of a run that still trains (train/run.lock): both would
+    write checkpoints of one experiment and log to one W&B run."""
+    from ds_trainer.config import runlock
+
+    source = path.parent.parent if path is not None else None
+    if source is not None and source.resolve() != run_dir.resolve() and (held := runlock.holder(source)):
+        raise _resume_error(str(path), f"its run {source} is still training ({runlock.describe(held)})")
+    return path
+
+
 def resume_point(cfg: DictConfig, run_dir: Path, accelerator: Any) -> Path | None:
     """`find_resume` on the main process, its answer (or its refusal, raised on every rank) everywhere."""
     from ds_trainer.config.validation import ConfigError
@@ -136,7 +147,7 @@ def resume_point(cfg: DictConfig, run_dir: Path, accelerator: Any) -> Path | Non
     answer: tuple[Path | None, str | None] = (None, None)
     if accelerator.is_main_process:
         try:
-            answer = (find_resume(cfg, run_dir), None)
+            answer = (_not_running(find_resume(cfg, run_dir), run_dir), None)
         except ConfigError as exc:
             answer = (None, str(exc))
     path, refusal = accel.from_main(accelerator, answer)

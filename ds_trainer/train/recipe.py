@@ -21,7 +21,7 @@ from omegaconf import DictConfig
 
 from ds_trainer.config import ds_config, hardware, nvme
 from ds_trainer.errors import TrainingError
-from ds_trainer.train import accel, checkpoint, data, export, metrics, models, oom
+from ds_trainer.train import accel, checkpoint, data, export, metrics, models, oom, startup
 from ds_trainer.train.ema import EMA
 from ds_trainer.train.step import TrainStep
 from ds_trainer.train.stop import Interrupted, StopRequest
@@ -121,8 +121,8 @@ def run(cfg: DictConfig, ds: dict[str, Any] | None, run_dir: Path, name: str = "
     # Rank 0 decides what to resume from and tells the others: ranks looking at the file system at
     # different moments could otherwise disagree and then load different checkpoints.
     resume_from = checkpoint.resume_point(cfg, run_dir, accelerator)
-    wandb_id = (checkpoint.complete(resume_from) or {}).get("wandb_id") if resume_from else None
-    tracker = metrics.Tracker(accelerator, cfg, run_dir, ds, name, wandb_id)
+    resumed = (checkpoint.complete(resume_from) or {}) if resume_from else {}
+    tracker = metrics.Tracker(accelerator, cfg, run_dir, ds, name, resumed.get("wandb_id"), resumed.get("step"))
     status, message, failure = "ok", None, None
     try:
         if accelerator.num_processes != int(cfg.resolved.world_size):
@@ -130,6 +130,7 @@ def run(cfg: DictConfig, ds: dict[str, Any] | None, run_dir: Path, name: str = "
                                 f"config was built for {cfg.resolved.world_size}; leave world_size unset")
         if memory_plan is not None and accelerator.is_main_process:
             memory_plan(cfg, info, accelerator.num_processes)
+        startup.mark("memory plan")
         _train(cfg, ds, run_dir, accelerator, info, tracker, resume_from)
     except Exception as exc:  # noqa: BLE001 - every failure is recorded in summary.json first
         failure = exc
@@ -166,12 +167,14 @@ def _train(cfg: DictConfig, ds: dict[str, Any] | None, run_dir: Path, accelerato
     torch.manual_seed(int(cfg.train.seed))
     frozen = _load_frozen(cfg, accelerator, info.kind)
     cache = _build_cache(cfg, accelerator, dataset, frozen)
+    startup.mark("data, frozen encoders, cache check")
     if cache is not None and info.kind == "cuda":
         # Training reads the cache: the frozen encoders need no GPU memory from here on.
         for part in (frozen.vae, frozen.text_encoder, frozen.text_encoder_2):
             part.to("cpu")
         torch.cuda.empty_cache()
     unet = models.load_unet(cfg)
+    startup.mark("model build")
     ema = EMA(unet, float(cfg.train.ema_decay), "cpu" if cfg.train.ema_device == "cpu" else str(accelerator.device)) \
         if cfg.train.ema else None
     optimizer, scheduler = _optimizer_and_scheduler(cfg, ds, unet.parameters())
@@ -181,6 +184,7 @@ def _train(cfg: DictConfig, ds: dict[str, Any] | None, run_dir: Path, accelerato
         unet, optimizer = accelerator.prepare(unet, optimizer)
     else:
         unet, optimizer, scheduler = accelerator.prepare(unet, optimizer, scheduler)
+    startup.mark("DeepSpeed init")
     start_step = _resume(accelerator, ds, ema, resume_from)
     loader = data.Loader(cfg, dataset, cache, frozen, accelerator.process_index, accelerator.num_processes,
                          accelerator.device)
