@@ -129,6 +129,7 @@ def run(cfg: DictConfig, ds: dict[str, Any] | None, run_dir: Path, name: str = "
             raise TrainingError(f"the launcher started {accelerator.num_processes} processes but the DeepSpeed "
                                 f"config was built for {cfg.resolved.world_size}; leave world_size unset")
         if memory_plan is not None and accelerator.is_main_process:
+            startup.mark("torch imports, Accelerate setup")
             memory_plan(cfg, info, accelerator.num_processes)
         startup.mark("memory plan")
         _train(cfg, ds, run_dir, accelerator, info, tracker, resume_from)
