@@ -235,6 +235,12 @@ def explain(exc: BaseException, overrides: list[str], multirun: bool) -> Problem
         key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
         return Problem(key, exc.filename, f"the run folder cannot be created or written ({exc.strerror})",
                        f"{key}=<a folder you can write>")
+    if isinstance(exc, ValueError) and str(exc).startswith("Unable to configure"):
+        # Python's logging.config, fed a Hydra logging option that lacks the handlers conf/config.yaml sets.
+        given = [a for a in overrides if "logging" in a.split("=", 1)[0]] or ["hydra/job_logging=?"]
+        key, _, value = given[0].lstrip("+").partition("=")
+        return Problem(key, value, f"this logging option does not combine with ds_trainer's log handlers ({exc})",
+                       f"leave {key} at its default, or {key}=none for no log output")
     if isinstance(exc, HydraException):
         return Problem("command line", " ".join(overrides), str(exc).splitlines()[0], "fix the override it names")
     return None
