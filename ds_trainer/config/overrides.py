@@ -269,6 +269,10 @@ def task(fn: F) -> F:
         try:
             return fn(*args, **kwargs)
         except Exception as exc:
+            # Here, not after Hydra: Hydra would first log "Error executing job" for it.
+            if (problem := _interpolation_problem(exc, parse(sys.argv[1:])[0])) is not None:
+                print(render([problem]), file=sys.stderr)
+                raise SystemExit(2) from None
             if ours:
                 raise TaskFailed(exc) from exc
             raise
@@ -296,9 +300,6 @@ def guarded(entry: Callable[[], Any], argv: list[str] | None = None) -> Any:
         return entry()
     except TaskFailed as failed:
         original = failed.__cause__ or failed
-        if (problem := _interpolation_problem(original, overrides)) is not None:
-            print(render([problem]), file=sys.stderr)
-            raise SystemExit(2) from None
         traceback.print_exception(original)
         raise SystemExit(1) from None
     except Exception as exc:
