@@ -37,6 +37,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from ds_trainer.config import nvme
+from ds_trainer.tools import plan_cache
 
 GIB = 2**30
 CELLS = [("ddp", "none"), ("stage0", "none"), ("stage1", "none"), ("stage2", "none"), ("stage3", "none"),
@@ -210,48 +211,16 @@ def _architecture(cfg: DictConfig) -> str:
     return str(cfg.model.pretrained or cfg.model.architecture)
 
 
-def _cached(kind: str, args: tuple[Any, ...], compute: Any) -> Any:
-    """`compute(*args)` remembered on disk (~/.cache/ds_trainer/plan.json): the meta-device forward costs
-    seconds at every start of training, and its inputs rarely change. The key holds the UNet config's
-    text, diffusers' version and this file's text, so a change of any recomputes."""
-    import hashlib
-    import importlib.metadata
-    import json
-    import os
-    from pathlib import Path
-
-    config = Path(str(args[0])) / "unet" / "config.json"
-    key = hashlib.sha256(json.dumps([kind, [str(a) for a in args], config.read_text() if config.is_file() else "",
-                                     importlib.metadata.version("diffusers"), Path(__file__).read_text()])
-                         .encode()).hexdigest()
-    path = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ds_trainer" / "plan.json"
-    try:
-        known = json.loads(path.read_text())
-    except (OSError, ValueError):
-        known = {}
-    if key in known:
-        return known[key]
-    value = compute(*args)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({**known, key: value}))
-        os.replace(tmp, path)
-    except OSError:
-        pass  # a read-only home: compute again next time
-    return value
-
-
 def estimate(cfg: DictConfig, zero: str, offload: str, world_size: int) -> Estimate:
     """The estimate of one zero x offload cell for the composed config."""
-    stats = UNetStats(*_cached("unet_stats", (_architecture(cfg),),
+    stats = UNetStats(*plan_cache.cached("unet_stats", (_architecture(cfg),),
                                lambda a: list(dataclasses.astuple(unet_stats(a)))))
     precision = cfg.precision.name.value
     params_offload = cfg.offload.params is not False
     params, grads, optimizer, host = _model_states(zero, offload, stats.params, stats.largest_layer, world_size,
                                                    params_offload, precision)
     act_bytes = 4 if precision == "fp32" else 2
-    activations = _cached("activation_bytes", (_architecture(cfg), int(cfg.train.micro_batch_size),
+    activations = plan_cache.cached("activation_bytes", (_architecture(cfg), int(cfg.train.micro_batch_size),
                                                int(cfg.resolution.width), int(cfg.resolution.height), act_bytes,
                                                bool(cfg.train.gradient_checkpointing)), activation_bytes)
     z = cfg.zero
