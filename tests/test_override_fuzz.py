@@ -108,6 +108,8 @@ def _check(overrides: list[str], code: int, output: str, places: list[Path]) -> 
         assert any(list(p.glob("**/config.yaml")) for p in places), (overrides, output)
         return
     assert code == 2, (overrides, code, output)
+    if any(o.startswith("hydra.verbose=") and not o.endswith("=false") for o in overrides):
+        output = output[output.find("ds_trainer: "):]  # Hydra's debug log, asked for, comes first
     assert len(output.splitlines()) <= 25, (overrides, output)
     named = [_key(o) for o in overrides] + [o.split("=", 1)[1] for o in overrides]
     assert any(part and part in output for part in named), (overrides, output)
