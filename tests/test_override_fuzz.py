@@ -30,6 +30,7 @@ for _group, _option in group_options():
     GROUPS.setdefault(_group, []).append(_option)
 # A real sweep option starts a sweep of processes (tested in test_sweeps.py): here only its near-misses.
 GROUPS["+sweep"] = ["zero_ofload", "resolutions", "batch"]
+REAL_SWEEPS = {"zero_offload", "resolution", "batch_size"}
 GROUPS["hydra/launcher"] = ["basic", "submitit_local", "ds_submitit_local"]
 GROUPS["hydra/job_logging"] = ["default", "disabled", "none"]
 
@@ -63,7 +64,7 @@ def _group_value(group: str) -> st.SearchStrategy[str]:
         st.lists(real, min_size=2, max_size=3).map(",".join),  # a sweep without -m
         real.flatmap(_near_miss),
         st.text(alphabet="abcdefghijklmnopqrstuvwxyz_0123456789", min_size=1, max_size=10),
-    )
+    ).filter(lambda v: group != "+sweep" or v not in REAL_SWEEPS)  # a real sweep runs processes
 
 
 def _dir_value(tmp: str) -> st.SearchStrategy[str]:
