@@ -5,7 +5,7 @@
 PYTHON ?= python3
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: setup system-deps run test lint
+.PHONY: setup system-deps ops run test lint
 
 # torch first, and only when missing: a torch the user already has (CUDA build, nightly) is kept,
 # and nothing below pulls a second one. DeepSpeed builds against that torch (no build isolation).
@@ -14,6 +14,12 @@ setup: system-deps
 	@$(PYTHON) -c "import deepspeed" 2>/dev/null || \
 		DS_BUILD_OPS=0 $(PYTHON) -m pip install --no-build-isolation "deepspeed==0.19.8"
 	$(PYTHON) -m pip install -e ".[test]"
+	-$(MAKE) ops
+
+# DeepSpeed's ops (ZeRO's Adam, offload Adam/Adagrad/Lion, NVMe's async_io) built now rather than at the
+# first run of each node; set TORCH_EXTENSIONS_DIR to a folder every node sees (see the README).
+ops:
+	$(PYTHON) -m ds_trainer.tools.ops
 
 # libaio-dev for DeepSpeed's async_io op (NVMe offload); Debian's Slurm and munge for the local
 # SLURM cluster (`python -m ds_trainer.slurm_local start`) the sweep tests submit to; iproute2 for its

@@ -14,10 +14,20 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from ds_trainer import CONF_DIR
-from ds_trainer.config import accelerate_file, distributed, ds_config, portability, rundir, schema, validation
+from ds_trainer.config import (
+    accelerate_file,
+    distributed,
+    ds_config,
+    overrides,
+    portability,
+    rundir,
+    runlock,
+    schema,
+    validation,
+)
 from ds_trainer.errors import NodesError, TrainingError
 from ds_trainer.launch import sweep
-from ds_trainer.train import checkpoint
+from ds_trainer.train import checkpoint, startup
 
 log = logging.getLogger("ds_trainer")
 
@@ -48,14 +58,27 @@ def prepare(cfg: DictConfig, run_dir: Path) -> tuple[DictConfig, dict | None]:
     world_size = int(cfg.resolved.world_size)
     ds = ds_config.build(cfg, world_size) if cfg.resolved.backend == "deepspeed" else None
     ds_json = run_dir / "ds_config.json" if ds is not None else None
+    if distributed.is_main() and not cfg.dry_run:
+        _lock(run_dir)  # before any run file is written: a second run must leave the first untouched
     if distributed.is_main():
         rundir.write_run_files(run_dir, cfg, ds, accelerate_file.config_file(cfg, ds_json, world_size))
     return cfg, ds
 
 
+def _lock(run_dir: Path) -> None:
+    try:
+        runlock.acquire(run_dir)
+    except runlock.Busy as busy:
+        problem = validation.Problem("hydra.run.dir", str(run_dir), f"another run is training in this folder: {busy}",
+                                     "wait for it to end (or stop it); resume=latest then continues from its "
+                                     "checkpoints")
+        raise validation.ConfigError(overrides.render([problem])) from None
+
+
 def run(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> None:
     """One run: validate, write the run files, then train unless it is a dry run."""
     cfg, ds = prepare(cfg, run_dir)
+    startup.mark("validate")
     if cfg.dry_run:
         if ds is not None:
             print(json.dumps(ds, indent=2))
@@ -73,8 +96,16 @@ def run(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> None:
     recipe.run(cfg, ds, run_dir, metrics.run_name(overrides), memory_plan=plan.log_for_run)
 
 
+def main(argv: list[str] | None = None) -> None:
+    """`python -m ds_trainer [overrides]`: a mistake at any layer exits 2 with one screen, no traceback."""
+    startup.mark("import")
+    overrides.guarded(hydra_main, argv)
+
+
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
-def main(cfg: DictConfig) -> None:
+@overrides.task
+def hydra_main(cfg: DictConfig) -> None:
+    startup.mark("compose")
     distributed.export_submitit_env()  # a submitit task is one rank: RANK, WORLD_SIZE, MASTER_* from SLURM
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)

@@ -288,11 +288,13 @@ def test_ctrl_c_on_a_slurm_sweep_cancels_its_jobs_and_they_save(workdir: Path, s
 @pytest.mark.slow
 @pytest.mark.multiproc
 def test_a_slurm_job_at_its_time_limit_is_requeued_and_resumes(workdir: Path, slurm_cluster: dict[str, str]) -> None:
-    # A one-minute limit; Slurm itself signals the job 30 s before it (submitit asks for USR2). The run
+    # A two-minute limit; Slurm itself signals the job 60 s before it (submitit asks for USR2). The run
     # finishes its step, saves a checkpoint, and hands the signal to submitit, which requeues the job;
     # each instance continues where the last one stopped until all steps are done, none trained twice.
+    # 60 s before the signal, not 30: on a loaded 2-core machine the start-up alone took 37-50 s
+    # (the log's `start-up:` line), and an instance signalled before its first step makes no progress.
     proc = _start_sweep(workdir, slurm_cluster, "train.max_steps=250", "train.checkpoint_every=50",
-                        "hydra.launcher.timeout_min=1", "hydra.launcher.signal_delay_s=30",
+                        "hydra.launcher.timeout_min=2", "hydra.launcher.signal_delay_s=60",
                         "hydra.launcher.max_num_timeout=12")
     _, err = proc.communicate(timeout=1500)
     assert proc.returncode == 0, err[-3000:]

@@ -72,3 +72,15 @@ def run_info(path: Path) -> Any:
         if record.WhichOneof("record_type") == "run":
             return record.run
     return None
+
+
+def rewound_history(paths: list[Path]) -> list[dict[str, Any]]:
+    """The history W&B shows for a run written by several processes (oldest file first): a file whose
+    run record has a branch point (`resume_from="<id>?_step=N"`) rewinds what came before to step N."""
+    rows: list[dict[str, Any]] = []
+    for path in paths:
+        point = run_info(path).branch_point
+        if point.run:
+            rows = [r for r in rows if r["_step"] <= point.value]
+        rows += history(path)
+    return rows

@@ -27,6 +27,7 @@ Method, per part (bytes; P = UNet parameters, N = ranks, L = largest layer's par
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -36,7 +37,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from ds_trainer.config import buckets, nvme
-from ds_trainer.tools import plan_lora, plan_samples
+from ds_trainer.tools import plan_cache, plan_lora, plan_samples
 
 GIB = 2**30
 CELLS = [("ddp", "none"), ("stage0", "none"), ("stage1", "none"), ("stage2", "none"), ("stage3", "none"),
@@ -216,7 +217,8 @@ def _architecture(cfg: DictConfig) -> str:
 def estimate(cfg: DictConfig, zero: str, offload: str, world_size: int, activation_factor: float = 1.0) -> Estimate:
     """The estimate of one zero x offload cell for the composed config; `activation_factor` is the
     calibration from measured cells (tools/calibration.py)."""
-    stats = unet_stats(_architecture(cfg))
+    stats = UNetStats(*plan_cache.cached("unet_stats", (_architecture(cfg),),
+                                         lambda a: list(dataclasses.astuple(unet_stats(a)))))
     precision = cfg.precision.name.value
     params_offload = cfg.offload.params is not False
     lora = plan_lora.trainable(cfg, _architecture(cfg))
@@ -228,8 +230,9 @@ def estimate(cfg: DictConfig, zero: str, offload: str, world_size: int, activati
                                                                 world_size, params_offload, precision)
     act_bytes = 4 if precision == "fp32" else 2
     width, height = buckets.largest(cfg)  # with aspect-ratio buckets the largest one bounds memory
-    activations = activation_bytes(_architecture(cfg), int(cfg.train.micro_batch_size), width, height, act_bytes,
-                                   bool(cfg.train.gradient_checkpointing))
+    activations = plan_cache.cached("activation_bytes", (_architecture(cfg), int(cfg.train.micro_batch_size), width,
+                                                         height, act_bytes, bool(cfg.train.gradient_checkpointing)),
+                                    activation_bytes)
     activations = int(activations * activation_factor)
     z = cfg.zero
     buffers = 0
@@ -317,17 +320,12 @@ def log_for_run(cfg: DictConfig, info: Any, world: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Compose the overrides like training does, print the table and the recommendation."""
-    from hydra import compose, initialize_config_dir
-
-    from ds_trainer import CONF_DIR
-    from ds_trainer.config import hardware, rundir, schema, validation
+    from ds_trainer.config import hardware, overrides, rundir, schema, validation
     from ds_trainer.tools import calibration
 
-    overrides = list(sys.argv[1:] if argv is None else argv)
     schema.register()
     rundir.register_resolvers()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=overrides)
+    cfg = overrides.compose_checked(list(sys.argv[1:] if argv is None else argv))  # a mistake: exit 2
     info = hardware.detect(cfg.platform.value)
     world = validation.world_size_of(cfg)
     budget_gib = cfg.plan.vram_gib if cfg.plan.vram_gib is not None else (

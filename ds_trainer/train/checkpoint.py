@@ -21,6 +21,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from ds_trainer.errors import TrainingError
+from ds_trainer.train import integrity
 
 log = logging.getLogger(__name__)
 
@@ -71,19 +72,20 @@ def find_resume(cfg: DictConfig, run_dir: Path) -> Path | None:
     this run directory (a requeued job) or else of the newest earlier run of the same experiment."""
     if cfg.resume is None:
         # A requeued job (preemption, time limit) runs again in its own run directory: continue there.
-        own = checkpoints(run_dir)
+        own = newest_intact([p for _, p in checkpoints(run_dir)])
         if own:
-            log.warning("continuing from %s: this run directory already holds checkpoints (a requeued job)",
-                        own[-1][1])
-        return own[-1][1] if own else None
+            log.warning("continuing from %s: this run directory already holds checkpoints (a requeued job)", own)
+        return own
     if cfg.resume != "latest":
         path = Path(cfg.resume)
         if complete(path) is None:
-            raise FileNotFoundError(f"resume={cfg.resume}: not a complete ds_trainer checkpoint (no {MARKER} file)")
+            raise _resume_error(str(cfg.resume), f"not a complete ds_trainer checkpoint (no {MARKER} file)")
+        if (why := damaged(path)) is not None:
+            raise _resume_error(str(cfg.resume), f"the checkpoint is damaged: {why}")
         return path
-    own = checkpoints(run_dir)
+    own = newest_intact([p for _, p in checkpoints(run_dir)])
     if own:
-        return own[-1][1]
+        return own
     mine = fingerprint(cfg)
     candidates = []
     for marker in Path(cfg.paths.outputs).glob("runs/*/*/checkpoints/step_*/" + MARKER):
@@ -94,7 +96,68 @@ def find_resume(cfg: DictConfig, run_dir: Path) -> Path | None:
         log.warning("resume=latest: no complete checkpoint of this experiment under %s; starting from step 0",
                     cfg.paths.outputs)
         return None
-    return max(candidates)[2]
+    return newest_intact([c[2] for c in sorted(candidates)])
+
+
+# --- integrity: COMPLETE records each file's size and content hash; a resume checks them first
+
+
+def record_files(folder: Path) -> dict[str, Any]:
+    """What the marker records of the folder's files (see train/integrity.py)."""
+    return integrity.manifest(folder, skip=frozenset({MARKER}))
+
+
+def damaged(path: Path) -> str | None:
+    """Why a complete checkpoint can no longer be loaded (a file truncated or changed), or None."""
+    state = complete(path)
+    return None if state is None else integrity.damage(path, state)
+
+
+def newest_intact(paths: list[Path]) -> Path | None:
+    """The newest of `paths` (oldest first) that is not damaged; each damaged one is named in the log."""
+    for path in reversed(paths):
+        why = damaged(path)
+        if why is None:
+            return path
+        log.warning("skipping the damaged checkpoint %s: %s; using an earlier one", path, why)
+    return None
+
+
+def _resume_error(value: str, why: str) -> Exception:
+    from ds_trainer.config.validation import ConfigError, Problem, Report
+
+    report = Report(OmegaConf.create(), [Problem("resume", value, why,
+                                                 "resume=latest (the newest intact checkpoint) or resume=<another "
+                                                 "checkpoint folder>")])
+    return ConfigError(report.render())
+
+
+def _not_running(path: Path | None, run_dir: Path) -> Path | None:
+    """Refuse to resume from the checkpoints of a run that still trains (train/run.lock): both would
+    write checkpoints of one experiment and log to one W&B run."""
+    from ds_trainer.config import runlock
+
+    source = path.parent.parent if path is not None else None
+    if source is not None and source.resolve() != run_dir.resolve() and (held := runlock.holder(source)):
+        raise _resume_error(str(path), f"its run {source} is still training ({runlock.describe(held)})")
+    return path
+
+
+def resume_point(cfg: DictConfig, run_dir: Path, accelerator: Any) -> Path | None:
+    """`find_resume` on the main process, its answer (or its refusal, raised on every rank) everywhere."""
+    from ds_trainer.config.validation import ConfigError
+    from ds_trainer.train import accel
+
+    answer: tuple[Path | None, str | None] = (None, None)
+    if accelerator.is_main_process:
+        try:
+            answer = (_not_running(find_resume(cfg, run_dir), run_dir), None)
+        except ConfigError as exc:
+            answer = (None, str(exc))
+    path, refusal = accel.from_main(accelerator, answer)
+    if refusal is not None:
+        raise ConfigError(refusal)
+    return path  # type: ignore[no-any-return]
 
 
 def save(accelerator: Any, run_dir: Path, step: int, state: dict[str, Any], keep: int,
@@ -131,7 +194,7 @@ def save(accelerator: Any, run_dir: Path, step: int, state: dict[str, Any], keep
     if accelerator.is_main_process:
         if final.exists():
             shutil.rmtree(final)
-        (partial / MARKER).write_text(json.dumps({**state, "step": step}, indent=2))
+        (partial / MARKER).write_text(json.dumps({**state, "step": step, **record_files(partial)}, indent=2))
         _fsync_dir(partial)
         os.replace(partial, final)
         for _, old in checkpoints(run_dir)[:-keep]:

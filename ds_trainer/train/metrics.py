@@ -18,6 +18,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from ds_trainer.config import ds_config
+from ds_trainer.train import startup
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +84,7 @@ class Tracker:
     """Writes metrics on the main process; W&B through Accelerate's tracker API."""
 
     def __init__(self, accelerator: Any, cfg: DictConfig, run_dir: Path, ds: dict[str, Any] | None,
-                 name: str, wandb_id: str | None) -> None:
+                 name: str, wandb_id: str | None, resume_step: int | None = None) -> None:
         self.accelerator, self.cfg, self.run_dir = accelerator, cfg, run_dir
         self.main = accelerator.is_main_process
         self.rows: list[dict[str, Any]] = []
@@ -93,14 +94,16 @@ class Tracker:
         self.wandb_broken = False
         if not self.main:
             return
+        if resume_step is not None:
+            drop_after(run_dir / "metrics.jsonl", resume_step)  # the resumed steps' values replace them
         self.file = (run_dir / "metrics.jsonl").open("a")
         if cfg.logger.name.value == "wandb" and cfg.logger.mode.value != "disabled":
             self.wandb_id = wandb_id or _read_id(run_dir) or _new_id()
             (run_dir / WANDB_ID_FILE).write_text(self.wandb_id)
             config = {"config": OmegaConf.to_container(cfg, resolve=True, enum_to_str=True), "ds_config": ds}
             init = {"mode": cfg.logger.mode.value, "dir": str(run_dir), "name": name, "id": self.wandb_id,
-                    "resume": "allow", "group": cfg.logger.group, "tags": list(cfg.logger.tags),
-                    "entity": cfg.logger.entity}
+                    "group": cfg.logger.group, "tags": list(cfg.logger.tags), "entity": cfg.logger.entity,
+                    **wandb_resume(self.wandb_id if wandb_id else None, resume_step)}
             accelerator.init_trackers(cfg.logger.project, config=config,
                                       init_kwargs={"wandb": {k: v for k, v in init.items() if v is not None}})
 
@@ -116,6 +119,8 @@ class Tracker:
         if loop_peak is not None:  # what the steps added over the set-up model (the tuner's CPU measure)
             values = {**values, "host_rss_loop_start_mib": self.loop_rss_mib, "host_rss_loop_peak_mib": loop_peak}
         row = {"step": step, **values}
+        if not self.rows:
+            startup.first_step()  # logs where the time to the first step went
         self.rows.append(row)
         self.file.write(json.dumps(row) + "\n")
         self.file.flush()
@@ -147,6 +152,34 @@ class Tracker:
                 tracker.finish()
             except Exception as exc:  # noqa: BLE001 - closing must not mask the run's own outcome
                 log.warning("W&B did not finish cleanly: %s", exc)
+
+
+def drop_after(path: Path, step: int) -> None:
+    """Rewrite `path` (metrics.jsonl) without the rows after `step`: a run killed after its last
+    checkpoint logged steps that the resume trains again; each step is then recorded once."""
+    if not path.exists():
+        return
+    kept = [line for line in path.read_text().splitlines(keepends=True)
+            if line.strip() and _step_of(line) is not None and int(_step_of(line) or 0) <= step]
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(kept))
+    os.replace(tmp, path)
+
+
+def _step_of(line: str) -> int | None:
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return None  # a line cut short by the kill
+
+
+def wandb_resume(resumed_id: str | None, step: int | None) -> dict[str, str]:
+    """wandb.init arguments: a resumed run rewinds its W&B history to the checkpoint's step
+    (`resume_from="<id>?_step=N"`, recorded as the run's branch point, offline too), so the steps
+    trained again replace those logged after the checkpoint instead of appearing twice."""
+    if resumed_id is not None and step is not None:
+        return {"resume_from": f"{resumed_id}?_step={step}"}
+    return {"resume": "allow"}
 
 
 def _read_id(run_dir: Path) -> str | None:

@@ -21,7 +21,20 @@ from omegaconf import DictConfig
 
 from ds_trainer.config import ds_config, hardware, nvme
 from ds_trainer.errors import TrainingError
-from ds_trainer.train import accel, adapter, carry, checkpoint, data, export, metrics, models, oom, portable, rendezvous
+from ds_trainer.train import (
+    accel,
+    adapter,
+    carry,
+    checkpoint,
+    data,
+    export,
+    metrics,
+    models,
+    oom,
+    portable,
+    rendezvous,
+    startup,
+)
 from ds_trainer.train.ema import EMA
 from ds_trainer.train.sampling import Sampler
 from ds_trainer.train.step import TrainStep
@@ -123,17 +136,18 @@ def run(cfg: DictConfig, ds: dict[str, Any] | None, run_dir: Path, name: str = "
     accelerator = accel.make_accelerator(cfg, ds, info.kind, run_dir)
     # Rank 0 decides what to resume from and tells the others: ranks looking at the file system at
     # different moments could otherwise disagree and then load different checkpoints.
-    resume_from = accel.from_main(accelerator, checkpoint.find_resume(cfg, run_dir) if accelerator.is_main_process
-                                  else None)
-    wandb_id = (checkpoint.complete(resume_from) or {}).get("wandb_id") if resume_from else None
-    tracker = metrics.Tracker(accelerator, cfg, run_dir, ds, name, wandb_id)
+    resume_from = checkpoint.resume_point(cfg, run_dir, accelerator)
+    resumed = (checkpoint.complete(resume_from) or {}) if resume_from else {}
+    tracker = metrics.Tracker(accelerator, cfg, run_dir, ds, name, resumed.get("wandb_id"), resumed.get("step"))
     status, message, failure = "ok", None, None
     try:
         if accelerator.num_processes != int(cfg.resolved.world_size):
             raise TrainingError(f"the launcher started {accelerator.num_processes} processes but the DeepSpeed "
                                 f"config was built for {cfg.resolved.world_size}; leave world_size unset")
         if memory_plan is not None and accelerator.is_main_process:
+            startup.mark("torch imports, Accelerate setup")
             memory_plan(cfg, info, accelerator.num_processes)
+        startup.mark("memory plan")
         _train(cfg, ds, run_dir, accelerator, info, tracker, resume_from)
     except Exception as exc:  # noqa: BLE001 - every failure is recorded in summary.json first
         failure = exc
@@ -175,6 +189,7 @@ def _train(cfg: DictConfig, ds: dict[str, Any] | None, run_dir: Path, accelerato
     torch.manual_seed(int(cfg.train.seed))
     frozen = _load_frozen(cfg, accelerator, info.kind)
     cache = _build_cache(cfg, accelerator, dataset, frozen)
+    startup.mark("data, frozen encoders, cache check")
     if cache is not None and info.kind == "cuda":
         # Training reads the cache: the frozen encoders need no GPU memory from here on.
         for part in (frozen.vae, frozen.text_encoder, frozen.text_encoder_2):
@@ -186,6 +201,7 @@ def _train(cfg: DictConfig, ds: dict[str, Any] | None, run_dir: Path, accelerato
     # carries over; otherwise DeepSpeed's native load (`_resume`).
     resumed = carry.Carry(cfg, resume_from, accelerator.num_processes)
     resumed.before_prepare(unet)
+    startup.mark("model build")
     ema = EMA(unet, float(cfg.train.ema_decay), "cpu" if cfg.train.ema_device == "cpu" else str(accelerator.device)) \
         if cfg.train.ema else None
     optimizer, scheduler = _optimizer_and_scheduler(cfg, ds, trained.parameters)
@@ -195,6 +211,7 @@ def _train(cfg: DictConfig, ds: dict[str, Any] | None, run_dir: Path, accelerato
         unet, optimizer = accelerator.prepare(unet, optimizer)
     else:
         unet, optimizer, scheduler = accelerator.prepare(unet, optimizer, scheduler)
+    startup.mark("DeepSpeed init")
     trained.after_prepare(accelerator, unet)
     start_step = resumed.after_prepare(accelerator, unet, optimizer, scheduler, ema) if resumed.changed \
         else _resume(accelerator, ds, ema, resume_from, trained.load_kwargs(ds is not None))
