@@ -76,10 +76,14 @@ def test_zero2_and_zero3_across_two_nodes_equal_a_single_node_two_rank_run(tmp_p
         assert _steps(cell) == [1, 2, 3]  # one run directory: rank 0 alone wrote the metrics
         log_text = (cell / "ds_trainer.log").read_text()
         assert re.search(r"all 2 ranks met at dsnode1:\d+ on nodes dsnode1, dsnode2", log_text)
-        assert summary["final_loss"] == json.loads((ref / "summary.json").read_text())["final_loss"]
+        assert abs(summary["final_loss"] - json.loads((ref / "summary.json").read_text())["final_loss"]) < 1e-4
         ours, theirs = _unet(cell), _unet(ref)
         assert ours.keys() == theirs.keys()
-        assert all(ours[k].equal(theirs[k]) for k in ours), f"{cell.name}: weights differ from one node's"
+        # One node all-reduces through DeepSpeed's shared-memory op, two nodes through gloo over TCP: the same
+        # gradients summed in another order, measured ~2.5e-6 apart after 3 steps (a wrong step, LR or rank
+        # would move them by ~1e-4).
+        worst = max(float((ours[k].float() - theirs[k].float()).abs().max()) for k in ours)
+        assert worst <= 2e-5, f"{cell.name}: weights differ from one node's by {worst}"
     # Each rank ran on its own node, with its own address.
     outs = "".join(p.read_text() for p in cells[0].parent.glob(".submitit/*/*_log.out"))
     assert "hostname=dsnode1" in outs and "hostname=dsnode2" in outs
