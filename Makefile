@@ -5,7 +5,7 @@
 PYTHON ?= python3
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: setup system-deps ops run test lint
+.PHONY: setup system-deps ops run test test-long lint
 
 # torch first, and only when missing: a torch the user already has (CUDA build, nightly) is kept,
 # and nothing below pulls a second one. DeepSpeed builds against that torch (no build isolation).
@@ -41,6 +41,11 @@ run: setup
 
 test: setup
 	$(PYTHON) -m pytest
+
+# The exhaustive variants the default suite leaves out (more zero x offload cells, kill moments, a real
+# Slurm time limit).
+test-long: setup
+	$(PYTHON) -m pytest -m long
 
 lint:
 	$(PYTHON) -m ruff check ds_trainer tests

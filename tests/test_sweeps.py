@@ -287,6 +287,7 @@ def test_ctrl_c_on_a_slurm_sweep_cancels_its_jobs_and_they_save(workdir: Path, s
 
 @pytest.mark.slow
 @pytest.mark.multiproc
+@pytest.mark.long  # minutes of real time limits; the USR2 requeue is in the default suite (preempted job, two nodes)
 def test_a_slurm_job_at_its_time_limit_is_requeued_and_resumes(workdir: Path, slurm_cluster: dict[str, str]) -> None:
     # A two-minute limit; Slurm itself signals the job 60 s before it (submitit asks for USR2). The run
     # finishes its step, saves a checkpoint, and hands the signal to submitit, which requeues the job;

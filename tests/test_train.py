@@ -34,7 +34,13 @@ def unet_weights(folder: Path) -> dict:
     return load_file(folder / "diffusion_pytorch_model.safetensors")
 
 
-CELLS = [("ddp", "none"), ("stage0", "none")] + [(f"stage{s}", o) for s in (1, 2, 3) for o in ("none", "cpu", "nvme")]
+# The default suite trains the cells that exercise distinct code (DDP, ZeRO-0, CPU offload per stage, NVMe
+# swap at stage 3); the rest are `long` (test_deepspeed_engines builds every zero x offload engine anyway).
+_DEFAULT = {("ddp", "none"), ("stage0", "none"), ("stage1", "cpu"), ("stage2", "none"), ("stage3", "cpu"),
+            ("stage3", "nvme")}
+CELLS = [pytest.param(z, o, marks=() if (z, o) in _DEFAULT else pytest.mark.long)
+         for z, o in [("ddp", "none"), ("stage0", "none")] + [(f"stage{s}", o) for s in (1, 2, 3)
+                                                              for o in ("none", "cpu", "nvme")]]
 
 
 @pytest.mark.slow
