@@ -44,8 +44,8 @@ CHAIN: dict[str, tuple[str, str, int, int, int, tuple[str, int] | None]] = {
     "stage1": ("stage1", "none", 1, 2, 1, ("ddp", 3)),
     "stage3_x2": ("stage3", "none", 2, 1, 1, ("stage1", 4)),
     "stage1_after_stage3_x2": ("stage1", "none", 1, 2, 1, ("stage3_x2", 5)),
-    "stage3_nvme": ("stage3", "nvme", 1, 2, 1, None),  # resuming into NVMe offload is not supported yet
-    "stage2_after_stage3_nvme": ("stage2", "none", 1, 1, 2, ("stage3_nvme", 2)),
+    # Not here: stage3 + offload=nvme -> stage2. Its moments carried wrong (weights 2e-4 off): train/carry.py
+    # refuses a carried resume from an NVMe checkpoint until that is fixed.
 }
 
 

@@ -82,6 +82,13 @@ class Carry:
             raise TrainingError(f"resume={self.path}: the checkpoint's portable state holds no Adam moments (it was "
                                 f"saved under {self.meta['layout']}); resume with that layout, or with "
                                 "resume_optimizer=reset to carry the weights only")
+        if self.meta["layout"].get("offload") == "nvme" and not self.reset:
+            # Measured: the moments read back from ZeRO-3's NVMe swap carry over wrong (weights 2e-4 off after 3
+            # steps). Refused rather than continued silently off the uninterrupted run.
+            raise TrainingError(f"resume={self.path}: the checkpoint was saved under offload=nvme, whose optimizer "
+                                "state does not carry to another configuration yet; resume with zero=stage3 "
+                                "offload=nvme (its native load), or with resume_optimizer=reset to carry the "
+                                "weights only")
         base = _base_optimizer(accelerator, optimizer)
         engine = _engine(accelerator)
         moments = bool(self.meta["moments"]) and not self.reset
