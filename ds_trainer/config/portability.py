@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from ds_trainer.config.validation import Problem
 
@@ -33,9 +33,12 @@ def layout(cfg: DictConfig) -> dict[str, Any]:
 
 def identity(cfg: DictConfig) -> dict[str, Any]:
     """What must not change for the optimizer state to carry: optimizer type, architecture, LoRA shape."""
-    adapter = cfg.get("adapter")  # LoRA: its shape decides which parameters train
+    adapter = cfg.get("adapter")  # LoRA: its shape (method, rank, targets) decides which parameters train
+    method = str(getattr(adapter.method, "value", adapter.method)) if adapter is not None else "none"
+    shape = None if method == "none" else {"method": method, "rank": int(adapter.rank),
+                                            "targets": [str(t) for t in adapter.targets]}
     return {"optimizer": str(cfg.resolved.optimizer), "architecture": Path(str(cfg.model.architecture)).name,
-            "adapter": OmegaConf.to_container(adapter, resolve=True) if adapter is not None else None}
+            "adapter": shape}
 
 
 def read_meta(checkpoint: Path) -> dict[str, Any] | None:
