@@ -118,7 +118,7 @@ def _check(overrides: list[str], code: int, output: str, places: list[Path]) -> 
 
 def _in_process(argv: list[str], cwd: Path) -> tuple[int, str]:
     out = io.StringIO()
-    old = Path.cwd()
+    old, environ = Path.cwd(), dict(os.environ)
     os.chdir(cwd)
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
@@ -129,6 +129,10 @@ def _in_process(argv: list[str], cwd: Path) -> tuple[int, str]:
                 code = int(exc.code or 0)
     finally:
         os.chdir(old)
+        # The run sets DS_TRAINER_RUN_STAMP for the processes it starts; left in this process it would send
+        # every later test's runs into one run directory.
+        os.environ.clear()
+        os.environ.update(environ)
     return code, out.getvalue()
 
 
