@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -73,3 +74,24 @@ def run_dirs(root: Path) -> list[Path]:
 def workdir(tmp_path: Path) -> Iterator[Path]:
     """An empty working directory for a CLI run (outputs/ lands in it)."""
     yield tmp_path
+
+
+@contextlib.contextmanager
+def one_rank_process_group(port: int) -> Iterator[None]:
+    """A one-rank gloo process group in this process (for engines built in-process), the environment restored."""
+    import deepspeed
+    import torch
+
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    if not torch.distributed.is_initialized():
+        deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

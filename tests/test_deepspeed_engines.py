@@ -7,13 +7,12 @@ as a real run, without paying DeepSpeed's import and op-loading time per case.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import make_cfg, require
+from conftest import make_cfg, one_rank_process_group, require
 
 from ds_trainer import cli
 from ds_trainer.config import nvme, validation
@@ -24,17 +23,8 @@ deepspeed = pytest.importorskip("deepspeed")
 
 @pytest.fixture(scope="module", autouse=True)
 def one_rank_group() -> Iterator[None]:
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29655", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    if not torch.distributed.is_initialized():
-        deepspeed.init_distributed(dist_backend="gloo", verbose=False)
-    yield
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    with one_rank_process_group(29655):
+        yield
 
 
 class SmallNet(torch.nn.Module):

@@ -4,7 +4,6 @@ checkpoints of the trainable state only, resume after a kill, and the one-screen
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -13,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import make_cfg, require, run_cli, run_dirs, wait_until
+from conftest import make_cfg, one_rank_process_group, require, run_cli, run_dirs, wait_until
 
 from ds_trainer.config import nvme
 
@@ -226,18 +225,9 @@ def test_a_target_matching_nothing_lists_the_module_names(workdir: Path) -> None
 
 @pytest.fixture(scope="module")
 def one_rank_group() -> Iterator[None]:
-    deepspeed = pytest.importorskip("deepspeed")
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29671", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    if not torch.distributed.is_initialized():
-        deepspeed.init_distributed(dist_backend="gloo", verbose=False)
-    yield
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    pytest.importorskip("deepspeed")
+    with one_rank_process_group(29671):
+        yield
 
 
 @pytest.mark.slow
