@@ -146,7 +146,11 @@ def parse(argv: list[str]) -> tuple[list[str], bool]:
     from hydra._internal.utils import get_args_parser
 
     args, _ = get_args_parser().parse_known_args(argv)
-    return list(args.overrides or []), bool(args.multirun)
+    overrides = list(args.overrides or [])
+    # A named sweep (`+sweep=<name>`, sweeps/*.yaml) sets hydra.mode=MULTIRUN itself: no -m needed.
+    named = any(o.split("=", 1)[0].lstrip("+~") == "sweep" or o.replace(" ", "") == "hydra.mode=MULTIRUN"
+                for o in overrides)
+    return overrides, bool(args.multirun) or named
 
 
 def check_args(overrides: list[str], multirun: bool) -> list[Problem]:
