@@ -146,7 +146,9 @@ def run(cfg: DictConfig, ds: dict[str, Any] | None, run_dir: Path, name: str = "
                                 f"config was built for {cfg.resolved.world_size}; leave world_size unset")
         if memory_plan is not None and accelerator.is_main_process:
             startup.mark("torch imports, Accelerate setup")
-            memory_plan(cfg, info, accelerator.num_processes)
+            # Rank 0 alone: models the planner builds must not go through ZeRO-3's zero.Init (collective).
+            with models.outside_zero3(accelerator.state.deepspeed_plugin):
+                memory_plan(cfg, info, accelerator.num_processes)
         startup.mark("memory plan")
         _train(cfg, ds, run_dir, accelerator, info, tracker, resume_from)
     except Exception as exc:  # noqa: BLE001 - every failure is recorded in summary.json first
