@@ -161,6 +161,7 @@ def check_args(overrides: list[str], multirun: bool) -> list[Problem]:
 
     parser = OverridesParser.create()
     problems: list[Problem] = []
+    searchpath = any(a.lstrip("+").startswith("hydra.searchpath=") for a in overrides)
     for arg in overrides:
         try:
             (o,) = parser.parse_overrides([arg])
@@ -176,7 +177,7 @@ def check_args(overrides: list[str], multirun: bool) -> list[Problem]:
             problems.append(Problem(key, raw, "several values are a sweep, which needs -m (--multirun)",
                                     f"python -m ds_trainer -m {arg}  (or one value: {key}=<value>)"))
             continue
-        if _is_group(o.key_or_group):
+        if _is_group(o.key_or_group) and not searchpath:  # other config folders may hold more options
             values = (o._value.list if isinstance(o._value, ChoiceSweep) else [o._value] if not o.is_sweep_override()
                       else [])
             for value in values:
