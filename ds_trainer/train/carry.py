@@ -28,7 +28,7 @@ MOMENTS = portability.MOMENT_OPTIMIZERS
 class Carry:
     """The resume plan: `changed` when the portable state must carry over (else native or fresh)."""
 
-    def __init__(self, cfg: DictConfig, resume_from: Path | None, world: int) -> None:
+    def __init__(self, cfg: DictConfig, resume_from: Path | None) -> None:
         self.path = resume_from
         self.meta = portability.read_meta(resume_from) if resume_from is not None else None
         self.reset = portability.reset_requested(cfg) and self.meta is not None

@@ -201,7 +201,7 @@ def _train(cfg: DictConfig, ds: dict[str, Any] | None, run_dir: Path, accelerato
     trained = adapter.build(cfg, unet)  # adapter=lora: inject, freeze, cast the base; else the whole UNet
     # Under another layout than the checkpoint's (stage, offload, ranks, batch split) its portable state
     # carries over; otherwise DeepSpeed's native load (`_resume`).
-    resumed = carry.Carry(cfg, resume_from, accelerator.num_processes)
+    resumed = carry.Carry(cfg, resume_from)
     resumed.before_prepare(unet)
     startup.mark("model build")
     ema = EMA(unet, float(cfg.train.ema_decay), "cpu" if cfg.train.ema_device == "cpu" else str(accelerator.device)) \
