@@ -4,8 +4,10 @@ divide, reproducible from the exported pipeline, with EMA, and without any effec
 from __future__ import annotations
 
 import contextlib
+import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -14,6 +16,10 @@ from conftest import run_cli, run_dirs
 torch = pytest.importorskip("torch")
 
 PROMPTS = ["a red cube", "a blue ball", "a green pyramid"]
+# The pixel comparisons below are exact: the run and the reference call use the same weights, the same CPU
+# generator and the same kernels with one thread each (CPU kernels may sum in another order with more
+# threads, and how many a process gets depends on the machine and on the launcher).
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 # 128 px, 2 denoising steps, 4 training steps: the least that shows every sample step.
 COMMON = ["zero=stage3", "train.max_steps=4", "data.num_samples=8", "samples.steps=2"]
 SAMPLES = ["samples=on", "samples.every=2", f"samples.prompts=[{','.join(PROMPTS)}]"]
@@ -23,7 +29,8 @@ def _two_ranks(cwd: Path, *overrides: str) -> Path:
     cwd.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "ds_trainer", *COMMON,
            *overrides]
-    result = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=900)
+    result = subprocess.run(cmd, cwd=cwd, env={**os.environ, **ONE_THREAD}, capture_output=True, text=True,
+                            timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     (run_dir,) = run_dirs(cwd)
     return run_dir
@@ -48,6 +55,16 @@ def _image(path: Path) -> object:
     return np.asarray(Image.open(path).convert("RGB"))
 
 
+@contextlib.contextmanager
+def _one_thread() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _from_export(run_dir: Path, prompt: str, seed: int, bf16_unet: bool) -> object:
     """The image the exported pipeline makes with the sampler's settings (`sampling.generate`)."""
     import numpy as np
@@ -61,7 +78,7 @@ def _from_export(run_dir: Path, prompt: str, seed: int, bf16_unet: bool) -> obje
     if bf16_unet:  # DeepSpeed trained (and sampled) the UNet in bf16; the export holds those values in fp32
         pipe.unet.to(torch.bfloat16)
         context = sampling.unet_in_its_dtype(pipe.unet)
-    with context:
+    with context, _one_thread():
         image = sampling.generate(pipe, prompt, seed, sampling.Settings(2, 5.0, "", 128, 128))
     return np.asarray(image)
 
@@ -115,7 +132,7 @@ def test_ema_sample_equals_the_exported_ema_pipelines_image(workdir: Path) -> No
     # One rank, ZeRO-2: the EMA shadow is fp32 and whole on every rank whatever the stage.
     result = run_cli("zero=stage2", "train.max_steps=3", "data.num_samples=4", "samples.steps=2", "logger=none",
                      "train.ema=true", "train.ema_decay=0.5", "samples=on", "samples.every=0", "samples.seeds=[7]",
-                     "samples.prompts=[a small house]", cwd=workdir)
+                     "samples.prompts=[a small house]", cwd=workdir, env=ONE_THREAD)
     assert result.returncode == 0, result.stderr[-3000:]
     (run_dir,) = run_dirs(workdir)
     got = _image(run_dir / "samples" / "step_00000003" / "0_7.png")
@@ -189,15 +206,16 @@ def test_lora_sample_equals_the_base_pipeline_with_the_exported_lora(workdir: Pa
     result = run_cli("zero=stage2", "adapter=lora", "precision=fp32", "train.max_steps=2", "data.num_samples=4",
                      "scheduler=constant",
                      "optimizer.lr=0.05", "samples.steps=2", "logger=none", "samples=on", "samples.every=0",
-                     "samples.seeds=[3]", "samples.prompts=[a small house]", cwd=workdir)
+                     "samples.seeds=[3]", "samples.prompts=[a small house]", cwd=workdir, env=ONE_THREAD)
     assert result.returncode == 0, result.stderr[-3000:]
     (run_dir,) = run_dirs(workdir)
     got = _image(run_dir / "samples" / "step_00000002" / "0_3.png")
     pipe = StableDiffusionXLPipeline.from_pretrained(run_dir / "pipeline")
     pipe.set_progress_bar_config(disable=True)
     settings = sampling.Settings(2, 5.0, "", 128, 128)
-    base = np.asarray(sampling.generate(pipe, "a small house", 3, settings))
-    pipe.load_lora_weights(run_dir / "lora")
-    with_lora = np.asarray(sampling.generate(pipe, "a small house", 3, settings))
+    with _one_thread():
+        base = np.asarray(sampling.generate(pipe, "a small house", 3, settings))
+        pipe.load_lora_weights(run_dir / "lora")
+        with_lora = np.asarray(sampling.generate(pipe, "a small house", 3, settings))
     assert (got == with_lora).all()
     assert (got != base).any()  # the sample did use the trained adapters

@@ -52,6 +52,15 @@ def slurm_state(job_id: str) -> str:
     return "GONE" if "Invalid job id" in out.stderr else "UNKNOWN"
 
 
+def log_tail(path: Path, lines: int = 12) -> str:
+    """The last lines of a job's log, indented under the launcher's message ('' when there is none)."""
+    try:
+        text = Path(path).read_text(errors="replace").strip()
+    except OSError:
+        return ""
+    return "".join(f"\n    {line}" for line in text.splitlines()[-lines:]) if text else ""
+
+
 @dataclass
 class _Cell:
     args: tuple[Any, ...]  # what the job is called with: overrides, dir key, job number, id, singletons
@@ -193,8 +202,8 @@ class _Resubmitting(submitit_launcher.BaseSubmititLauncher):
                 message = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
         else:
             message = (f"job {cell.job.job_id} ended {self._state(cell.job)} without a result "
-                       f"after {cell.attempt} attempt(s)")
-        log.error(f"cell #{cell.num}: {message}")
+                       f"after {cell.attempt} attempt(s); its log: {cell.job.paths.stderr}")
+        log.error(f"cell #{cell.num}: {message}{log_tail(cell.job.paths.stderr)}")
         from ds_trainer.launch import sweep
 
         cfg = self._cell_config(cell)
