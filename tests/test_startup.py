@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import logging
+import os
+import shutil
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
+from conftest import run_cli
 
 from ds_trainer.train import startup
 
@@ -22,3 +28,68 @@ def test_the_first_step_logs_each_part_once(caplog: pytest.LogCaptureFixture) ->
     assert "s to the end of the first step (import " in line
     build = float(line.split("model build ")[1].split(",")[0])
     assert build >= 0.2 and "first step" in line
+
+
+# --- DeepSpeed's op build locks (train/op_builds.py)
+
+def _holding(lock: Path) -> subprocess.Popen:
+    """Another process that holds `lock` open, as torch's loader does while it builds or loads an op."""
+    proc = subprocess.Popen([sys.executable, "-c", f"import os, sys, time; os.open({str(lock)!r}, os.O_RDONLY); "
+                             "print('open', flush=True); time.sleep(120)"], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "open"
+    return proc
+
+
+def test_a_lock_nobody_holds_is_removed_and_a_held_one_is_left(tmp_path: Path,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    from ds_trainer.train import op_builds
+
+    dead, busy, mine = (tmp_path / name / "lock" for name in ("cpu_adam", "fused_adam", "async_io"))
+    for lock in (dead, busy, mine):
+        lock.parent.mkdir()
+        lock.touch()
+    holder = _holding(busy)
+    fd = os.open(mine, os.O_RDONLY)  # this process holds it: a compile in progress
+    try:
+        watcher = op_builds.Watcher(tmp_path)
+        assert not watcher.shared  # pytest's tmp is on a local disk
+        now = time.time()
+        with caplog.at_level(logging.WARNING, logger="ds_trainer"):
+            watcher.check(now)
+            watcher.check(now + op_builds.STALE_AFTER_S - 1)
+            assert dead.exists()  # not yet: a lock may be between its holder's close and its removal
+            watcher.check(now + op_builds.STALE_AFTER_S + 1)
+        assert not dead.exists() and busy.exists() and mine.exists()
+        messages = [r.getMessage() for r in caplog.records]
+        assert any(m.startswith(f"removed {dead}: a build lock of DeepSpeed's op cpu_adam") for m in messages)
+        (compiling,) = [m for m in messages if m.startswith("compiling")]
+        assert "op async_io" in compiling and "TORCH_EXTENSIONS_DIR" in compiling and "make ops" in compiling
+        # On a network file system another node may be the builder: only a very old lock goes.
+        dead.touch()
+        shared = op_builds.Watcher(tmp_path)
+        shared.shared = True
+        shared.check(now)
+        shared.check(now + 60)
+        assert dead.exists()
+    finally:
+        os.close(fd)
+        holder.kill()
+        holder.wait()
+
+
+@pytest.mark.slow
+def test_a_run_starts_although_a_killed_process_left_an_op_build_lock(workdir: Path) -> None:
+    # Without the watcher this run waits for the lock forever: torch's loader has no time limit.
+    from ds_trainer.train import op_builds
+
+    extensions = workdir / "torch_extensions"
+    extensions.mkdir()
+    for op in ("fused_adam", "deepspeed_shm_comm"):  # what a ZeRO-2 run loads (built by now, or built here)
+        if (op_builds.extensions_root() / op).is_dir():
+            shutil.copytree(op_builds.extensions_root() / op, extensions / op)
+    (extensions / "fused_adam").mkdir(exist_ok=True)
+    (extensions / "fused_adam" / "lock").touch()
+    result = run_cli("zero=stage2", "train.max_steps=1", "data.num_samples=2", "logger=none", "train.export=false",
+                     cwd=workdir, env={"TORCH_EXTENSIONS_DIR": str(extensions)}, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"removed {extensions / 'fused_adam' / 'lock'}: a build lock of DeepSpeed's op fused_adam" in result.stderr

@@ -11,8 +11,10 @@ from __future__ import annotations
 import os
 import sys
 
-# What the optimizer and offload groups can ask for, by DeepSpeed's builder names.
-OPS = ["FusedAdamBuilder", "CPUAdamBuilder", "CPUAdagradBuilder", "CPULionBuilder", "AsyncIOBuilder"]
+# What the optimizer and offload groups can ask for, by DeepSpeed's builder names; every DeepSpeed process on
+# the CPU accelerator also loads its communication op (ShareMemCommBuilder) when it starts.
+OPS = ["FusedAdamBuilder", "CPUAdamBuilder", "CPUAdagradBuilder", "CPULionBuilder", "AsyncIOBuilder",
+       "ShareMemCommBuilder"]
 
 
 def main(argv: list[str] | None = None) -> int:

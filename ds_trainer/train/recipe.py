@@ -31,6 +31,7 @@ from ds_trainer.train import (
     metrics,
     models,
     oom,
+    op_builds,
     portable,
     rendezvous,
     startup,
@@ -130,6 +131,7 @@ def run(cfg: DictConfig, ds: dict[str, Any] | None, run_dir: Path, name: str = "
     """Train as `cfg` says; returns the summary, also written to `summary.json` whatever happens:
     `ok`, `oom` (with what to try next), `interrupted` or `error` (with its message)."""
     _single_process_env()
+    stop_watching_ops = op_builds.watch()  # says when DeepSpeed compiles an op; clears a dead process's lock
     # Several nodes: all ranks reach the master address and see one run directory, or a clear error now.
     nodes = rendezvous.check(cfg, run_dir)
     info = hardware.confirm_with_torch(hardware.detect(cfg.resolved.platform))
@@ -163,6 +165,7 @@ def run(cfg: DictConfig, ds: dict[str, Any] | None, run_dir: Path, name: str = "
             ours = isinstance(exc, TrainingError)
             status, message = "error", str(exc) if ours else f"{type(exc).__name__}: {exc}"
     finally:
+        stop_watching_ops()
         tracker.close()
     summary = {**metrics.summarize(cfg, tracker.rows, status, message, accelerator.num_processes, nodes),
                **tracker.facts}

@@ -40,6 +40,11 @@ def mark(part: str) -> None:
     _last[0] = now
 
 
+def finished() -> bool:
+    """Whether the first training step has ended (start-up is over)."""
+    return bool(_done)
+
+
 def first_step() -> None:
     """Log the start-up line once, at the end of the first training step."""
     if _done or not _last:
