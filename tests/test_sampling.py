@@ -4,6 +4,7 @@ divide, reproducible from the exported pipeline, with EMA, and without any effec
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -219,3 +220,23 @@ def test_lora_sample_equals_the_base_pipeline_with_the_exported_lora(workdir: Pa
         with_lora = np.asarray(sampling.generate(pipe, "a small house", 3, settings))
     assert (got == with_lora).all()
     assert (got != base).any()  # the sample did use the trained adapters
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_ranks_that_would_sample_differently_stop_with_a_message_not_a_hang(tmp_path: Path) -> None:
+    # Each rank resolves its own configuration; one that would run other forwards under ZeRO-3 would hang
+    # both in the first gather. Here the guidance scale comes from each rank's RANK variable.
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "ds_trainer", *COMMON,
+           "logger=none", "samples=on", "samples.prompts=[a red cube]", "samples.guidance_scale=${oc.env:RANK}"]
+    result = subprocess.run(cmd, cwd=tmp_path, env={**os.environ, **ONE_THREAD}, capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode != 0
+    assert "samples: the ranks disagree on what to sample" in result.stderr
+    assert '"guidance_scale": 0.0' in result.stderr and '"guidance_scale": 1.0' in result.stderr
+    assert "launch every rank with the same overrides" in result.stderr
+    # The ranks print no traceback; torchrun prints its own when a rank exits non-zero.
+    assert result.stderr.count("Traceback") == result.stderr.count("ChildFailedError:") == 1
+    (run_dir,) = run_dirs(tmp_path)
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "error"
+    assert not (run_dir / "checkpoints").exists() or not list((run_dir / "checkpoints").glob("step_*"))
