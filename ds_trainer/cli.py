@@ -116,8 +116,8 @@ def hydra_main(cfg: DictConfig) -> None:
         except validation.ConfigError as exc:
             print(exc, file=sys.stderr)
             raise SystemExit(2) from None
-        except TrainingError:
-            raise SystemExit(1) from None  # the run's summary, already printed, says what failed and why
+        except TrainingError as exc:  # the run's summary, already printed, says what failed and why
+            raise SystemExit(exc.exit_status) from None
         return
     # A sweep cell: record any failure in its summary.json and let the sweep go on.
     if cfg.logger.group is None:

@@ -4,8 +4,17 @@
 class TrainingError(Exception):
     """Training stopped for a reason the user can fix (bad data, a missing op, out of memory)."""
 
+    exit_status = 1
 
-class DataError(TrainingError):
+
+class InputError(TrainingError):
+    """What the user pointed the run at (images, weights) cannot be trained on, found before training
+    starts: a user mistake, so `python -m ds_trainer` exits 2 as for a bad override."""
+
+    exit_status = 2
+
+
+class DataError(InputError):
     """Data that cannot be trained on, found before training starts."""
 
 

@@ -182,7 +182,7 @@ def test_a_folder_with_nothing_usable_fails_before_training(tmp_path: Path) -> N
     (images / "a.jpg").write_bytes(b"")
     (images / "b.png").write_text("no")
     result = run_cli("data=folder", f"data.path={images}", "logger=none", cwd=tmp_path)
-    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert result.returncode == 2 and "Traceback" not in result.stderr  # the user's input: as a bad override
     assert f"data.path={images}: 2 image file(s), none readable; nothing to train on" in result.stderr
     (run_dir,) = run_dirs(tmp_path)
     assert summary(run_dir)["status"] == "error" and summary(run_dir)["steps"] == 0

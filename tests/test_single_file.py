@@ -130,3 +130,9 @@ def test_training_from_a_single_file_exports_a_pipeline_and_bad_files_are_named(
     assert bad.returncode == 2 and "is not an SDXL checkpoint: a diffusers-format model" in bad.stderr
     no_vae = run_cli(f"model.pretrained={files['checkpoint']}", "dry_run=true", cwd=root)
     assert no_vae.returncode == 2 and "holds no VAE" in no_vae.stderr and "model.vae=" in no_vae.stderr
+    # A .ckpt (a pickle) is read only when the run loads it: still the user's input, still exit 2, no traceback.
+    ckpt = root / "not_sdxl.ckpt"
+    torch.save({"state_dict": {"model.layer.weight": torch.zeros(2, 2)}}, ckpt)
+    wrong = run_cli(f"model.pretrained={ckpt}", "logger=none", "train.max_steps=1", "data.num_samples=2", cwd=root)
+    assert wrong.returncode == 2 and "Traceback" not in wrong.stderr, wrong.stderr[-3000:]
+    assert f"model.pretrained={ckpt} is not an SDXL checkpoint" in wrong.stderr

@@ -177,7 +177,9 @@ def run(cfg: DictConfig, ds: dict[str, Any] | None, run_dir: Path, name: str = "
         failure.stop.forward()  # under submitit, SIGUSR2 requeues the job (and exits) from here
     if failure is None:
         _shutdown(accelerator)
-    elif status in ("oom", "interrupted", "lost") or isinstance(failure, TrainingError):
+    elif isinstance(failure, TrainingError):
+        raise failure.with_traceback(None) from None  # its class says the exit status (InputError: 2)
+    elif status in ("oom", "interrupted", "lost"):
         raise TrainingError(message or "") from None
     else:
         raise failure

@@ -13,7 +13,7 @@ import torch
 from omegaconf import DictConfig
 
 from ds_trainer.config import checkpoint_file
-from ds_trainer.errors import TrainingError
+from ds_trainer.errors import InputError
 
 
 def checkpoint(cfg: DictConfig) -> dict[str, torch.Tensor]:
@@ -24,10 +24,10 @@ def checkpoint(cfg: DictConfig) -> dict[str, torch.Tensor]:
     try:
         state = load_single_file_checkpoint(path, local_files_only=True)
     except Exception as exc:  # noqa: BLE001 - any unreadable file is the user's to fix
-        raise TrainingError(f"model.pretrained={path}: cannot be read as a checkpoint ({exc})") from None
+        raise InputError(f"model.pretrained={path}: cannot be read as a checkpoint ({exc})") from None
     found = checkpoint_file.what_it_is(state.keys())
     if found:
-        raise TrainingError(f"model.pretrained={path} is not an SDXL checkpoint: {found}")
+        raise InputError(f"model.pretrained={path} is not an SDXL checkpoint: {found}")
     return state
 
 
