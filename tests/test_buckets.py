@@ -4,6 +4,7 @@ the per-bucket latent cache, and bad input."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -157,7 +158,12 @@ def test_two_ranks_train_over_uneven_buckets_then_a_second_run_reuses_the_cache(
     assert wandb_log.config(wandb_file)["buckets"] == summary["buckets"]
 
 
+def rows_of(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
 @pytest.mark.slow
+@pytest.mark.multiproc
 def test_a_resume_continues_the_bucket_plan(tmp_path: Path) -> None:
     from safetensors.torch import load_file
 
@@ -171,9 +177,25 @@ def test_a_resume_continues_the_bucket_plan(tmp_path: Path) -> None:
     resumed = run_cli(*common, f"resume={reference / 'checkpoints' / 'step_00000004'}", cwd=tmp_path)
     assert resumed.returncode == 0 and "resumed from" in resumed.stderr, resumed.stderr[-3000:]
     second = run_dirs(tmp_path)[1]
-    rows = [[json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()] for d in (reference, second)]
+    rows = [rows_of(d) for d in (reference, second)]
     assert [r["step"] for r in rows[1]] == [5, 6, 7, 8]
     assert [r["loss"] for r in rows[1]] == pytest.approx([r["loss"] for r in rows[0][4:]], rel=1e-3)
     expected, got = (load_file(d / "unet" / "diffusion_pytorch_model.safetensors") for d in (reference, second))
     for key in expected:  # at most a few bf16 ulps from DeepSpeed's CPU Adam (see test_train)
         torch.testing.assert_close(got[key], expected[key], rtol=0, atol=4e-3, msg=key)
+    # Two ranks of micro batch 1 (the same global batch of 2) continue the same plan from the same checkpoint:
+    # the portable state carries over, each rank takes its half of every global batch.
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "ds_trainer",
+           *[a for a in common if not a.startswith("train.micro_batch_size")], "train.micro_batch_size=1",
+           f"resume={reference / 'checkpoints' / 'step_00000004'}"]
+    two = subprocess.run(cmd, cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
+                         text=True, timeout=900)
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert "world_size: 1 -> 2; micro_batch_size: 2 -> 1" in two.stderr, two.stderr[-3000:]
+    third = run_dirs(tmp_path)[2]
+    rows = [json.loads(line) for line in (third / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [5, 6, 7, 8]
+    assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in rows_of(reference)[4:]], rel=1e-2)
+    got = load_file(third / "unet" / "diffusion_pytorch_model.safetensors")
+    for key in expected:
+        torch.testing.assert_close(got[key], expected[key], rtol=0, atol=8e-3, msg=key)
