@@ -58,7 +58,7 @@ def prepare(cfg: DictConfig, run_dir: Path) -> tuple[DictConfig, dict | None]:
     world_size = int(cfg.resolved.world_size)
     ds = ds_config.build(cfg, world_size) if cfg.resolved.backend == "deepspeed" else None
     ds_json = run_dir / "ds_config.json" if ds is not None else None
-    if distributed.is_main() and not cfg.dry_run:
+    if not cfg.dry_run:
         _lock(run_dir)  # before any run file is written: a second run must leave the first untouched
     if distributed.is_main():
         rundir.write_run_files(run_dir, cfg, ds, accelerate_file.config_file(cfg, ds_json, world_size))
@@ -66,8 +66,13 @@ def prepare(cfg: DictConfig, run_dir: Path) -> tuple[DictConfig, dict | None]:
 
 
 def _lock(run_dir: Path) -> None:
+    """Rank 0 takes the run directory's lock; the other ranks wait to see it taken, or refused (then they
+    stop too, with the same message, instead of waiting for rank 0 in the process group)."""
     try:
-        runlock.acquire(run_dir)
+        if distributed.is_main():
+            runlock.acquire(run_dir)
+        else:
+            runlock.follow(run_dir)
     except runlock.Busy as busy:
         problem = validation.Problem("hydra.run.dir", str(run_dir), f"another run is training in this folder: {busy}",
                                      "wait for it to end (or stop it); resume=latest then continues from its "

@@ -68,7 +68,7 @@ def test_other_hosts_are_judged_by_their_heartbeat_and_a_requeued_slurm_job_by_i
 def test_a_second_run_on_a_busy_run_directory_stops_at_once_and_the_first_finishes_untouched(
         tmp_path: Path) -> None:
     folder = tmp_path / "outputs" / "the_run"
-    args = ["logger=none", "train.max_steps=12", "train.checkpoint_every=4", "data.num_samples=8",
+    args = ["logger=none", "train.max_steps=40", "train.checkpoint_every=4", "data.num_samples=8",
             "train.export=false", f"hydra.run.dir={folder}"]
     first = subprocess.Popen([sys.executable, "-m", "ds_trainer", *args], cwd=tmp_path,
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -80,13 +80,48 @@ def test_a_second_run_on_a_busy_run_directory_stops_at_once_and_the_first_finish
     assert second.returncode == 2, second.stderr[-3000:]
     assert "Traceback" not in second.stderr
     assert f"process {first.pid} on host {socket.gethostname()}" in second.stderr
+    # Launched on two ranks: rank 1 does not wait for the refused rank 0 in the process group (a hang under
+    # srun, where nothing stops the other tasks); it stops with the same message.
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "ds_trainer",
+                          *args, "resume=latest"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert first.poll() is None, "the first run ended before the two-rank launch: nothing was tested"
+    assert two.returncode != 0 and two.stderr.count("another run is training in this folder") == 2, two.stderr[-3000:]
     assert (folder / "config.yaml").stat().st_mtime_ns == config_before
     _, err = first.communicate(timeout=600)
     assert first.returncode == 0, err[-3000:]
-    assert [r["step"] for r in metrics(folder)] == list(range(1, 13)) and summary(folder)["status"] == "ok"
+    assert [r["step"] for r in metrics(folder)] == list(range(1, 41)) and summary(folder)["status"] == "ok"
     assert not (folder / runlock.LOCK).exists()  # released at the end
     # What a kill -9 leaves: the lock of a process that is gone. A new run takes it over.
     _write_lock(folder, pid=_dead_pid(), host=socket.gethostname(), start="1", since=0)
-    again = run_cli(*[a for a in args if not a.startswith("train.max_steps")], "train.max_steps=14", cwd=tmp_path)
+    again = run_cli(*[a for a in args if not a.startswith("train.max_steps")], "train.max_steps=42", cwd=tmp_path)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert [r["step"] for r in metrics(folder)][-2:] == [13, 14]
+    assert [r["step"] for r in metrics(folder)][-2:] == [41, 42]
+
+
+def test_other_ranks_follow_rank_0_into_the_lock_or_out_with_its_refusal(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29999")
+    sleeper = subprocess.Popen(["sleep", "60"])
+    try:
+        busy = tmp_path / "busy"
+        _write_lock(busy, pid=sleeper.pid, host=socket.gethostname(), start=runlock._proc_start(sleeper.pid),
+                    since=0, launch="another launch")
+        with pytest.raises(runlock.Busy):
+            runlock.acquire(busy)  # rank 0, refused
+        start = time.time()
+        with pytest.raises(runlock.Busy, match=f"process {sleeper.pid} on host"):
+            runlock.follow(busy)  # rank 1 of the same launch: out at once with rank 0's reason
+        assert time.time() - start < 5
+        monkeypatch.setenv("MASTER_PORT", "29998")  # another launch: that refusal is not its own
+        start = time.time()
+        runlock.follow(busy, timeout_s=1)  # nothing for it: it gives up waiting and carries on
+        assert 1 <= time.time() - start < 5
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    free = tmp_path / "free"
+    runlock.acquire(free)  # rank 0 of this launch takes it ...
+    start = time.time()
+    runlock.follow(free)  # ... and its other ranks see it held by their launch at once
+    assert time.time() - start < 5

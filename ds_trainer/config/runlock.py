@@ -8,12 +8,16 @@ is stale and taken over:
   an earlier incarnation, whatever node it ran on;
 - on another host: its heartbeat (the file's mtime, touched every HEARTBEAT_S) is older than STALE_S;
   pids mean nothing across hosts, and a shared file system is all the nodes have in common.
+The other ranks of the launch wait to see rank 0 hold the lock (`follow`); when rank 0 was refused they
+stop with its message (from `run.lock.refused.<launch>`) rather than wait for it in the process group.
 Torch-free.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
+import hashlib
 import json
 import os
 import socket
@@ -25,6 +29,8 @@ from typing import Any
 LOCK = "run.lock"
 HEARTBEAT_S = 15.0
 STALE_S = 90.0
+FOLLOW_S = 120.0
+REFUSAL_FRESH_S = 300.0
 
 
 class Busy(Exception):
@@ -38,8 +44,19 @@ def _proc_start(pid: int) -> str | None:
         return None
 
 
+def launch_id() -> str:
+    """What every rank of one launch shares (and another launch does not): the master's address and port,
+    torchrun's run id, Slurm's job and restart count."""
+    keys = ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "SLURM_RESTART_COUNT")
+    return "/".join(os.environ.get(key, "") for key in keys)
+
+
+def _refusal(run_dir: Path) -> Path:
+    return run_dir / f"{LOCK}.refused.{hashlib.sha1(launch_id().encode()).hexdigest()[:12]}"
+
+
 def _me() -> dict[str, Any]:
-    return {"pid": os.getpid(), "host": socket.gethostname(), "start": _proc_start(os.getpid()),
+    return {"pid": os.getpid(), "host": socket.gethostname(), "start": _proc_start(os.getpid()), "launch": launch_id(),
             "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
             "restart_count": int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0), "since": time.time()}
 
@@ -72,8 +89,39 @@ def describe(held: dict[str, Any]) -> str:
 
 
 def acquire(run_dir: Path) -> None:
-    """Take the lock (rank 0 only), or raise Busy naming the live holder. Released at exit; a heartbeat
-    thread keeps it fresh for processes on other hosts."""
+    """Take the lock (rank 0 only), or raise Busy naming the live holder (and leave the refusal where this
+    launch's other ranks look: `follow`). Released at exit; a heartbeat thread keeps it fresh for processes
+    on other hosts."""
+    try:
+        _acquire(run_dir)
+    except Busy as busy:
+        with contextlib.suppress(OSError):
+            _refusal(run_dir).write_text(str(busy))
+        raise
+
+
+def follow(run_dir: Path, timeout_s: float = FOLLOW_S) -> None:
+    """Every rank but 0: wait until rank 0 of this launch holds the lock; raise Busy with rank 0's reason
+    when it was refused (a rank left waiting for a rank 0 that has gone would hang in the process group).
+    After `timeout_s` without either (rank 0 slow to start, or on a node that does not see this folder),
+    carry on: the process group setup decides."""
+    deadline = time.time() + timeout_s
+    me, refused = launch_id(), _refusal(run_dir)
+    while time.time() < deadline:
+        try:  # written by this launch's rank 0 moments ago (an old one of a launch with the same id: ignored)
+            if time.time() - refused.stat().st_mtime < REFUSAL_FRESH_S:
+                raise Busy(refused.read_text())
+        except FileNotFoundError:
+            pass
+        try:
+            if json.loads((run_dir / LOCK).read_text()).get("launch") == me:
+                return
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.2)
+
+
+def _acquire(run_dir: Path) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / LOCK
     for _ in range(3):
@@ -92,6 +140,8 @@ def acquire(run_dir: Path) -> None:
             continue
         with os.fdopen(fd, "w") as f:
             json.dump(_me(), f)
+        with contextlib.suppress(OSError):
+            _refusal(run_dir).unlink()  # an earlier launch's with the same id
         _keep(path)
         return
     raise Busy(f"the lock {path} keeps changing hands")
