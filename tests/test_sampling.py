@@ -3,12 +3,10 @@ divide, reproducible from the exported pipeline, with EMA, and without any effec
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -56,32 +54,17 @@ def _image(path: Path) -> object:
     return np.asarray(Image.open(path).convert("RGB"))
 
 
-@contextlib.contextmanager
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _from_export(run_dir: Path, prompt: str, seed: int, bf16_unet: bool) -> object:
-    """The image the exported pipeline makes with the sampler's settings (`sampling.generate`)."""
+def _from_export(run_dir: Path, prompt: str, seed: int, bf16_unet: bool = False, lora: Path | None = None) -> object:
+    """The image the exported pipeline (with `lora` loaded) makes with the sampler's settings, in a fresh
+    process (`sample_reference.py` says why)."""
     import numpy as np
-    from diffusers import StableDiffusionXLPipeline
 
-    from ds_trainer.train import sampling
-
-    pipe = StableDiffusionXLPipeline.from_pretrained(run_dir / "pipeline")
-    pipe.set_progress_bar_config(disable=True)
-    context: contextlib.AbstractContextManager = contextlib.nullcontext()
-    if bf16_unet:  # DeepSpeed trained (and sampled) the UNet in bf16; the export holds those values in fp32
-        pipe.unet.to(torch.bfloat16)
-        context = sampling.unet_in_its_dtype(pipe.unet)
-    with context, _one_thread():
-        image = sampling.generate(pipe, prompt, seed, sampling.Settings(2, 5.0, "", 128, 128))
-    return np.asarray(image)
+    out = run_dir / f"reference_{seed}_{'lora' if lora else 'base'}.npy"
+    cmd = [sys.executable, str(Path(__file__).with_name("sample_reference.py")), str(run_dir / "pipeline"), prompt,
+           str(seed), str(out), *(["--bf16-unet"] if bf16_unet else []), *(["--lora", str(lora)] if lora else [])]
+    result = subprocess.run(cmd, env={**os.environ, **ONE_THREAD}, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return np.load(out)
 
 
 @pytest.mark.slow
@@ -199,11 +182,6 @@ def test_the_planner_counts_the_sampling_peak(capsys: pytest.CaptureFixture[str]
 def test_lora_sample_equals_the_base_pipeline_with_the_exported_lora(workdir: Path) -> None:
     # fp32: the sampled UNet is the training UNet with its peft layers; the export is the untrained base
     # pipeline plus <run>/lora, loaded the way users load a LoRA. Same weights, same kernels: same pixels.
-    import numpy as np
-    from diffusers import StableDiffusionXLPipeline
-
-    from ds_trainer.train import sampling
-
     result = run_cli("zero=stage2", "adapter=lora", "precision=fp32", "train.max_steps=2", "data.num_samples=4",
                      "scheduler=constant",
                      "optimizer.lr=0.05", "samples.steps=2", "logger=none", "samples=on", "samples.every=0",
@@ -211,13 +189,8 @@ def test_lora_sample_equals_the_base_pipeline_with_the_exported_lora(workdir: Pa
     assert result.returncode == 0, result.stderr[-3000:]
     (run_dir,) = run_dirs(workdir)
     got = _image(run_dir / "samples" / "step_00000002" / "0_3.png")
-    pipe = StableDiffusionXLPipeline.from_pretrained(run_dir / "pipeline")
-    pipe.set_progress_bar_config(disable=True)
-    settings = sampling.Settings(2, 5.0, "", 128, 128)
-    with _one_thread():
-        base = np.asarray(sampling.generate(pipe, "a small house", 3, settings))
-        pipe.load_lora_weights(run_dir / "lora")
-        with_lora = np.asarray(sampling.generate(pipe, "a small house", 3, settings))
+    base = _from_export(run_dir, "a small house", 3)
+    with_lora = _from_export(run_dir, "a small house", 3, lora=run_dir / "lora")
     assert (got == with_lora).all()
     assert (got != base).any()  # the sample did use the trained adapters
 
