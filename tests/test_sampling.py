@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import run_cli, run_dirs
+from conftest import require, run_cli, run_dirs
 
 torch = pytest.importorskip("torch")
 
@@ -109,6 +109,29 @@ def test_sampling_does_not_change_training(zero3_run: Path, tmp_path: Path) -> N
     assert with_samples.keys() == without.keys()
     for key in without:
         assert torch.equal(with_samples[key], without[key]), key
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [["zero=ddp"], ["zero=stage0", "precision=bf16"], ["zero=stage3", "offload=nvme"]],
+                         ids=["ddp", "stage0", "stage3-nvme"])
+def test_every_zero_stage_and_offload_samples(workdir: Path, layout: list[str]) -> None:
+    # The other ways the UNet is held while it samples: DDP's wrapper, ZeRO-0's flat bf16 buffers, ZeRO-3 with
+    # the parameters swapped to disk (gathered for every forward). ZeRO-1/2 hold whole 16-bit weights on every
+    # rank, as in the EMA and LoRA tests below.
+    if "offload=nvme" in layout:
+        from ds_trainer.config import nvme
+
+        require(nvme.aio_load_error() is None, f"DeepSpeed's async_io op: {nvme.aio_load_error()}")
+        layout = [*layout, f"offload.nvme_path={workdir / 'swap'}"]
+    result = run_cli(*layout, "train.max_steps=2", "data.num_samples=4", "samples.steps=2", "logger=none",
+                     "samples=on", "samples.every=0", "samples.prompts=[a red cube,a blue ball]", "train.export=false",
+                     cwd=workdir, env=ONE_THREAD)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (run_dir,) = run_dirs(workdir)
+    step = run_dir / "samples" / "step_00000002"
+    assert sorted(p.name for p in step.iterdir()) == ["0_0.png", "1_0.png", "grid.png"]
+    first, second = _image(step / "0_0.png"), _image(step / "1_0.png")
+    assert first.std() > 1 and (first != second).any()  # pictures, one per prompt
 
 
 @pytest.mark.slow
