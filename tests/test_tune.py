@@ -208,3 +208,31 @@ def test_sweep_report_labels_cells_by_every_axis_that_varies(tmp_path: Path) -> 
     assert out["png"].stat().st_size > 0
     text = out["md"].read_text()
     assert "| accum | ckpt | message |" in text and "oom" in text
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_a_tune_through_the_submitit_launcher_on_two_ranks_logs_its_table_to_wandb(tmp_path: Path) -> None:
+    # The cell goes through the sweeps' launcher (submitit, two tasks = two DeepSpeed ranks), and the table of
+    # cells reaches W&B (offline here) as a table.
+    import wandb_log
+
+    user = [a for a in base(tmp_path) if a != "logger=none"]
+    cmd = [sys.executable, "-m", "ds_trainer.tune", *user, "logger=wandb", "world_size=2", "tune.zero=[stage2]",
+           "tune.offload=[none]", "tune.micro_batch_size=[1]", "tune.gradient_checkpointing=[false]",
+           "tune.warmup_steps=1", "tune.timed_steps=2", "tune.time_limit_s=600", "tune.launcher=local_2proc",
+           f"tune.preset_dir={tmp_path / 'presets'}"]
+    run = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    tune_dir = tmp_path / "outputs" / "tune" / "tuned"
+    (row,) = rows(tune_dir).values()
+    assert row["status"] == "ok" and float(row["s_per_it"]) > 0, row
+    (cell_dir,) = (tune_dir / "cells").iterdir()
+    assert len(list((cell_dir / ".submitit").glob("*/*_log.out"))) == 2  # submitted through submitit: two tasks
+    assert json.loads((cell_dir / "run" / "summary.json").read_text())["world_size"] == 2
+    (wandb_file,) = tune_dir.glob("wandb/offline-run-*/run-*.wandb")
+    (logged,) = [{k.split(".", 1)[1]: v for k, v in r.items() if k.startswith("tune.")}
+                 for r in wandb_log.history(wandb_file) if "tune._type" in r]
+    assert logged["_type"] == "table-file" and logged["nrows"] == 1
+    table = json.loads((wandb_file.parent / "files" / logged["path"]).read_text())
+    assert table["columns"][:3] == ["cell", "zero", "offload"] and table["data"][0][0] == row["cell"]

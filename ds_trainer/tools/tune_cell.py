@@ -96,9 +96,12 @@ def terminate_as_exit() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    """SIGTERM the cell's process group, SIGKILL what is left after 10 s."""
-    for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 30.0)):
+def _stop(proc: subprocess.Popen[bytes], launcher: str | None) -> None:
+    """Stop the cell: SIGINT first when a launcher runs it (a launcher's Ctrl-C cancels the jobs it
+    submitted, which run outside this process group, on Slurm's nodes), then SIGTERM to the cell's process
+    group, then SIGKILL to what is left."""
+    steps = ((signal.SIGINT, 30.0),) if launcher is not None else ()
+    for sig, wait in (*steps, (signal.SIGTERM, 10.0), (signal.SIGKILL, 30.0)):
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, sig)
         try:
@@ -132,9 +135,9 @@ def run(overrides: list[str], cell_dir: Path, launcher: str | None, time_limit: 
             hung = False
         except subprocess.TimeoutExpired:
             hung = True
-            _stop(proc)
+            _stop(proc, launcher)
         except BaseException:  # the tune is stopped (Ctrl-C, SIGTERM): its cell must not run on alone
-            _stop(proc)
+            _stop(proc, launcher)
             raise
         elapsed = time.time() - start
         busy = others(ticks_before, _cpu_ticks(), elapsed, proc.pid)
