@@ -95,3 +95,19 @@ def one_rank_process_group(port: int) -> Iterator[None]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster() -> Iterator[dict[str, str]]:
+    """The one-node Slurm cluster of `python -m ds_trainer.slurm_local` (started if it is not running);
+    the environment its commands need."""
+    from ds_trainer.launch import slurm_local
+
+    require(not slurm_local.missing(), f"Slurm is not installed ({', '.join(slurm_local.missing())})")
+    require(os.geteuid() == 0, "the local SLURM cluster needs root")
+    folder = slurm_local.DEFAULT_DIR
+    running = slurm_local.running(folder)
+    slurm_local.start(folder)
+    yield slurm_local.env(folder)
+    if not running:  # leave a cluster the user had started alone
+        slurm_local.stop(folder)

@@ -6,21 +6,18 @@ from __future__ import annotations
 import csv
 import io
 import json
-import os
 import re
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import yaml
-from conftest import require, run_cli, wait_until
+from conftest import run_cli, wait_until
 
 from ds_trainer import SWEEPS_DIR
-from ds_trainer.launch import slurm_local
 
 FAST = ["logger=none", "train.max_steps=3", "data.num_samples=4"]
 
@@ -110,18 +107,6 @@ def _two_cell_sweep(workdir: Path, launcher: str, env: dict[str, str] | None = N
 @pytest.mark.multiproc
 def test_two_cell_sweep_on_submitit_local_with_two_ranks_per_job(workdir: Path) -> None:
     _two_cell_sweep(workdir, "local_2proc")
-
-
-@pytest.fixture(scope="session")
-def slurm_cluster() -> Iterator[dict[str, str]]:
-    require(not slurm_local.missing(), f"Slurm is not installed ({', '.join(slurm_local.missing())})")
-    require(os.geteuid() == 0, "the local SLURM cluster needs root")
-    folder = slurm_local.DEFAULT_DIR
-    running = slurm_local.running(folder)
-    slurm_local.start(folder)
-    yield slurm_local.env(folder)
-    if not running:  # leave a cluster the user had started alone
-        slurm_local.stop(folder)
 
 
 @pytest.mark.slow

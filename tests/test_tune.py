@@ -10,6 +10,7 @@ import csv
 import io
 import json
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -212,17 +213,21 @@ def test_sweep_report_labels_cells_by_every_axis_that_varies(tmp_path: Path) -> 
 
 @pytest.mark.slow
 @pytest.mark.multiproc
-def test_a_tune_through_the_submitit_launcher_on_two_ranks_logs_its_table_to_wandb(tmp_path: Path) -> None:
-    # The cell goes through the sweeps' launcher (submitit, two tasks = two DeepSpeed ranks), and the table of
-    # cells reaches W&B (offline here) as a table.
+@pytest.mark.parametrize("launcher", ["local_2proc", "slurm_localtest"])
+def test_a_tune_through_the_sweep_launchers_on_two_ranks_logs_its_table_to_wandb(
+        tmp_path: Path, launcher: str, request: pytest.FixtureRequest) -> None:
+    # The cell goes through the sweeps' launchers (submitit on this machine, and sbatch on the local Slurm
+    # cluster; two tasks = two DeepSpeed ranks), and the table of cells reaches W&B (offline here).
     import wandb_log
+
+    env = request.getfixturevalue("slurm_cluster") if launcher.startswith("slurm") else dict(os.environ)
 
     user = [a for a in base(tmp_path) if a != "logger=none"]
     cmd = [sys.executable, "-m", "ds_trainer.tune", *user, "logger=wandb", "world_size=2", "tune.zero=[stage2]",
            "tune.offload=[none]", "tune.micro_batch_size=[1]", "tune.gradient_checkpointing=[false]",
-           "tune.warmup_steps=1", "tune.timed_steps=2", "tune.time_limit_s=600", "tune.launcher=local_2proc",
+           "tune.warmup_steps=1", "tune.timed_steps=2", "tune.time_limit_s=600", f"tune.launcher={launcher}",
            f"tune.preset_dir={tmp_path / 'presets'}"]
-    run = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    run = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
     tune_dir = tmp_path / "outputs" / "tune" / "tuned"
     (row,) = rows(tune_dir).values()
@@ -236,3 +241,23 @@ def test_a_tune_through_the_submitit_launcher_on_two_ranks_logs_its_table_to_wan
     assert logged["_type"] == "table-file" and logged["nrows"] == 1
     table = json.loads((wandb_file.parent / "files" / logged["path"]).read_text())
     assert table["columns"][:3] == ["cell", "zero", "offload"] and table["data"][0][0] == row["cell"]
+
+
+@pytest.mark.slow
+def test_a_cell_out_of_memory_is_a_result_and_the_search_goes_on(tmp_path: Path) -> None:
+    # A real allocation failure: the tune, and so each cell, gets 4 GiB of address space; micro batch 16 at
+    # 1024 px needs far more, micro batch 1 does not. No budget prunes either (tune.vram_gib is huge).
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (4 * 2**30, 4 * 2**30))
+
+    user = [a for a in base(tmp_path) if not a.startswith(("resolution=", "data.num_samples="))]
+    cmd = [sys.executable, "-m", "ds_trainer.tune", *user, "resolution=px1024", "data.num_samples=16",
+           "tune.zero=[stage2]", "tune.offload=[none]", "tune.micro_batch_size=[1,16]",
+           "tune.gradient_checkpointing=[false]", "tune.vram_gib=1000", "tune.warmup_steps=1", "tune.timed_steps=1",
+           "tune.time_limit_s=600", f"tune.preset_dir={tmp_path / 'presets'}"]
+    run = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=900, preexec_fn=limit)
+    assert run.returncode == 0, run.stderr[-3000:]
+    tune_dir = tmp_path / "outputs" / "tune" / "tuned"
+    by_batch = {r["micro_batch_size"]: r for r in rows(tune_dir).values()}
+    assert by_batch["16"]["status"] == "oom" and by_batch["1"]["status"] == "ok", by_batch
+    assert "train.micro_batch_size=1" in (tune_dir / "winner.txt").read_text()
