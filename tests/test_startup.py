@@ -64,6 +64,12 @@ def test_a_lock_nobody_holds_is_removed_and_a_held_one_is_left(tmp_path: Path,
         assert any(m.startswith(f"removed {dead}: a build lock of DeepSpeed's op cpu_adam") for m in messages)
         (compiling,) = [m for m in messages if m.startswith("compiling")]
         assert "op async_io" in compiling and "TORCH_EXTENSIONS_DIR" in compiling and "make ops" in compiling
+        # The folder reached through a symbolic link (a home on another disk): the holder is still seen.
+        (tmp_path.parent / f"{tmp_path.name}-link").symlink_to(tmp_path)
+        linked = op_builds.Watcher(tmp_path.parent / f"{tmp_path.name}-link")
+        linked.check(now)
+        linked.check(now + op_builds.STALE_AFTER_S + 1)
+        assert busy.exists()
         # On a network file system another node may be the builder: only a very old lock goes.
         dead.touch()
         shared = op_builds.Watcher(tmp_path)

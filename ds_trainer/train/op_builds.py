@@ -11,8 +11,8 @@ the file, and every later run on that machine then hangs before its first step.
 A watcher thread runs from the start of a run to its first step. It looks at the lock files every
 second: one held by this process for more than `COMPILING_AFTER_S` means a compile, said once; one that
 no process on this machine holds, and that stays so for `STALE_AFTER_S`, is removed with a warning. On
-a network file system another node may be building, so there only a lock older than
-`SHARED_STALE_AFTER_S` is taken for stale.
+a network file system another node may be building, and another user's processes cannot be looked into,
+so there only a lock older than `SHARED_STALE_AFTER_S` is taken for stale.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def extensions_root() -> Path:
 
 def holders(lock: Path) -> set[int]:
     """The processes on this machine that have `lock` open (torch's loader keeps it open while it holds it)."""
-    target, found = str(lock), set()
+    target, found = os.path.realpath(lock), set()  # /proc shows the resolved path
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
@@ -102,12 +102,14 @@ class Watcher:
             key = (lock, stat.st_ino)
             seen.add(key)
             held = holders(lock)
+            # Another user's processes' open files are not ours to see: judge their lock by age alone.
+            blind = os.geteuid() not in (0, stat.st_uid)
             if os.getpid() in held:
                 self._compiling(lock, key, now)
             elif held:
                 self.unheld.pop(key, None)
             else:
-                self._stale(lock, key, now, now - stat.st_mtime)
+                self._stale(lock, key, now, now - stat.st_mtime, by_age=self.shared or blind)
         for table in (self.unheld, self.mine):
             for key in set(table) - seen:
                 del table[key]
@@ -120,9 +122,9 @@ class Watcher:
                         "load it from %s). Share that folder between nodes (TORCH_EXTENSIONS_DIR) or build the "
                         "ops ahead with `make ops`", lock.parent.name, lock.parent)
 
-    def _stale(self, lock: Path, key: tuple[Path, int], now: float, age: float) -> None:
+    def _stale(self, lock: Path, key: tuple[Path, int], now: float, age: float, by_age: bool) -> None:
         since = self.unheld.setdefault(key, now)
-        if now - since < STALE_AFTER_S or (self.shared and age < SHARED_STALE_AFTER_S):
+        if now - since < STALE_AFTER_S or (by_age and age < SHARED_STALE_AFTER_S):
             return
         try:
             if lock.stat().st_ino != key[1]:
