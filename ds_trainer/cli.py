@@ -66,12 +66,14 @@ def prepare(cfg: DictConfig, run_dir: Path) -> tuple[DictConfig, dict | None]:
 
 
 def _lock(run_dir: Path) -> None:
-    """Rank 0 takes the run directory's lock; the other ranks wait to see it taken, or refused (then they
-    stop too, with the same message, instead of waiting for rank 0 in the process group)."""
+    """Rank 0 takes the run directory's lock; on one machine the other ranks wait to see it taken, or
+    refused (then they stop too, with the same message, instead of waiting for rank 0 in the process
+    group). Across nodes the rendezvous check, bounded in time, stops them instead: a node may not see
+    this folder at all, which that check names."""
     try:
         if distributed.is_main():
             runlock.acquire(run_dir)
-        else:
+        elif distributed.one_machine():
             runlock.follow(run_dir)
     except runlock.Busy as busy:
         problem = validation.Problem("hydra.run.dir", str(run_dir), f"another run is training in this folder: {busy}",

@@ -21,6 +21,13 @@ def is_main() -> bool:
     return rank() == 0
 
 
+def one_machine() -> bool:
+    """Whether every rank of the launch runs on this machine (LOCAL_WORLD_SIZE equals WORLD_SIZE, as
+    torchrun and the submitit launchers set them)."""
+    world = os.environ.get("WORLD_SIZE", "1")
+    return os.environ.get("LOCAL_WORLD_SIZE", world) == world
+
+
 def export_submitit_env() -> None:
     """Inside a submitit task, set RANK, WORLD_SIZE, LOCAL_RANK and MASTER_ADDR/PORT for torch.distributed.
 
