@@ -227,6 +227,7 @@ def test_a_slurm_job_killed_outright_is_submitted_again_and_resumes(workdir: Pat
 
 @pytest.mark.slow
 @pytest.mark.multiproc
+@pytest.mark.long  # the same resubmission as the Slurm job killed outright (default suite), on submitit-local
 def test_a_submitit_local_job_killed_outright_is_submitted_again_and_resumes(workdir: Path) -> None:
     # Here submitit knows the job ended (its process is gone), as it does through sacct on a cluster with
     # accounting: the job is "done" without a result, and the launcher submits the cell again.
