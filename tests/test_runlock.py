@@ -68,7 +68,7 @@ def test_other_hosts_are_judged_by_their_heartbeat_and_a_requeued_slurm_job_by_i
 def test_a_second_run_on_a_busy_run_directory_stops_at_once_and_the_first_finishes_untouched(
         tmp_path: Path) -> None:
     folder = tmp_path / "outputs" / "the_run"
-    args = ["logger=none", "train.max_steps=40", "train.checkpoint_every=4", "data.num_samples=8",
+    args = ["logger=none", "train.max_steps=80", "train.checkpoint_every=8", "data.num_samples=8",
             "train.export=false", f"hydra.run.dir={folder}"]
     first = subprocess.Popen([sys.executable, "-m", "ds_trainer", *args], cwd=tmp_path,
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -80,22 +80,29 @@ def test_a_second_run_on_a_busy_run_directory_stops_at_once_and_the_first_finish
     assert second.returncode == 2, second.stderr[-3000:]
     assert "Traceback" not in second.stderr
     assert f"process {first.pid} on host {socket.gethostname()}" in second.stderr
-    # Launched on two ranks: rank 1 does not wait for the refused rank 0 in the process group (a hang under
-    # srun, where nothing stops the other tasks); it stops with the same message.
-    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "ds_trainer",
-                          *args, "resume=latest"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    # Two ranks started the way srun starts them (nothing stops rank 1 when rank 0 exits): rank 1 does not
+    # wait for the refused rank 0 in the process group, it stops with the same message.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ranks = [subprocess.Popen([sys.executable, "-m", "ds_trainer", *args, "resume=latest"], cwd=tmp_path,
+                              env={**os.environ, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2",
+                                   "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)},
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    outcomes = [(p.communicate(timeout=180)[1], p.returncode) for p in ranks]
     assert first.poll() is None, "the first run ended before the two-rank launch: nothing was tested"
-    assert two.returncode != 0 and two.stderr.count("another run is training in this folder") == 2, two.stderr[-3000:]
+    for err_r, code in outcomes:
+        assert code == 2 and "another run is training in this folder" in err_r, err_r[-3000:]
     assert (folder / "config.yaml").stat().st_mtime_ns == config_before
     _, err = first.communicate(timeout=600)
     assert first.returncode == 0, err[-3000:]
-    assert [r["step"] for r in metrics(folder)] == list(range(1, 41)) and summary(folder)["status"] == "ok"
+    assert [r["step"] for r in metrics(folder)] == list(range(1, 81)) and summary(folder)["status"] == "ok"
     assert not (folder / runlock.LOCK).exists()  # released at the end
     # What a kill -9 leaves: the lock of a process that is gone. A new run takes it over.
     _write_lock(folder, pid=_dead_pid(), host=socket.gethostname(), start="1", since=0)
-    again = run_cli(*[a for a in args if not a.startswith("train.max_steps")], "train.max_steps=42", cwd=tmp_path)
+    again = run_cli(*[a for a in args if not a.startswith("train.max_steps")], "train.max_steps=82", cwd=tmp_path)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert [r["step"] for r in metrics(folder)][-2:] == [41, 42]
+    assert [r["step"] for r in metrics(folder)][-2:] == [81, 82]
 
 
 def test_other_ranks_follow_rank_0_into_the_lock_or_out_with_its_refusal(tmp_path: Path,
