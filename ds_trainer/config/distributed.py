@@ -24,8 +24,8 @@ def is_main() -> bool:
 def one_machine() -> bool:
     """Whether every rank of the launch runs on this machine (LOCAL_WORLD_SIZE equals WORLD_SIZE, as
     torchrun and the submitit launchers set them)."""
-    world = os.environ.get("WORLD_SIZE", "1")
-    return os.environ.get("LOCAL_WORLD_SIZE", world) == world
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world)) == world
 
 
 def export_submitit_env() -> None:

@@ -22,6 +22,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from ds_trainer.config import distributed
 from ds_trainer.errors import NodesError, TrainingError
 
 log = logging.getLogger("ds_trainer")
@@ -43,7 +44,7 @@ def check(cfg: DictConfig, run_dir: Path) -> list[str]:
     """The node of each rank, once all ranks have met and agree on `run_dir`; raises TrainingError (after
     printing it, and recording it in summary.json where rank 0 can) when they cannot: NodesError."""
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
-    if int(os.environ.get("LOCAL_WORLD_SIZE", world)) == world:  # one machine: nothing to check
+    if distributed.one_machine():  # nothing to check
         return [node_name()] * world
     try:
         return _meet(run_dir, world, rank)
