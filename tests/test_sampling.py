@@ -24,12 +24,17 @@ COMMON = ["zero=stage3", "train.max_steps=4", "data.num_samples=8", "samples.ste
 SAMPLES = ["samples=on", "samples.every=2", f"samples.prompts=[{','.join(PROMPTS)}]"]
 
 
-def _two_ranks(cwd: Path, *overrides: str) -> Path:
+def _torchrun(cwd: Path, *overrides: str, timeout: int = 900) -> subprocess.CompletedProcess[str]:
+    """`torchrun --nproc_per_node 2 -m ds_trainer` with COMMON and `overrides`, one thread per rank."""
     cwd.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "ds_trainer", *COMMON,
            *overrides]
-    result = subprocess.run(cmd, cwd=cwd, env={**os.environ, **ONE_THREAD}, capture_output=True, text=True,
-                            timeout=900)
+    return subprocess.run(cmd, cwd=cwd, env={**os.environ, **ONE_THREAD}, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _two_ranks(cwd: Path, *overrides: str) -> Path:
+    result = _torchrun(cwd, *overrides)
     assert result.returncode == 0, result.stderr[-3000:]
     (run_dir,) = run_dirs(cwd)
     return run_dir
@@ -223,10 +228,8 @@ def test_lora_sample_equals_the_base_pipeline_with_the_exported_lora(workdir: Pa
 def test_ranks_that_would_sample_differently_stop_with_a_message_not_a_hang(tmp_path: Path) -> None:
     # Each rank resolves its own configuration; one that would run other forwards under ZeRO-3 would hang
     # both in the first gather. Here the guidance scale comes from each rank's RANK variable.
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "ds_trainer", *COMMON,
-           "logger=none", "samples=on", "samples.prompts=[a red cube]", "samples.guidance_scale=${oc.env:RANK}"]
-    result = subprocess.run(cmd, cwd=tmp_path, env={**os.environ, **ONE_THREAD}, capture_output=True, text=True,
-                            timeout=600)
+    result = _torchrun(tmp_path, "logger=none", "samples=on", "samples.prompts=[a red cube]",
+                       "samples.guidance_scale=${oc.env:RANK}", timeout=600)
     assert result.returncode != 0
     assert "samples: the ranks disagree on what to sample" in result.stderr
     assert '"guidance_scale": 0.0' in result.stderr and '"guidance_scale": 1.0' in result.stderr
