@@ -111,3 +111,12 @@ def slurm_cluster() -> Iterator[dict[str, str]]:
     yield slurm_local.env(folder)
     if not running:  # leave a cluster the user had started alone
         slurm_local.stop(folder)
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on right now (for MASTER_PORT)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import run_cli, wait_until
+from conftest import free_port, run_cli, wait_until
 from test_train import metrics, summary
 
 from ds_trainer.config import runlock
@@ -82,9 +82,7 @@ def test_a_second_run_on_a_busy_run_directory_stops_at_once_and_the_first_finish
     assert f"process {first.pid} on host {socket.gethostname()}" in second.stderr
     # Two ranks started the way srun starts them (nothing stops rank 1 when rank 0 exits): rank 1 does not
     # wait for the refused rank 0 in the process group, it stops with the same message.
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ranks = [subprocess.Popen([sys.executable, "-m", "ds_trainer", *args, "resume=latest"], cwd=tmp_path,
                               env={**os.environ, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2",
                                    "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)},

@@ -12,14 +12,13 @@ import json
 import os
 import resource
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from conftest import make_cfg, run_cli, wait_until
+from conftest import free_port, make_cfg, run_cli, wait_until
 
 from ds_trainer.tools import calibration, plan
 
@@ -145,10 +144,6 @@ def test_the_planner_learns_from_the_measured_cells(tuned: dict, capsys: pytest.
     assert "activations calibrated from 2 measured cell(s) on cpu" in out and "remaining error" in out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.mark.slow
@@ -156,7 +151,7 @@ def test_a_hanging_cell_is_stopped_at_its_time_limit_and_recorded(tmp_path: Path
     # A real hang: the environment announces a second rank that never starts, so the cell's process group
     # setup waits for it (the way a job with a lost rank hangs). The tune must stop it at the time limit.
     env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     cmd = [sys.executable, "-m", "ds_trainer.tune", *base(tmp_path), "tune.zero=[stage2]", "tune.offload=[none]",
            "tune.micro_batch_size=[1]", "tune.gradient_checkpointing=[false]", "tune.time_limit_s=25",
            f"tune.preset_dir={tmp_path / 'presets'}"]
