@@ -100,6 +100,7 @@ class TrainStep:
         # One all-reduce (and one host sync) per step carries the loss and whether any rank must stop.
         assert loss_sum is not None
         self._flag.fill_(float(self.stop.requested))
+        self.stop.announce()
         both = torch.stack([loss_sum.detach().float() / self.accum, self._flag])
         mean_loss, stopping = self.accelerator.reduce(both, reduction="mean").tolist()
         elapsed = time.perf_counter() - start

@@ -22,6 +22,7 @@ class StopRequest:
     def __init__(self) -> None:
         self.signum: int | None = None
         self._previous: dict[int, Any] = {}
+        self._announced = False
 
     @property
     def requested(self) -> bool:
@@ -33,6 +34,11 @@ class StopRequest:
 
     def __enter__(self) -> StopRequest:
         self._previous = {signum: signal.signal(signum, self._handle) for signum in self.SIGNALS}
+        if callable(signal.getsignal(signal.SIGCONT)):
+            # Slurm sends SIGCONT with its time-limit signal, and submitit's handler for it only logs. A handler
+            # that logs fails when the signal lands in the middle of a log write (a traceback in the job's log),
+            # so it is silenced while the loop runs. The process continues either way: that is the kernel's.
+            self._previous[signal.SIGCONT] = signal.signal(signal.SIGCONT, _ignore)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -40,15 +46,26 @@ class StopRequest:
             signal.signal(signum, handler)
 
     def _handle(self, signum: int, frame: Any) -> None:
+        # No logging here: the signal may arrive while a log handler is writing, and a write from inside the
+        # handler then fails ("reentrant call inside BufferedWriter") with a traceback in the job's log.
         if self.signum is None:
-            log.warning("%s: stopping after this step with a checkpoint", signal.Signals(signum).name)
             self.signum = signum
+
+    def announce(self) -> None:
+        """Log the request once, from the loop (outside the signal handler)."""
+        if self.signum is not None and not self._announced:
+            self._announced = True
+            log.warning("%s: stopping after this step with a checkpoint", self.name)
 
     def forward(self) -> None:
         """Call the handler the signal had before the run, if it was a Python function."""
         handler = self._previous.get(self.signum) if self.signum else None
         if callable(handler):
             handler(self.signum, None)
+
+
+def _ignore(signum: int, frame: Any) -> None:
+    return None
 
 
 class Interrupted(Exception):
