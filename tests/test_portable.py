@@ -33,20 +33,27 @@ torch = pytest.importorskip("torch")
 M = 6
 COMMON = ["precision=fp32", "logger=none", "data.num_samples=8", "train.export=false", "train.checkpoint_every=1",
           f"train.checkpoints_to_keep={M}", f"scheduler.warmup_steps={M}", "train.ema=true", f"train.max_steps={M}"]
-REFERENCE = "stage0"
-# name: (zero, offload, ranks, micro, accumulation, resumes from (run, step)); the global batch is 2 throughout.
-# Runs start when a selected test needs them (with the runs they resume from).
-CHAIN: dict[str, tuple[str, str, int, int, int, tuple[str, int] | None]] = {
-    REFERENCE: ("stage0", "none", 1, 2, 1, None),
-    "stage2_x2": ("stage2", "none", 2, 1, 1, (REFERENCE, 1)),
-    "ddp": ("ddp", "none", 1, 1, 2, ("stage2_x2", 2)),
-    "stage3_cpu": ("stage3", "cpu", 1, 2, 1, ("ddp", 3)),
-    "stage1": ("stage1", "none", 1, 2, 1, ("ddp", 3)),
-    "stage3_x2": ("stage3", "none", 2, 1, 1, ("stage1", 4)),
-    "stage1_after_stage3_x2": ("stage1", "none", 1, 2, 1, ("stage3_x2", 5)),
-    # Not here: stage3 + offload=nvme -> stage2. Its moments carried wrong (weights 2e-4 off): train/carry.py
-    # refuses a carried resume from an NVMe checkpoint until that is fixed.
+LORA = ("adapter=lora",)
+# name: (zero, offload, ranks, micro, accumulation, resumes from (run, step), extra overrides); the global batch
+# is 2 throughout. Runs start when a selected test needs them (with the runs they resume from). Each run is
+# compared with the reference of its kind: the full UNet's, or the LoRA adapters'.
+REFERENCES = {(): "stage0", LORA: "lora_stage0"}
+CHAIN: dict[str, tuple[str, str, int, int, int, tuple[str, int] | None, tuple[str, ...]]] = {
+    "stage0": ("stage0", "none", 1, 2, 1, None, ()),
+    "stage2_x2": ("stage2", "none", 2, 1, 1, ("stage0", 1), ()),
+    "ddp": ("ddp", "none", 1, 1, 2, ("stage2_x2", 2), ()),
+    "stage3_cpu": ("stage3", "cpu", 1, 2, 1, ("ddp", 3), ()),
+    "stage1": ("stage1", "none", 1, 2, 1, ("ddp", 3), ()),
+    "stage3_x2": ("stage3", "none", 2, 1, 1, ("stage1", 4), ()),
+    "stage1_after_stage3_x2": ("stage1", "none", 1, 2, 1, ("stage3_x2", 5), ()),
+    # The optimizer state on NVMe (ZeRO-3 swaps it to disk), carried in and out again.
+    "stage3_nvme": ("stage3", "nvme", 1, 2, 1, ("stage2_x2", 2), ()),
+    "stage2_after_stage3_nvme": ("stage2", "none", 1, 2, 1, ("stage3_nvme", 4), ()),
+    # LoRA: only the adapters train; their weights and moments carry the same way.
+    "lora_stage0": ("stage0", "none", 1, 2, 1, None, LORA),
+    "lora_stage3_x2": ("stage3", "none", 2, 1, 1, ("lora_stage0", 3), LORA),
 }
+REFERENCE = REFERENCES[()]
 
 
 def ckpt(run_dir: Path, step: int) -> Path:
@@ -72,10 +79,10 @@ class Chain:
 
     def __getitem__(self, name: str) -> tuple[Path, str]:
         if name not in self.done:
-            zero, offload, ranks, micro, accum, source = CHAIN[name]
+            zero, offload, ranks, micro, accum, source, kind = CHAIN[name]
             if offload == "nvme":
                 require(nvme.aio_prerequisites() is None, "libaio-dev is not installed")
-            extra = [f"resume={ckpt(self[source[0]][0], source[1])}"] if source else []
+            extra = [*kind, *([f"resume={ckpt(self[source[0]][0], source[1])}"] if source else [])]
             result = train(self.root / name, zero, offload, ranks, micro, accum, *extra)
             assert result.returncode == 0, f"{name}: {result.stderr[-3000:]}"
             (run_dir,) = run_dirs(self.root / name)
@@ -115,8 +122,8 @@ def assert_same_state(got: dict[str, torch.Tensor], expected: dict[str, torch.Te
 @pytest.mark.multiproc
 @pytest.mark.parametrize("name", [n for n, spec in CHAIN.items() if spec[5] is not None])
 def test_resume_under_another_configuration_continues_the_run(chain: Chain, name: str) -> None:
-    zero, offload, ranks, micro, accum, (source, step) = CHAIN[name]  # type: ignore[misc]
-    reference, _ = chain[REFERENCE]
+    zero, offload, ranks, micro, accum, (source, step), kind = CHAIN[name]  # type: ignore[misc]
+    reference, _ = chain[REFERENCES[kind]]
     run_dir, stderr = chain[name]
     assert "under another configuration" in stderr and "Adam moments" in stderr, stderr[-2000:]
     expected, got = metrics(reference), metrics(run_dir)

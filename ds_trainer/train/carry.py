@@ -18,7 +18,7 @@ from omegaconf import DictConfig
 
 from ds_trainer.config import portability
 from ds_trainer.errors import TrainingError
-from ds_trainer.train import checkpoint
+from ds_trainer.train import checkpoint, nvme_swap
 from ds_trainer.train.portable import KINDS, Reader, _base_optimizer, _engine, _mapped, _scheduler, _shape, trainable
 
 log = logging.getLogger("ds_trainer")
@@ -82,23 +82,19 @@ class Carry:
             raise TrainingError(f"resume={self.path}: the checkpoint's portable state holds no Adam moments (it was "
                                 f"saved under {self.meta['layout']}); resume with that layout, or with "
                                 "resume_optimizer=reset to carry the weights only")
-        if self.meta["layout"].get("offload") == "nvme" and not self.reset:
-            # Measured: the moments read back from ZeRO-3's NVMe swap carry over wrong (weights 2e-4 off after 3
-            # steps). Refused rather than continued silently off the uninterrupted run.
-            raise TrainingError(f"resume={self.path}: the checkpoint was saved under offload=nvme, whose optimizer "
-                                "state does not carry to another configuration yet; resume with zero=stage3 "
-                                "offload=nvme (its native load), or with resume_optimizer=reset to carry the "
-                                "weights only")
         base = _base_optimizer(accelerator, optimizer)
         engine = _engine(accelerator)
         moments = bool(self.meta["moments"]) and not self.reset
         t = int(self.meta["optimizer_step"])
         if moments:
             _prefill(engine, base, t)
-        for name, p in trainable(accelerator.unwrap_model(unet)):
-            if name not in self.carried:
-                continue
-            self._set(p, name, base, moments, t)
+        named = [(name, p) for name, p in trainable(accelerator.unwrap_model(unet)) if name in self.carried]
+        zero = engine.optimizer if engine is not None else None
+        if zero is not None and nvme_swap.swapping(zero):
+            self._set_swapped(zero, base, dict(named), moments)
+        else:
+            for name, p in named:
+                self._set(p, name, base, moments, t)
         step = int(self.meta["step"])
         sched = _scheduler(accelerator, scheduler)
         if sched is not None and (self.path / "portable" / "scheduler.pt").exists():  # type: ignore[operator]
@@ -135,6 +131,20 @@ class Carry:
             base.state[p] = {"step": _step_value(base, t), "exp_avg": values["exp_avg"].to(p.device, p.dtype),
                              "exp_avg_sq": values["exp_avg_sq"].to(p.device, p.dtype)}
 
+    def _set_swapped(self, zero: Any, base: Any, named: dict[str, torch.nn.Parameter], moments: bool) -> None:
+        """ZeRO-3 with the optimizer state on NVMe: each subgroup swapped in once, written, swapped out."""
+        assert self.reader is not None
+        names = {id(p): name for name, p in named.items()}
+        for group, _ in nvme_swap.subgroups(zero, write=True):
+            for p in nvme_swap.params_of(zero, group):
+                name = names.get(id(p))
+                if name is None:
+                    continue
+                for kind in KINDS if moments else KINDS[:1]:
+                    if f"{kind}/{name}" in self.reader:
+                        nvme_swap.scatter(zero, p, nvme_swap.partition(zero, base, p, kind),
+                                          self.reader.get(f"{kind}/{name}"))
+
     def _load_ema(self, ema: Any) -> None:
         assert self.path is not None
         if ema is None or not (self.path / "ema.pt").exists():
@@ -157,9 +167,11 @@ def _prefill(engine: Any, base: Any, t: int) -> None:
     if engine is None:
         return
     zero = engine.optimizer
-    if getattr(zero, "swap_optimizer", False):
-        raise TrainingError("resuming under another configuration into offload=nvme is not supported yet: resume "
-                            "with offload=cpu (or none) first, save, then switch to offload=nvme")
+    if nvme_swap.swapping(zero):  # the state lives on NVMe: created in each subgroup while it is swapped in
+        for _, flat in nvme_swap.subgroups(zero, write=True):
+            base.state[flat] = {"step": _step_value(base, t), "exp_avg": torch.zeros_like(flat),
+                                "exp_avg_sq": torch.zeros_like(flat)}
+        return
     flats = (getattr(zero, "fp32_partitioned_groups_flat", None)  # ZeRO-3
              or getattr(zero, "single_partition_of_fp32_groups", None)  # ZeRO-1/2
              or getattr(zero, "fp32_groups_flat_partition", None))  # BF16_Optimizer

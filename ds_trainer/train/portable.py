@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ import torch
 from omegaconf import DictConfig
 
 from ds_trainer.config import portability
+from ds_trainer.train import nvme_swap
 
 log = logging.getLogger("ds_trainer")
 
@@ -96,8 +98,7 @@ class Writer:
         index: dict[str, str] = {}
         params: dict[str, list[int]] = {}
         written, without_moments = 0, 0
-        for name, p in trainable(self.accelerator.unwrap_model(self.unet)):
-            values = self._read(p, base)  # collective under ZeRO
+        for name, p, values in self._values(base):  # collective under ZeRO
             params[name] = _shape(p)
             if not main:
                 continue
@@ -123,6 +124,24 @@ class Writer:
             if self.moments and without_moments:  # ZeRO-0 with bf16/fp16 keeps them in flat groups only
                 log.warning("portable state of step %d: no Adam moments for %d parameters under this layout; a "
                             "resume under another one needs resume_optimizer=reset", step, without_moments)
+
+    def _values(self, base: Any) -> Iterator[tuple[str, torch.nn.Parameter, tuple[torch.Tensor | None, ...]]]:
+        """(name, parameter, its fp32 weight and moments) for every trainable parameter."""
+        named = trainable(self.accelerator.unwrap_model(self.unet))
+        engine = _engine(self.accelerator)
+        zero = engine.optimizer if engine is not None else None
+        if zero is None or not nvme_swap.swapping(zero):
+            for name, p in named:
+                yield name, p, self._read(p, base)
+            return
+        # ZeRO-3 with the optimizer state on NVMe: each subgroup swapped in once (see nvme_swap).
+        names = {id(p): name for name, p in named}
+        kinds = KINDS if self.moments and base.state else KINDS[:1]
+        for group, _ in nvme_swap.subgroups(zero, write=False):
+            for p in nvme_swap.params_of(zero, group):
+                if id(p) in names:
+                    full = [nvme_swap.gather(zero, p, nvme_swap.partition(zero, base, p, kind)) for kind in kinds]
+                    yield names[id(p)], p, (*full, *[None] * (len(KINDS) - len(full)))
 
     def _read(self, p: torch.nn.Parameter, base: Any) -> tuple[torch.Tensor | None, ...]:
         from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state

@@ -30,6 +30,7 @@ from ds_trainer.train import (
     export,
     metrics,
     models,
+    nvme_swap,
     oom,
     op_builds,
     portable,
@@ -82,6 +83,8 @@ def _prepare_nvme(cfg: DictConfig, accelerator: Any) -> None:
     """Before DeepSpeed starts: the async_io op must load, and stale swap from earlier runs must go."""
     if "nvme" not in (cfg.resolved.optimizer_state_on, cfg.resolved.params_on):
         return
+    if cfg.resolved.optimizer_state_on == "nvme":
+        nvme_swap.align_gradient_reads()  # DeepSpeed's swapped-gradient read misses unaligned slices
     if accelerator.local_process_index == 0:
         error = nvme.aio_load_error()
         if error:
