@@ -5,7 +5,9 @@ each resume from an earlier run's checkpoint under another configuration and tra
 same global batch (2) and seed (so each pair A -> B is "2N steps under A" against "N under A, then
 under B", the reference standing for A: all layouts compute the same steps up to summation order).
 Every resumed run must match the reference at every step it trains (step count, LR, samples seen,
-loss) and at step M (fp32 weights, Adam moments, step counts, EMA).
+loss) and at step M (fp32 weights, Adam moments, step counts, EMA). A LoRA chain does the same with
+the adapters. The ZeRO-3 NVMe run also checks DeepSpeed's NVMe training itself: without ds_trainer's
+aligned gradient read (train/nvme_swap.py) its largest weight was 1e-4 off the reference after 4 steps.
 
 Tolerances: the runs differ only in floating-point summation order (gradients reduced over 2 ranks or
 accumulated over 2 micro-batches, DeepSpeed's Adam kernels vs torch.optim.AdamW). Measured here that
@@ -198,14 +200,16 @@ def test_offline_export_of_a_two_rank_stage3_checkpoint_equals_zero_to_fp32(chai
 
 
 @pytest.mark.slow
-def test_an_accelerate_deepspeed_checkpoint_of_another_tool_is_imported_and_continues(tmp_path: Path) -> None:
+@pytest.mark.parametrize("stage", [2, 3])
+def test_an_accelerate_deepspeed_checkpoint_of_another_tool_is_imported_and_continues(tmp_path: Path,
+                                                                                      stage: int) -> None:
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     from safetensors.torch import load_file
 
     source = tmp_path / "diffusers_script_checkpoint"
     script = Path(__file__).parent / "scripts" / "foreign_checkpoint.py"
-    made = subprocess.run([sys.executable, str(script), str(source), "2", "2"], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=1800)
+    made = subprocess.run([sys.executable, str(script), str(source), str(stage), "2"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=1800)
     assert made.returncode == 0, made.stderr[-3000:]
     imported = tmp_path / "imported"
     result = convert(source, "--import-to", imported, "--architecture", "sdxl_tiny", cwd=tmp_path)
@@ -227,3 +231,30 @@ def test_convert_reports_a_bad_folder_in_one_line(tmp_path: Path) -> None:
     assert result.returncode == 2 and "not a folder" in result.stderr and "Traceback" not in result.stderr
     result = convert(tmp_path, "--import-to", tmp_path / "out", cwd=tmp_path)
     assert result.returncode == 2 and "_optim_states.pt" in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.slow
+def test_a_checkpoint_without_portable_state_resumes_under_its_own_layout_or_after_conversion(tmp_path: Path) -> None:
+    short = ["train.max_steps=2", "scheduler.warmup_steps=2"]
+    saved_run = train(tmp_path / "a", "stage2", "none", 1, 2, 1, "train.portable_state=false", *short)
+    assert saved_run.returncode == 0, saved_run.stderr[-3000:]
+    saved = ckpt(run_dirs(tmp_path / "a")[0], 2)
+    assert not (saved / "portable").exists() and (saved / "COMPLETE").is_file()
+    # Under another layout: refused before anything starts, with the way back and the conversion.
+    refused = run_cli(f"resume={saved}", "zero=stage1", "dry_run=true", *COMMON, cwd=tmp_path)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr[-2000:]
+    assert "train.portable_state=false" in refused.stderr and "zero: stage2 -> stage1" in refused.stderr
+    assert "zero=stage2" in refused.stderr and "--import-to" in refused.stderr
+    more = ["train.max_steps=3", "scheduler.warmup_steps=3"]
+    # Under its own layout: DeepSpeed's native load.
+    native = train(tmp_path / "b", "stage2", "none", 1, 2, 1, f"resume={saved}", "train.portable_state=false", *more)
+    assert native.returncode == 0 and "under another configuration" not in native.stderr, native.stderr[-3000:]
+    assert sorted(metrics(run_dirs(tmp_path / "b")[0])) == [3]
+    # Converted offline, it carries to another layout.
+    converted = convert(saved, "--import-to", tmp_path / "imported", "--architecture", "sdxl_tiny", cwd=tmp_path)
+    assert converted.returncode == 0, converted.stderr[-3000:]
+    carried = train(tmp_path / "c", "stage1", "none", 1, 2, 1, f"resume={tmp_path / 'imported'}", *more)
+    assert carried.returncode == 0, carried.stderr[-3000:]
+    assert "at step 2 under another configuration" in carried.stderr and "Adam moments" in carried.stderr
+    assert metrics(run_dirs(tmp_path / "c")[0])[3]["loss"] == pytest.approx(
+        metrics(run_dirs(tmp_path / "b")[0])[3]["loss"], rel=1e-4)

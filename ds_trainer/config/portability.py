@@ -66,7 +66,7 @@ def check(cfg: DictConfig, checkpoint: Path | None) -> tuple[list[Problem], list
     """Problems that refuse the resume, and warnings to record (the weights-only override)."""
     meta = read_meta(checkpoint) if checkpoint is not None else None
     if meta is None:
-        return [], []
+        return _without_portable_state(cfg, checkpoint), []
     saved, now = meta["identity"], identity(cfg)
     differ = [key for key in now if saved.get(key) != now[key]]
     moved = changes(meta, cfg)
@@ -96,3 +96,31 @@ def _problem(key: str, saved: Any, now: Any, checkpoint: Path | None, moved: lis
                        "match carry over)")
     return Problem("adapter", now, f"the checkpoint {checkpoint} was trained with adapter={saved}: another adapter "
                    "shape has other trainable parameters", f"the saved adapter settings, or {fix}")
+
+
+def _without_portable_state(cfg: DictConfig, checkpoint: Path | None) -> list[Problem]:
+    """A checkpoint saved with train.portable_state=false resumes only under the layout it records."""
+    marker = Path(checkpoint) / "COMPLETE" if checkpoint is not None else None
+    if marker is None or not marker.is_file():
+        return []
+    saved = json.loads(marker.read_text()).get("layout") or {}  # older checkpoints record none
+    now = layout(cfg)
+    moved = {key: (saved[key], now[key]) for key in now if key in saved and saved[key] != now[key]}
+    if not moved:
+        return []
+    changed = "; ".join(f"{key}: {was} -> {value}" for key, (was, value) in moved.items())
+    back = " ".join(_override(key, was) for key, (was, _) in moved.items())
+    convert = ""
+    if str(saved["zero"]) in ("stage1", "stage2", "stage3") and identity(cfg)["adapter"] is None:
+        convert = (f", or give it a portable state offline: python -m ds_trainer.convert {checkpoint} --import-to "
+                   f"<dir> --architecture {identity(cfg)['architecture']}, then resume=<dir>")
+    return [Problem("resume", str(checkpoint), f"the checkpoint holds no portable state (saved with "
+                    f"train.portable_state=false), so it continues only under the layout it was saved with; this run "
+                    f"changed it ({changed})", f"resume with {back}{convert}")]
+
+
+def _override(key: str, value: Any) -> str:
+    keys = {"zero": "zero", "offload": "offload", "world_size": "world_size", "precision": "precision",
+            "micro_batch_size": "train.micro_batch_size",
+            "gradient_accumulation_steps": "train.gradient_accumulation_steps"}
+    return f"{keys[key]}={value}"

@@ -243,6 +243,11 @@ class TrainConfig:
     # 0: save only at the end.
     checkpoint_every: int = 0
     checkpoints_to_keep: int = 2
+    # Every checkpoint also holds a portable state (fp32 weights and Adam moments by parameter name, about
+    # 12 bytes per trainable parameter: as much again as DeepSpeed's own optimizer files), so that it can
+    # resume under another zero/offload/ranks/batch split. false leaves it out: such a checkpoint resumes
+    # only under the layout it was saved with (or after `python -m ds_trainer.convert --import-to`).
+    portable_state: bool = True
     # At the end: save a checkpoint, export the UNet (sweeps that only measure turn both off).
     final_checkpoint: bool = True
     export: bool = True

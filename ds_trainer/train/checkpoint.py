@@ -20,6 +20,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from ds_trainer.config import portability
 from ds_trainer.errors import TrainingError
 from ds_trainer.train import integrity
 
@@ -216,7 +217,8 @@ class Saver:
         self.every, self.keep = int(cfg.train.checkpoint_every), int(cfg.train.checkpoints_to_keep)
         self.final = int(cfg.train.max_steps) if cfg.train.final_checkpoint else None
         self.state = {"backend": cfg.resolved.backend, "stage": int(cfg.zero.stage),
-                      "world_size": accelerator.num_processes, "fingerprint": fingerprint(cfg), "wandb_id": wandb_id}
+                      "world_size": accelerator.num_processes, "fingerprint": fingerprint(cfg), "wandb_id": wandb_id,
+                      "layout": portability.layout(cfg)}  # checked at a resume when there is no portable state
 
     def after_step(self, step: int, stopping: bool) -> None:
         if step == self.final or (self.every and step % self.every == 0) or stopping:

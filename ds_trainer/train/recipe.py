@@ -233,7 +233,8 @@ def _train(cfg: DictConfig, ds: dict[str, Any] | None, run_dir: Path, accelerato
     saver = checkpoint.Saver(cfg, accelerator, run_dir, ema, wandb_id=tracker.wandb_id, last=resume_from,
                              save_kwargs=trained.save_kwargs(ds is not None),
                              on_save=lambda: trained.on_save(accelerator, unet, ema, run_dir),
-                             also=portable.Writer(cfg, accelerator, unet, optimizer, scheduler, start))
+                             also=portable.Writer(cfg, accelerator, unet, optimizer, scheduler, start)
+                             if cfg.train.portable_state else None)
     progress = _progress_bar(accelerator, max_steps, start_step)
     sampler = Sampler(cfg, accelerator, unet, ema, frozen, run_dir, tracker, progress)
     if info.kind == "cuda":  # peaks from here on are training's (not the cache build's or DeepSpeed's setup)
