@@ -36,10 +36,11 @@ M = 6
 COMMON = ["precision=fp32", "logger=none", "data.num_samples=8", "train.export=false", "train.checkpoint_every=1",
           f"train.checkpoints_to_keep={M}", f"scheduler.warmup_steps={M}", "train.ema=true", f"train.max_steps={M}"]
 LORA = ("adapter=lora",)
+BF16 = ("precision=bf16",)
 # name: (zero, offload, ranks, micro, accumulation, resumes from (run, step), extra overrides); the global batch
 # is 2 throughout. Runs start when a selected test needs them (with the runs they resume from). Each run is
 # compared with the reference of its kind: the full UNet's, or the LoRA adapters'.
-REFERENCES = {(): "stage0", LORA: "lora_stage0"}
+REFERENCES = {(): "stage0", LORA: "lora_stage0", BF16: "bf16_stage2"}
 CHAIN: dict[str, tuple[str, str, int, int, int, tuple[str, int] | None, tuple[str, ...]]] = {
     "stage0": ("stage0", "none", 1, 2, 1, None, ()),
     "stage2_x2": ("stage2", "none", 2, 1, 1, ("stage0", 1), ()),
@@ -54,6 +55,10 @@ CHAIN: dict[str, tuple[str, str, int, int, int, tuple[str, int] | None, tuple[st
     # LoRA: only the adapters train; their weights and moments carry the same way.
     "lora_stage0": ("stage0", "none", 1, 2, 1, None, LORA),
     "lora_stage3_x2": ("stage3", "none", 2, 1, 1, ("lora_stage0", 3), LORA),
+    # bf16: ZeRO-0 keeps the fp32 masters and Adam state in one flat tensor per group (FP16_Optimizer).
+    "bf16_stage2": ("stage2", "none", 1, 2, 1, None, BF16),
+    "bf16_stage0": ("stage0", "none", 1, 2, 1, ("bf16_stage2", 2), BF16),
+    "bf16_stage2_after_stage0": ("stage2", "none", 1, 2, 1, ("bf16_stage0", 4), BF16),
 }
 REFERENCE = REFERENCES[()]
 
@@ -110,9 +115,10 @@ def portable_state(folder: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     return json.loads((folder / "portable" / "meta.json").read_text()), tensors
 
 
-def assert_same_state(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], what: str) -> None:
+def assert_same_state(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], what: str,
+                      moments: float = 1e-4) -> None:
     assert got.keys() == expected.keys(), what
-    for kind, tolerance in (("fp32", 2e-5), ("exp_avg", 1e-4), ("exp_avg_sq", 1e-4)):
+    for kind, tolerance in (("fp32", 2e-5), ("exp_avg", moments), ("exp_avg_sq", moments)):
         keys = [k for k in expected if k.startswith(kind + "/")]
         assert keys, f"{what}: no {kind} in the portable state"
         scale = 1.0 if kind == "fp32" else max(expected[k].abs().max().item() for k in keys)
@@ -130,19 +136,34 @@ def test_resume_under_another_configuration_continues_the_run(chain: Chain, name
     assert "under another configuration" in stderr and "Adam moments" in stderr, stderr[-2000:]
     expected, got = metrics(reference), metrics(run_dir)
     assert sorted(got) == list(range(step + 1, M + 1))  # the same step count, continuing after the checkpoint
+    # The first step after the switch starts from the carried state: the same loss as the source run's step.
+    first = step + 1
+    assert got[first]["loss"] == pytest.approx(metrics(chain[source][0])[first]["loss"], rel=1e-4)
     for s in got:
         assert got[s]["lr"] == expected[s]["lr"], f"LR at step {s}"
-        assert got[s]["loss"] == pytest.approx(expected[s]["loss"], rel=1e-4), f"loss at step {s}"
-    ref_meta, ref_state = portable_state(ckpt(reference, M))
-    meta, state = portable_state(ckpt(run_dir, M))
+        # bf16: runs drift apart by rounding whatever the layout (measured 1.6e-4 of the loss by step 5).
+        rel = 1e-3 if kind == BF16 else 1e-4
+        assert got[s]["loss"] == pytest.approx(expected[s]["loss"], rel=rel), f"loss at step {s}"
+    meta, _ = portable_state(ckpt(run_dir, M))
+    ref_meta, _ = portable_state(ckpt(reference, M))
     assert (meta["step"], meta["optimizer_step"], meta["samples"]) == (M, M, 2 * M)
     assert (ref_meta["step"], ref_meta["optimizer_step"], ref_meta["samples"]) == (M, M, 2 * M)
     assert meta["layout"]["zero"] == zero and meta["layout"]["world_size"] == ranks
-    assert_same_state(state, ref_state, f"{source} -> {name}")
-    ema, ref_ema = (torch.load(ckpt(r, M) / "ema.pt", weights_only=True) for r in (run_dir, reference))
-    assert ema["step"] == ref_ema["step"] == M
+    # fp32: the state at step M against the reference's. bf16: rounding drifts runs apart by up to 2e-4 on
+    # weights over 4 steps whatever the layout, so the carry is checked one step after it, against the
+    # source run's same step (the same state, data and bf16 weights; measured 1e-7 on the weights, 4e-4 of the
+    # moments' scale, where a lost moment is off by ~90% of it).
+    against, at, moments = (chain[source][0], first, 1e-3) if kind == BF16 else (reference, M, 1e-4)
+    _, state = portable_state(ckpt(run_dir, at))
+    _, expected_state = portable_state(ckpt(against, at))
+    assert_same_state(state, expected_state, f"{source} -> {name}", moments=moments)
+    ema, ref_ema = (torch.load(ckpt(r, at) / "ema.pt", weights_only=True) for r in (run_dir, against))
+    assert ema["step"] == ref_ema["step"] == at
+    # The EMA follows the module's weights: under bf16 a few of those round one bf16 ulp apart (measured: 771
+    # of 5.4M elements, up to 7e-5 in the EMA by step 5). The fp32 chain is the EMA's tight test.
+    atol = 2e-4 if kind == BF16 else 2e-5
     for key, value in ref_ema["shadow"].items():
-        torch.testing.assert_close(ema["shadow"][key], value, rtol=0, atol=2e-5, msg=f"EMA {key}")
+        torch.testing.assert_close(ema["shadow"][key], value, rtol=0, atol=atol, msg=f"EMA {key}")
 
 
 def convert(*args: str | Path, cwd: Path) -> subprocess.CompletedProcess[str]:

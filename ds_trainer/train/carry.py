@@ -18,7 +18,7 @@ from omegaconf import DictConfig
 
 from ds_trainer.config import portability
 from ds_trainer.errors import TrainingError
-from ds_trainer.train import checkpoint, nvme_swap
+from ds_trainer.train import checkpoint, nvme_swap, portable
 from ds_trainer.train.portable import KINDS, Reader, _base_optimizer, _engine, _mapped, _scheduler, _shape, trainable
 
 log = logging.getLogger("ds_trainer")
@@ -93,8 +93,12 @@ class Carry:
         if zero is not None and nvme_swap.swapping(zero):
             self._set_swapped(zero, base, dict(named), moments)
         else:
+            places = portable.flat_places(accelerator)
             for name, p in named:
-                self._set(p, name, base, moments, t)
+                if id(p) in places:
+                    self._set_flat(p, name, base, moments, places[id(p)])
+                else:
+                    self._set(p, name, base, moments, t)
         step = int(self.meta["step"])
         sched = _scheduler(accelerator, scheduler)
         if sched is not None and (self.path / "portable" / "scheduler.pt").exists():  # type: ignore[operator]
@@ -130,6 +134,19 @@ class Carry:
         if moments and "exp_avg" in values:
             base.state[p] = {"step": _step_value(base, t), "exp_avg": values["exp_avg"].to(p.device, p.dtype),
                              "exp_avg_sq": values["exp_avg_sq"].to(p.device, p.dtype)}
+
+    def _set_flat(self, p: torch.nn.Parameter, name: str, base: Any, moments: bool,
+                  place: tuple[torch.Tensor, int, int]) -> None:
+        """ZeRO-0 with bf16/fp16: the fp32 master and moments are slices of the group's flat tensors; the
+        bf16/fp16 parameter already holds the carried weight (loaded before `prepare`, then cast)."""
+        assert self.reader is not None
+        flat, offset, numel = place
+        with torch.no_grad():
+            for kind in KINDS if moments else KINDS[:1]:
+                key = f"{kind}/{name}"
+                if key in self.reader:
+                    target = flat if kind == "fp32" else base.state[flat][kind]
+                    target.narrow(0, offset, numel).copy_(self.reader.get(key).flatten())
 
     def _set_swapped(self, zero: Any, base: Any, named: dict[str, torch.nn.Parameter], moments: bool) -> None:
         """ZeRO-3 with the optimizer state on NVMe: each subgroup swapped in once, written, swapped out."""
@@ -174,7 +191,8 @@ def _prefill(engine: Any, base: Any, t: int) -> None:
         return
     flats = (getattr(zero, "fp32_partitioned_groups_flat", None)  # ZeRO-3
              or getattr(zero, "single_partition_of_fp32_groups", None)  # ZeRO-1/2
-             or getattr(zero, "fp32_groups_flat_partition", None))  # BF16_Optimizer
+             or getattr(zero, "fp32_groups_flat_partition", None)  # BF16_Optimizer
+             or getattr(zero, "fp32_groups_flat", None))  # FP16_Optimizer (ZeRO-0 with bf16/fp16)
     if not flats:
         for group in base.param_groups:  # ZeRO-0: the basic optimizer holds the module's parameters
             group["step"] = t

@@ -59,6 +59,21 @@ def _mapped(p: torch.nn.Parameter) -> bool:
     return hasattr(p, "ds_id") or hasattr(p, "_hp_mapping")
 
 
+def flat_places(accelerator: Any) -> dict[int, tuple[torch.Tensor, int, int]]:
+    """ZeRO-0 with bf16/fp16 (DeepSpeed's FP16_Optimizer keeps one flat fp32 master per group, and the Adam
+    state on it): each parameter's (flat master, offset, numel), by the parameter's id. Empty elsewhere."""
+    engine = _engine(accelerator)
+    outer = engine.optimizer if engine is not None else None
+    flats, groups = getattr(outer, "fp32_groups_flat", None), getattr(outer, "fp16_groups", None)
+    places: dict[int, tuple[torch.Tensor, int, int]] = {}
+    for flat, params in zip(flats or [], groups or [], strict=True):
+        offset = 0
+        for p in params:  # flattened in this order, without padding
+            places[id(p)] = (flat, offset, p.numel())
+            offset += p.numel()
+    return places
+
+
 def _step_count(base: Any) -> int:
     steps = [int(s["step"]) for s in base.state.values() if isinstance(s, dict) and "step" in s]
     return max(steps) if steps else 0
@@ -121,7 +136,7 @@ class Writer:
             (out / "meta.json").write_text(json.dumps(meta, indent=1, default=list))
             log.info("portable state of step %d: %d parameters, %.1f MiB in %.1fs", step, len(params),
                      written / 2**20, time.perf_counter() - begin)
-            if self.moments and without_moments:  # ZeRO-0 with bf16/fp16 keeps them in flat groups only
+            if self.moments and without_moments:  # before the first step there are none yet
                 log.warning("portable state of step %d: no Adam moments for %d parameters under this layout; a "
                             "resume under another one needs resume_optimizer=reset", step, without_moments)
 
@@ -131,8 +146,9 @@ class Writer:
         engine = _engine(self.accelerator)
         zero = engine.optimizer if engine is not None else None
         if zero is None or not nvme_swap.swapping(zero):
+            places = flat_places(self.accelerator)
             for name, p in named:
-                yield name, p, self._read(p, base)
+                yield name, p, self._read_flat(p, base, places[id(p)]) if id(p) in places else self._read(p, base)
             return
         # ZeRO-3 with the optimizer state on NVMe: each subgroup swapped in once (see nvme_swap).
         names = {id(p): name for name, p in named}
@@ -142,6 +158,14 @@ class Writer:
                 if id(p) in names:
                     full = [nvme_swap.gather(zero, p, nvme_swap.partition(zero, base, p, kind)) for kind in kinds]
                     yield names[id(p)], p, (*full, *[None] * (len(KINDS) - len(full)))
+
+    def _read_flat(self, p: torch.nn.Parameter, base: Any, place: tuple[torch.Tensor, int, int],
+                   ) -> tuple[torch.Tensor | None, ...]:
+        """A parameter's fp32 master and moments, slices of its group's flat tensors (FP16_Optimizer)."""
+        flat, offset, numel = place
+        state = base.state.get(flat, {}) if self.moments else {}
+        return tuple(t.narrow(0, offset, numel).view(p.shape) if t is not None else None
+                     for t in (flat, state.get("exp_avg"), state.get("exp_avg_sq")))
 
     def _read(self, p: torch.nn.Parameter, base: Any) -> tuple[torch.Tensor | None, ...]:
         from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
