@@ -106,6 +106,7 @@ def _offload_block(cfg: DictConfig, device: str, for_params: bool) -> dict[str, 
         block["max_in_cpu"] = 0
     else:
         block["buffer_count"] = int(cfg.offload.buffer_count or 4)
+        # Not pipelined: train/nvme_swap.py mends the gradient read of the non-pipelined swapper only.
         block["pipeline_read"] = False
         block["pipeline_write"] = False
     return block
