@@ -23,7 +23,7 @@ def test_sdxl_unet_flops_per_image_match_the_published_figures(res: int, publish
 def test_bench_runs_the_target_cells_writes_results_and_continues(tmp_path: Path) -> None:
     out = tmp_path / "bench"
     cmd = [sys.executable, "-m", "ds_trainer.bench", "--out", str(out), "--model", "sdxl_tiny", "--resolutions", "128",
-           "--batches", "1", "2", "--cells", "targets", "--steps", "4"]
+           "--batches", "1", "2", "--cells", "targets", "--steps", "4", "--overhead-pairs", "2"]
     first = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]
     rows = list(csv.DictReader((out / "results.csv").open()))
@@ -31,7 +31,9 @@ def test_bench_runs_the_target_cells_writes_results_and_continues(tmp_path: Path
     assert all(float(r["mfu"]) > 0 and float(r["images_per_s"]) > 0 for r in rows)
     (raw,) = [r for r in rows if r["overhead"]]
     assert raw["cell"] == "stage2-none-px128-b2-gc0-acc1" and 0.5 < float(raw["overhead"]) < 3
+    assert len(raw["overhead_pairs"].split()) == 2  # the cell and the raw loop, twice, back to back
     text = (out / "results.md").read_text()
+    assert "(median of 2 alternating pairs)" in text
     assert "| 128px, batch 1, grad ckpt, stage2 + offload=cpu: peak allocated <= 7.0 GiB | " in text
     assert text.count("no GPU figures (not a CUDA run)") == 3  # memory targets need a GPU
     assert (out / "cells" / "report.png").stat().st_size > 0
