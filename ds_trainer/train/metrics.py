@@ -152,6 +152,15 @@ class Tracker:
                 tracker.finish()
             except Exception as exc:  # noqa: BLE001 - closing must not mask the run's own outcome
                 log.warning("W&B did not finish cleanly: %s", exc)
+        if self.accelerator.trackers:
+            # Stop W&B's service process now, not in its atexit hook: a requeued Slurm job is sent SIGTERM as
+            # it exits, the service dies first, and the hook then prints a traceback ("Connection lost").
+            try:
+                import wandb
+
+                wandb.teardown()
+            except Exception as exc:  # noqa: BLE001
+                log.warning("W&B did not shut down cleanly: %s", exc)
 
 
 def drop_after(path: Path, step: int) -> None:
