@@ -66,7 +66,9 @@ def flat_places(accelerator: Any) -> dict[int, tuple[torch.Tensor, int, int]]:
     outer = engine.optimizer if engine is not None else None
     flats, groups = getattr(outer, "fp32_groups_flat", None), getattr(outer, "fp16_groups", None)
     places: dict[int, tuple[torch.Tensor, int, int]] = {}
-    for flat, params in zip(flats or [], groups or [], strict=True):
+    if flats is None or groups is None:  # ZeRO-3 has fp16_groups too, but partitioned masters
+        return places
+    for flat, params in zip(flats, groups, strict=True):
         offset = 0
         for p in params:  # flattened in this order, without padding
             places[id(p)] = (flat, offset, p.numel())
