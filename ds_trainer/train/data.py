@@ -10,6 +10,7 @@ import logging
 import os
 import random
 from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -383,12 +384,32 @@ class Loader:
         self.plan = data.plan if isinstance(data, FolderImages) else None
         step, self.offset = start or (0, 0)
         self.first = step * int(cfg.train.gradient_accumulation_steps)
+        # The cache read of micro-batch b+1 runs in a thread while b trains (files, unpickling: no GPU work).
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="ds_trainer-prefetch") if cache is not None else None
+        self._next: tuple[int, Future[dict[str, torch.Tensor]]] | None = None
 
     def position(self, b: int) -> int:
         """The first sample position of this rank's part of micro-batch `b`."""
         return self.offset + ((b - self.first) * self.world + self.rank) * self.micro
 
     def __call__(self, b: int) -> dict[str, torch.Tensor]:
+        if self._pool is None:
+            return self._load(b)
+        ahead = self._next
+        if ahead is not None and ahead[0] == b:
+            batch = ahead[1].result()
+        else:  # not the batch read ahead (the first call): one reader at a time
+            if ahead is not None:
+                wait([ahead[1]])
+            batch = self._load(b)
+        self._next = (b + 1, self._pool.submit(self._load, b + 1))
+        return batch
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def _load(self, b: int) -> dict[str, torch.Tensor]:
         position = self.position(b)
         if self.plan is not None:  # one bucket per global batch: every rank gets the same shape
             indices = self.plan.samples(position, self.micro)

@@ -253,6 +253,7 @@ def _train(cfg: DictConfig, ds: dict[str, Any] | None, run_dir: Path, accelerato
                 if stopping and step < max_steps:
                     raise Interrupted(step, saver.last, stop)
         finally:
+            loader.close()
             if progress is not None:
                 progress.close()
 
