@@ -18,13 +18,10 @@ elements) would take days. `subgroups` swaps each subgroup in once and hands out
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterator
 from typing import Any
 
 import torch
-
-log = logging.getLogger("ds_trainer")
 
 O_DIRECT_ALIGNMENT = 512  # bytes: what the async_io op's O_DIRECT reads need of the buffer address
 
@@ -42,12 +39,11 @@ def align_gradient_reads() -> None:
         info = self.swap_params_info[OptimizerSwapper.parameter_id(parameter)]
         parts = [(gradient_tensor.narrow(0, g.offset, g.length), g.path) for g in info.swapped_gradients.values()]
         aligned = [(view, path) for view, path in parts if view.data_ptr() % O_DIRECT_ALIGNMENT == 0]
+        unaligned = [(view, path) for view, path in parts if view.data_ptr() % O_DIRECT_ALIGNMENT != 0]
         if aligned:
             swap_in_tensors(aio_handle, [v for v, _ in aligned], [p for _, p in aligned])
             assert aio_handle.wait() == len(aligned)
-        for view, path in parts:
-            if view.data_ptr() % O_DIRECT_ALIGNMENT == 0:
-                continue
+        for view, path in unaligned:
             scratch = _scratch(self, aio_handle, view.numel(), view.dtype)
             swap_in_tensors(aio_handle, [scratch], [path])
             assert aio_handle.wait() == 1
