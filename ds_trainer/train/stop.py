@@ -37,8 +37,8 @@ class StopRequest:
         if callable(signal.getsignal(signal.SIGCONT)):
             # Slurm sends SIGCONT with its time-limit signal, and submitit's handler for it only logs. A handler
             # that logs fails when the signal lands in the middle of a log write (a traceback in the job's log),
-            # so it is silenced while the loop runs. The process continues either way: that is the kernel's.
-            self._previous[signal.SIGCONT] = signal.signal(signal.SIGCONT, _ignore)
+            # so it is ignored while the loop runs. The process continues either way: that is the kernel's.
+            self._previous[signal.SIGCONT] = signal.signal(signal.SIGCONT, signal.SIG_IGN)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -62,10 +62,6 @@ class StopRequest:
         handler = self._previous.get(self.signum) if self.signum else None
         if callable(handler):
             handler(self.signum, None)
-
-
-def _ignore(signum: int, frame: Any) -> None:
-    return None
 
 
 class Interrupted(Exception):
