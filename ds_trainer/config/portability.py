@@ -110,10 +110,10 @@ def _without_portable_state(cfg: DictConfig, checkpoint: Path | None) -> list[Pr
         return []
     changed = "; ".join(f"{key}: {was} -> {value}" for key, (was, value) in moved.items())
     back = " ".join(_override(key, was) for key, (was, _) in moved.items())
-    convert = ""
-    if str(saved["zero"]) in ("stage1", "stage2", "stage3") and identity(cfg)["adapter"] is None:
+    convert, ident = "", identity(cfg)
+    if str(saved["zero"]) in ("stage1", "stage2", "stage3") and ident["adapter"] is None:
         convert = (f", or give it a portable state offline: python -m ds_trainer.convert {checkpoint} --import-to "
-                   f"<dir> --architecture {identity(cfg)['architecture']}, then resume=<dir>")
+                   f"<dir> --architecture {ident['architecture']}, then resume=<dir>")
     return [Problem("resume", str(checkpoint), f"the checkpoint holds no portable state (saved with "
                     f"train.portable_state=false), so it continues only under the layout it was saved with; this run "
                     f"changed it ({changed})", f"resume with {back}{convert}")]
