@@ -16,15 +16,30 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
 from ds_trainer import CONF_DIR
-from ds_trainer.config import rundir, schema
+from ds_trainer.config import op_cache, rundir, schema
 from ds_trainer.launch import sweep
 
 REPO = Path(__file__).resolve().parent.parent
 IN_CI = os.environ.get("CI", "").lower() == "true"
 
+# Engines built in this process load the ops `make ops` built for this environment (and so do the runs it starts).
+op_cache.use_environment_folder()
+op_cache.cache_cpu_info()
 schema.register()
 sweep.register()
 rundir.register_resolvers()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (`-n 2`, as `make test` runs) the tests of one local Slurm cluster run one after another
+    in one worker, which starts that cluster once: the one-node cluster's tests in one group, the two-node
+    cluster's in another (the two clusters run side by side)."""
+    for item in items:
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if "two_nodes" in fixtures:
+            item.add_marker(pytest.mark.xdist_group("slurm_two_nodes"))
+        elif "slurm_cluster" in fixtures or "slurm" in item.name:
+            item.add_marker(pytest.mark.xdist_group("slurm_one_node"))
 
 
 def group_options() -> list[tuple[str, str]]:
@@ -111,6 +126,13 @@ def slurm_cluster() -> Iterator[dict[str, str]]:
     yield slurm_local.env(folder)
     if not running:  # leave a cluster the user had started alone
         slurm_local.stop(folder)
+
+
+def torchrun(ranks: int) -> list[str]:
+    """`python -m torch.distributed.run` for `ranks` ranks on this machine, on a free port (not torchrun's
+    default 29500, which two tests running side by side would both take)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
+            str(free_port())]
 
 
 def free_port() -> int:

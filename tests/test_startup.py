@@ -86,16 +86,53 @@ def test_a_lock_nobody_holds_is_removed_and_a_held_one_is_left(tmp_path: Path,
 @pytest.mark.slow
 def test_a_run_starts_although_a_killed_process_left_an_op_build_lock(workdir: Path) -> None:
     # Without the watcher this run waits for the lock forever: torch's loader has no time limit.
+    from ds_trainer.config import op_cache
     from ds_trainer.train import op_builds
 
-    extensions = workdir / "torch_extensions"
-    extensions.mkdir()
+    root = workdir / "torch_extensions"
+    extensions = root / op_cache.environment_tag()  # the run builds and loads this environment's ops there
+    extensions.mkdir(parents=True)
     for op in ("fused_adam", "deepspeed_shm_comm"):  # what a ZeRO-2 run loads (built by now, or built here)
         if (op_builds.extensions_root() / op).is_dir():
             shutil.copytree(op_builds.extensions_root() / op, extensions / op)
     (extensions / "fused_adam").mkdir(exist_ok=True)
     (extensions / "fused_adam" / "lock").touch()
     result = run_cli("zero=stage2", "train.max_steps=1", "data.num_samples=2", "logger=none", "train.export=false",
-                     cwd=workdir, env={"TORCH_EXTENSIONS_DIR": str(extensions)}, timeout=600)
+                     cwd=workdir, env={"TORCH_EXTENSIONS_DIR": str(root)}, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"removed {extensions / 'fused_adam' / 'lock'}: a build lock of DeepSpeed's op fused_adam" in result.stderr
+
+
+# --- what a start-up no longer pays for (config/op_cache.py)
+
+def test_each_python_environment_builds_its_ops_in_a_folder_of_its_own(tmp_path: Path) -> None:
+    """Two venvs with their own DeepSpeed used to rebuild each other's ops in one shared folder (146 s at a
+    start); the folder is now named after the environment, under the root the user chose."""
+    code = ("import os; from ds_trainer.config import op_cache; print(op_cache.use_environment_folder()); "
+            "print(op_cache.use_environment_folder()); print(os.environ['TORCH_EXTENSIONS_DIR'])")
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)}
+    here = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    first, again, exported = here.stdout.split()
+    assert first == again == exported and Path(first).parent == tmp_path  # idempotent, under the user's root
+    # The same interpreter seen as another environment (another sys.prefix, as a venv has) gets another folder.
+    other = subprocess.run([sys.executable, "-c", "import sys; sys.prefix = '/elsewhere/venv'; " + code], env=env,
+                           capture_output=True, text=True, check=True)
+    assert other.stdout.split()[0] != first and Path(other.stdout.split()[0]).parent == tmp_path
+    # A process started by a ds_trainer process keeps the folder it inherited (no folder inside the folder).
+    child = subprocess.run([sys.executable, "-c", code], env={**env, "TORCH_EXTENSIONS_DIR": first},
+                           capture_output=True, text=True, check=True)
+    assert child.stdout.split()[0] == first
+
+
+def test_the_cpu_description_is_probed_once_per_kind_of_cpu(tmp_path: Path) -> None:
+    """DeepSpeed asks py-cpuinfo twice per op load (about 1.1 s a call); the answer is kept in a file."""
+    code = ("import time, cpuinfo; from ds_trainer.config import op_cache; op_cache.cache_cpu_info(); "
+            "t = time.perf_counter(); a = cpuinfo.get_cpu_info(); b = cpuinfo.get_cpu_info(); "
+            "print(round(time.perf_counter() - t, 3), a['arch'] == b['arch'] == 'X86_64', 'flags' in a)")
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
+    first = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    second = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    (cached,) = (tmp_path / "ds_trainer").glob("cpuinfo-*.json")
+    assert first.stdout.split()[1:] == second.stdout.split()[1:] == ["True", "True"]
+    assert float(second.stdout.split()[0]) < 0.1 <= float(first.stdout.split()[0])  # the probe ran once, in the first
+    assert cached.stat().st_size > 100

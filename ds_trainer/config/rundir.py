@@ -24,16 +24,25 @@ from ds_trainer import ASSETS_DIR
 from ds_trainer.config import distributed
 
 
-def _process_start(pid: int) -> float | None:
-    """Start time of `pid` in seconds since the epoch (Linux), or None."""
+def since_boot(pid: int) -> float | None:
+    """When `pid` started, in seconds after the machine booted (Linux), or None."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        ticks = int(fields[19])
+        return int(fields[19]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _process_start(pid: int) -> float | None:
+    """Start time of `pid` in seconds since the epoch (Linux), or None. The same value in every process that
+    asks (the boot time in whole seconds, not the uptime), so that the ranks' run stamps agree."""
+    started = since_boot(pid)
+    try:
         boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
                     if line.startswith("btime"))
     except (OSError, IndexError, ValueError, StopIteration):
         return None
-    return boot + ticks / os.sysconf("SC_CLK_TCK")
+    return None if started is None else boot + started
 
 
 @cache

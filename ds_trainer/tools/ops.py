@@ -2,13 +2,13 @@
 
 DeepSpeed compiles an op the first time a run uses it (ZeRO's Adam, CPU-offload Adam, NVMe's async_io):
 measured here, the first ZeRO-2 run reached its first step after 44.8 s instead of 8.1 s. The build
-lands in TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions): point it at a folder every node of a
-cluster sees (a shared home or project folder) so that each new node does not compile again.
+lands in this Python environment's folder under TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions;
+see config/op_cache.py): point that at a folder every node of a cluster sees (a shared home or project
+folder) so that each new node does not compile again.
 """
 
 from __future__ import annotations
 
-import os
 import sys
 
 # What the optimizer and offload groups can ask for, by DeepSpeed's builder names; every DeepSpeed process on
@@ -19,10 +19,13 @@ OPS = ["FusedAdamBuilder", "CPUAdamBuilder", "CPUAdagradBuilder", "CPULionBuilde
 
 def main(argv: list[str] | None = None) -> int:
     """Build (or find built) every op this accelerator has; report each on one line."""
+    from ds_trainer.config import op_cache
+
+    where = op_cache.use_environment_folder()  # the folder runs of this environment load them from
+    op_cache.cache_cpu_info()
     from deepspeed.accelerator import get_accelerator
 
     names = list(sys.argv[1:] if argv is None else argv) or OPS
-    where = os.environ.get("TORCH_EXTENSIONS_DIR", "~/.cache/torch_extensions (TORCH_EXTENSIONS_DIR unset)")
     print(f"building DeepSpeed ops into {where}", flush=True)
     failed = 0
     for name in names:

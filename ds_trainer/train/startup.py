@@ -21,14 +21,19 @@ _done: list[bool] = []
 
 
 def process_start() -> float:
-    """The process's start as a time.time() value (Linux: /proc; elsewhere: the first call)."""
+    """The process's start as a time.time() value (Linux: /proc; elsewhere: the first call).
+
+    The boot time comes from the uptime (1/100 s), not /proc/stat's `btime`, which is rounded to a whole
+    second and made every start-up total read up to a second high."""
+    from ds_trainer.config.rundir import since_boot
+
+    started = since_boot(os.getpid())
     try:
-        ticks = int(open(f"/proc/{os.getpid()}/stat").read().rsplit(")", 1)[1].split()[19])
-        with open("/proc/stat") as f:
-            boot = next(float(line.split()[1]) for line in f if line.startswith("btime"))
-        return boot + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
         return time.time()
+    return time.time() if started is None else time.time() - uptime + started
 
 
 def mark(part: str) -> None:
