@@ -132,7 +132,7 @@ class Carry:
         with torch.no_grad():
             p.copy_(values["fp32"].reshape(_shape(p)))
         if moments and "exp_avg" in values:
-            base.state[p] = {"step": _step_value(base, t), "exp_avg": values["exp_avg"].to(p.device, p.dtype),
+            base.state[p] = {"step": _step_value(base, t, p.device), "exp_avg": values["exp_avg"].to(p.device, p.dtype),
                              "exp_avg_sq": values["exp_avg_sq"].to(p.device, p.dtype)}
 
     def _set_flat(self, p: torch.nn.Parameter, name: str, base: Any, moments: bool,
@@ -173,9 +173,13 @@ class Carry:
         ema.load_state_dict(state)
 
 
-def _step_value(base: Any, t: int) -> Any:
-    """torch's Adam/AdamW keep the step as a float tensor; DeepSpeed's Adams as an int."""
-    return torch.tensor(float(t)) if isinstance(base, torch.optim.Adam | torch.optim.AdamW) else t
+def _step_value(base: Any, t: int, device: Any = "cpu") -> Any:
+    """torch's Adam/AdamW keep the step as a float tensor (float32 on the parameter's device when fused);
+    DeepSpeed's Adams as an int."""
+    if not isinstance(base, torch.optim.Adam | torch.optim.AdamW):
+        return t
+    fused = any(group.get("fused") for group in base.param_groups)
+    return torch.tensor(float(t), dtype=torch.float32, device=device) if fused else torch.tensor(float(t))
 
 
 def _prefill(engine: Any, base: Any, t: int) -> None:
