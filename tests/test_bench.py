@@ -14,28 +14,48 @@ pytest.importorskip("torch")
 
 @pytest.mark.parametrize(("res", "published"), [(1024, 20.2), (512, 4.7)])
 def test_sdxl_unet_flops_per_image_match_the_published_figures(res: int, published: float) -> None:
-    from ds_trainer.tools import bench
+    from ds_trainer.tools import bench_cells
 
-    assert bench.tflop_per_image("sdxl_base", res) == pytest.approx(published, rel=0.01)
+    assert bench_cells.tflop_per_image("sdxl_base", res) == pytest.approx(published, rel=0.01)
 
 
 @pytest.mark.slow
 def test_bench_runs_the_target_cells_writes_results_and_continues(tmp_path: Path) -> None:
     out = tmp_path / "bench"
     cmd = [sys.executable, "-m", "ds_trainer.bench", "--out", str(out), "--model", "sdxl_tiny", "--resolutions", "128",
-           "--batches", "1", "2", "--cells", "targets", "--steps", "4", "--overhead-pairs", "2"]
+           "--batches", "2", "--cells", "targets", "--steps", "3", "--overhead-pairs", "2"]
     first = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]
     rows = list(csv.DictReader((out / "results.csv").open()))
-    assert [r["status"] for r in rows] == ["ok"] * 7, [(r["cell"], r["message"]) for r in rows]
+    # Six target cells (with one batch size the first and third target name the same cell: run once).
+    assert len({r["cell"] for r in rows}) == len(rows) == 6
+    assert [r["status"] for r in rows] == ["ok"] * 6, [(r["cell"], r["message"]) for r in rows]
     assert all(float(r["mfu"]) > 0 and float(r["images_per_s"]) > 0 for r in rows)
+    assert all(0 < float(r["first_step_s"]) < 120 for r in rows)  # timed from outside, from the process start
     (raw,) = [r for r in rows if r["overhead"]]
     assert raw["cell"] == "stage2-none-px128-b2-gc0-acc1" and 0.5 < float(raw["overhead"]) < 3
     assert len(raw["overhead_pairs"].split()) == 2  # the cell and the raw loop, twice, back to back
     text = (out / "results.md").read_text()
     assert "(median of 2 alternating pairs)" in text
-    assert "| 128px, batch 1, grad ckpt, stage2 + offload=cpu: peak allocated <= 7.0 GiB | " in text
+    assert "| 128px, batch 2, grad ckpt, stage2 + offload=cpu: peak allocated <= 7.0 GiB | " in text
     assert text.count("no GPU figures (not a CUDA run)") == 3  # memory targets need a GPU
     assert (out / "cells" / "report.png").stat().st_size > 0
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert again.returncode == 0 and "0 cell(s) to run" in again.stdout  # finished cells are kept
+
+
+@pytest.mark.slow
+def test_bench_times_the_first_step_against_the_raw_loop(tmp_path: Path) -> None:
+    out = tmp_path / "startup"
+    cmd = [sys.executable, "-m", "ds_trainer.bench", "--out", str(out), "--model", "sdxl_tiny", "--resolutions", "128",
+           "--batches", "2", "--steps", "4", "--startup-pairs", "1", "--zeros", "ddp"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    (row,) = list(csv.DictReader((out / "startup.csv").open()))
+    assert row["zero"] == "ddp" and row["status"] == "ok"
+    for key in ("first_step_s", "raw_first_step_s"):  # each from its own process's start, imports included
+        assert 1 < float(row[key]) < 120, row
+    assert 0 < float(row["s_per_it"]) < 10 and 0 < float(row["raw_s_per_it"]) < 10
+    table = (out / "startup.md").read_text()
+    assert "| zero | pairs | first step (s) | raw loop (s) | ratio | s/it | raw s/it | ratio |" in table
+    assert table.splitlines()[-1].startswith("| ddp | 1 | ")

@@ -24,78 +24,38 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import os
 import statistics
-import subprocess
 import sys
 import time
-from dataclasses import dataclass
-from functools import cache
 from pathlib import Path
 from typing import Any
+
+from ds_trainer.tools.bench_cells import Cell, raw_loop, run_cell, run_raw
 
 COMBOS = (("ddp", "none"), ("stage2", "none"), ("stage2", "cpu"), ("stage3", "none"), ("stage3", "cpu"),
           ("stage3", "nvme"))
 FIELDS = ("cell", "zero", "offload", "resolution", "micro_batch", "grad_ckpt", "accum", "status",
-          "gpu_alloc_peak_gib", "gpu_reserved_peak_gib", "host_rss_peak_gib", "median_s_per_it", "images_per_s",
+          "gpu_alloc_peak_gib", "gpu_reserved_peak_gib", "host_rss_peak_gib", "first_step_s", "median_s_per_it",
+          "images_per_s",
           "s_per_image", "tflop_per_image", "mfu", "raw_median_s_per_it", "overhead", "overhead_pairs", "peak_tflops",
           "message")
 
 
-@dataclass(frozen=True)
-class Cell:
-    zero: str
-    offload: str
-    res: int
-    batch: int
-    gc: bool
-    accum: int = 1
-
-    @property
-    def name(self) -> str:
-        return f"{self.zero}-{self.offload}-px{self.res}-b{self.batch}-gc{int(self.gc)}-acc{self.accum}"
-
-    def overrides(self, model: str, steps: int, nvme_path: str) -> list[str]:
-        out = [f"model={model}", f"zero={self.zero}", f"offload={self.offload}", f"resolution.width={self.res}",
-               f"resolution.height={self.res}", f"train.micro_batch_size={self.batch}",
-               f"train.gradient_checkpointing={str(self.gc).lower()}",
-               f"train.gradient_accumulation_steps={self.accum}", f"train.max_steps={steps}",
-               f"data.num_samples={self.batch * self.accum}", "logger=none", "train.export=false",
-               "train.final_checkpoint=false", "train.checkpoint_every=0"]
-        if self.offload == "nvme":
-            out.append(f"offload.nvme_path={nvme_path}")
-        return out
-
-
 def target_cells(res: int, small: int, big: int) -> list[Cell]:
-    """The cells the targets are measured on, in the order they are run."""
-    return [Cell("stage2", "cpu", res, small, True), Cell("stage3", "cpu", res, small, True),
-            Cell("stage2", "cpu", res, big, True), Cell("stage2", "none", res, big, False),
-            Cell("ddp", "none", res, big, False), Cell("stage2", "none", res, big, False, 16),
-            Cell("stage2", "cpu", res, big, False, 16)]
+    """The cells the targets are measured on, in the order they are run (each once: with one batch size
+    the first and third are the same cell)."""
+    cells = [Cell("stage2", "cpu", res, small, True), Cell("stage3", "cpu", res, small, True),
+             Cell("stage2", "cpu", res, big, True), Cell("stage2", "none", res, big, False),
+             Cell("ddp", "none", res, big, False), Cell("stage2", "none", res, big, False, 16),
+             Cell("stage2", "cpu", res, big, False, 16)]
+    return list(dict.fromkeys(cells))
 
 
 def all_cells(resolutions: list[int], batches: list[int]) -> list[Cell]:
     targets = target_cells(resolutions[0], batches[0], batches[-1])
     full = [Cell(z, o, r, b, gc) for r in resolutions for b in batches for z, o in COMBOS for gc in (True, False)]
     return targets + [c for c in full if c not in targets]
-
-
-@cache
-def tflop_per_image(model: str, res: int) -> float:
-    """Model FLOPs of one image through the UNet, forward and backward, counted on the meta device."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    from ds_trainer import ASSETS_DIR
-    from ds_trainer.tools import plan
-
-    unet = plan._meta_unet(str(ASSETS_DIR / model))  # shared and cached: the planner may have cast it to bf16
-    latents, t, embeds, cond = plan.unet_inputs(unet.config, 1, res, res, unet.dtype, "meta")
-    with FlopCounterMode(display=False) as counter:
-        unet(latents, t, embeds, added_cond_kwargs=cond).sample.sum().backward()
-    unet.zero_grad(set_to_none=True)
-    return float(counter.get_total_flops()) / 1e12
 
 
 def peak_tflops() -> float:
@@ -120,92 +80,6 @@ def peak_tflops() -> float:
     return best
 
 
-def _gib(mib: Any) -> float | None:
-    return round(float(mib) / 1024, 2) if mib is not None else None
-
-
-def _round(value: Any, digits: int) -> float | None:
-    return round(float(value), digits) if value is not None else None
-
-
-def run_cell(cell: Cell, args: argparse.Namespace, out: Path, folder: Path | None = None) -> dict[str, Any]:
-    """Train the cell in its own process; its row of the results."""
-    folder = folder or out / "cells" / cell.name
-    cmd = [sys.executable, "-m", "ds_trainer", *cell.overrides(args.model, _steps(cell, args), args.nvme_path),
-           f"adapter={args.adapter}", f"hydra.run.dir={folder}"]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.cell_timeout_s)
-        tail = proc.stderr.strip().splitlines()[-1:] if proc.returncode else []
-    except subprocess.TimeoutExpired:
-        tail = [f"no result within {args.cell_timeout_s} s"]
-    summary = json.loads((folder / "summary.json").read_text()) if (folder / "summary.json").exists() else {}
-    row: dict[str, Any] = {"cell": cell.name, "zero": cell.zero, "offload": cell.offload,
-                           "resolution": f"{cell.res}x{cell.res}", "micro_batch": cell.batch, "grad_ckpt": cell.gc,
-                           "accum": cell.accum, "status": summary.get("status", "error"),
-                           "gpu_alloc_peak_gib": _gib(summary.get("gpu_mem_peak_allocated_mib")),
-                           "gpu_reserved_peak_gib": _gib(summary.get("gpu_mem_peak_reserved_mib")),
-                           "host_rss_peak_gib": _gib(summary.get("host_rss_peak_mib")),
-                           "median_s_per_it": _round(summary.get("median_s_per_it"), 4),
-                           "images_per_s": _round(summary.get("images_per_s"), 3),
-                           "message": summary.get("message") or (tail[0] if tail else None)}
-    if row["status"] == "ok" and row["images_per_s"]:
-        flops = tflop_per_image(args.model, cell.res)
-        world = int(summary.get("world_size", 1))
-        row.update(s_per_image=round(1 / row["images_per_s"], 5), tflop_per_image=round(flops, 3),
-                   mfu=round(flops * row["images_per_s"] / world / args.peak, 4), peak_tflops=round(args.peak, 1))
-    return row
-
-
-def _steps(cell: Cell, args: argparse.Namespace) -> int:
-    return max(4, args.steps // 2) if cell.accum > 1 else int(args.steps)
-
-
-def raw_loop(folder: Path, steps: int, warmup: int = 2) -> float:
-    """Median s/it of a minimal DeepSpeed loop with the cell's JSON and model (run in its own process)."""
-    import deepspeed
-    import torch
-    from omegaconf import DictConfig, OmegaConf
-
-    from ds_trainer.tools import plan
-    from ds_trainer.train import models
-    from ds_trainer.train import recipe as train
-
-    cfg = OmegaConf.load(folder / "config.yaml")
-    assert isinstance(cfg, DictConfig)
-    ds = json.loads((folder / "ds_config.json").read_text())
-    train._single_process_env()
-    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
-    unet = models.load_unet(cfg)
-    engine, _, _, _ = deepspeed.initialize(model=unet, model_parameters=unet.parameters(), config=ds)
-    micro, accum = int(cfg.train.micro_batch_size), int(cfg.train.gradient_accumulation_steps)
-    dtype = torch.bfloat16 if ds.get("bf16", {}).get("enabled") else torch.float32
-    latents, t, embeds, cond = plan.unet_inputs(unet.config, micro, int(cfg.resolution.height),
-                                                int(cfg.resolution.width), dtype, engine.device)
-    noise = torch.randn_like(latents)
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        for _ in range(accum):
-            loss = torch.nn.functional.mse_loss(engine(latents, t, embeds, added_cond_kwargs=cond).sample.float(),
-                                                noise.float())
-            engine.backward(loss)
-            engine.step()
-        loss.item()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[warmup:])
-
-
-def run_raw(cell: Cell, args: argparse.Namespace, out: Path, folder: Path | None = None) -> float | None:
-    folder = folder or out / "cells" / cell.name
-    cmd = [sys.executable, "-m", "ds_trainer.bench", "--raw", str(folder), "--steps", str(_steps(cell, args))]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.cell_timeout_s)
-    except subprocess.TimeoutExpired:
-        return None
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("raw_median_s_per_it=")]
-    return float(lines[-1].split("=")[1]) if proc.returncode == 0 and lines else None
-
-
 def overhead_of(cell: Cell, row: dict[str, Any], args: argparse.Namespace, out: Path) -> dict[str, Any]:
     """The framework's s/it over the raw loop's: the median ratio of `--overhead-pairs` back-to-back pairs."""
     pairs: list[tuple[float, float]] = []
@@ -214,7 +88,7 @@ def overhead_of(cell: Cell, row: dict[str, Any], args: argparse.Namespace, out: 
         framework = row["median_s_per_it"] if k == 0 else run_cell(cell, args, out, folder)["median_s_per_it"]
         raw = run_raw(cell, args, out, folder) if framework else None
         if framework and raw:
-            pairs.append((float(framework), raw))
+            pairs.append((float(framework), raw[1]))
     if not pairs:
         return {}
     return {"raw_median_s_per_it": round(statistics.median(r for _, r in pairs), 4),
@@ -319,12 +193,22 @@ def main(argv: list[str] | None = None) -> int:
                         help="what every cell trains: the whole UNet, or LoRA (use its own --out)")
     parser.add_argument("--overhead-pairs", type=int, default=1,
                         help="run the overhead cell and the raw loop alternately this many times (median ratio)")
+    parser.add_argument("--startup-pairs", type=int, default=0,
+                        help="instead of the cells: time to the first step and s/it of each --zeros option against "
+                             "the raw loop, this many alternating pairs each (see tools/bench_startup.py)")
+    parser.add_argument("--zeros", nargs="+", default=["ddp", "stage2", "stage3"],
+                        help="the zero options --startup-pairs measures")
     parser.add_argument("--raw", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.argv = sys.argv[1:] if argv is None else argv
     if args.raw is not None:
-        print(f"raw_median_s_per_it={raw_loop(args.raw, args.steps)}", flush=True)
+        first, median = raw_loop(args.raw, args.steps)
+        print(f"raw_first_step_at={first}\nraw_median_s_per_it={median}", flush=True)
         return 0
+    if args.startup_pairs:
+        from ds_trainer.tools import bench_startup
+
+        return bench_startup.main(args)
     start = time.time()
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
