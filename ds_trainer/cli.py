@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -104,9 +105,18 @@ def run(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m ds_trainer [overrides]`: a mistake at any layer exits 2 with one screen, no traceback."""
+    """`python -m ds_trainer [overrides]`: a mistake at any layer exits 2 with one screen, no traceback; Ctrl-C
+    before training starts exits 130 with one line (once training runs, the recipe handles it)."""
     startup.mark("import")
-    overrides.guarded(hydra_main, argv)
+    try:
+        overrides.guarded(hydra_main, argv)
+    except KeyboardInterrupt:
+        print("\nds_trainer: stopped by Ctrl-C before training started; nothing was trained", file=sys.stderr)
+        raise SystemExit(130) from None
+    finally:
+        # What was to be saved is saved and said: a late Ctrl-C must not cut the process's exit short (at
+        # interpreter shutdown Python gives SIGINT back to the kernel, which would end it with status -2).
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")

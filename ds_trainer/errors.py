@@ -21,3 +21,11 @@ class DataError(InputError):
 class NodesError(TrainingError):
     """The ranks of a multi-node run could not meet at the master address, or do not share the run
     directory. A sweep cell's job fails with it: the launcher may not see the run directory to read why."""
+
+
+class Stopped(TrainingError):
+    """A signal stopped the run (Ctrl-C, SIGTERM, SIGUSR2): the exit status is the shell's, 128 + the signal."""
+
+    def __init__(self, message: str, exit_status: int) -> None:
+        super().__init__(message)
+        self.exit_status = exit_status

@@ -242,6 +242,9 @@ class TrainConfig:
     gradient_checkpointing: bool = False
     # 0: save only at the end.
     checkpoint_every: int = 0
+    # Also save when this much wall time has passed since the last checkpoint (0: never by time), so that what no
+    # signal handler can save (kill -9, a lost node, a power cut) loses at most that much training.
+    checkpoint_every_minutes: float = 30.0
     checkpoints_to_keep: int = 2
     # Every checkpoint also holds a portable state (fp32 weights and Adam moments by parameter name, about
     # 12 bytes per trainable parameter: as much again as DeepSpeed's own optimizer files), so that it can

@@ -98,6 +98,7 @@ def _unknown_keys(cfg: DictConfig, out: list[Problem]) -> None:
 
 
 _FLOATS = ("optimizer.lr", "optimizer.eps", "optimizer.weight_decay", "optimizer.momentum", "train.gradient_clipping",
+           "train.checkpoint_every_minutes",
            "train.ema_decay", "train.noise_offset", "train.min_snr_gamma", "scheduler.warmup_min_lr",
            "scheduler.cos_min_ratio", "scheduler.warmup_min_ratio", "scheduler.min_lr_ratio")
 
@@ -113,6 +114,9 @@ def _numbers(cfg: DictConfig, out: list[Problem]) -> None:
                      ("log_every", 1), ("checkpoints_to_keep", 1), ("checkpoint_every", 0)):
         if t[key] < low:
             out.append(Problem(f"train.{key}", t[key], f"must be at least {low}", f"train.{key}={max(low, 1)}"))
+    if t.checkpoint_every_minutes < 0:
+        out.append(Problem("train.checkpoint_every_minutes", t.checkpoint_every_minutes,
+                           "must be >= 0 (0: no checkpoints by wall time)", "train.checkpoint_every_minutes=30"))
     if t.gradient_clipping < 0:
         out.append(Problem("train.gradient_clipping", t.gradient_clipping, "must be >= 0 (0 turns clipping off)",
                            "train.gradient_clipping=1.0"))

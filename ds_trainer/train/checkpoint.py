@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import shutil
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -205,8 +206,9 @@ def save(accelerator: Any, run_dir: Path, step: int, state: dict[str, Any], keep
 
 
 class Saver:
-    """When the recipe saves: every `train.checkpoint_every` steps, at the last step (unless
-    `train.final_checkpoint=false`) and when the ranks agreed to stop. Collective, like `save`."""
+    """When the recipe saves: every `train.checkpoint_every` steps, every `train.checkpoint_every_minutes` of wall
+    time (what no signal handler can save, kill -9 or a lost node, then loses at most that), at the last step
+    (unless `train.final_checkpoint=false`) and when the ranks agreed to stop. Collective, like `save`."""
 
     def __init__(self, cfg: DictConfig, accelerator: Any, run_dir: Path, ema: Any, wandb_id: str | None,
                  last: Path | None, save_kwargs: dict[str, Any] | None = None,
@@ -215,13 +217,21 @@ class Saver:
         # `accelerator.save_state` arguments (a LoRA leaves frozen weights out), and what to do after a save.
         self.save_kwargs, self.on_save = save_kwargs, on_save
         self.every, self.keep = int(cfg.train.checkpoint_every), int(cfg.train.checkpoints_to_keep)
+        self.every_s = float(cfg.train.checkpoint_every_minutes) * 60
+        self.since = time.monotonic()
         self.final = int(cfg.train.max_steps) if cfg.train.final_checkpoint else None
         self.state = {"backend": cfg.resolved.backend, "stage": int(cfg.zero.stage),
                       "world_size": accelerator.num_processes, "fingerprint": fingerprint(cfg), "wandb_id": wandb_id,
                       "layout": portability.layout(cfg)}  # checked at a resume when there is no portable state
 
-    def after_step(self, step: int, stopping: bool) -> None:
-        if step == self.final or (self.every and step % self.every == 0) or stopping:
+    def due(self) -> bool:
+        """Whether the wall-time interval has passed (asked on rank 0; the step's all-reduce tells the others)."""
+        return bool(self.every_s) and time.monotonic() - self.since >= self.every_s
+
+    def after_step(self, step: int, stopping: bool, due: bool = False) -> None:
+        """Save if this step is one to save at; `due`: the ranks agreed the wall-time interval has passed."""
+        if step == self.final or (self.every and step % self.every == 0) or stopping or due:
+            self.since = time.monotonic()
             extra = {"ema": self.ema.state_dict()} if self.ema is not None else None
             self.last = save(self.accelerator, self.run_dir, step, self.state, self.keep, extra, self.save_kwargs,
                              self.also)

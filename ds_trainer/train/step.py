@@ -9,6 +9,7 @@ uninterrupted one, also under another world size or micro batch.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,10 +50,18 @@ def diffusion_loss(cfg: DictConfig, unet: Any, noise_sched: Any, batch: dict[str
     return per_sample.mean()
 
 
+@dataclass(frozen=True)
+class Outcome:
+    """What the ranks agreed on in the step's all-reduce: stop after it (a signal reached one of them), and save
+    a checkpoint now (rank 0's wall-time interval has passed)."""
+
+    stop: bool
+    save: bool
+
+
 @dataclass
 class TrainStep:
-    """Everything one step touches. Calling it trains step `step` and returns whether the ranks agreed to
-    stop after it (a signal reached one of them)."""
+    """Everything one step touches. Calling it trains step `step` and returns what the ranks agreed on."""
 
     cfg: DictConfig
     accelerator: Any
@@ -66,6 +75,7 @@ class TrainStep:
     tracker: metrics.Tracker
     progress: Any
     deepspeed: bool
+    save_due: Callable[[], bool] = lambda: False  # rank 0's clock decides for every rank
 
     def __post_init__(self) -> None:
         self.device = self.accelerator.device
@@ -77,11 +87,11 @@ class TrainStep:
         self.images_per_step = int(self.cfg.train.micro_batch_size) * self.accum * self.world
         self.log_every, self.max_steps = int(self.cfg.train.log_every), int(self.cfg.train.max_steps)
         self.clip = float(self.cfg.train.gradient_clipping)
-        # Reused every step: the stop flag travels with the loss in one all-reduce.
-        self._flag = torch.zeros((), device=self.device)
+        # Reused every step: the stop and save flags travel with the loss in one all-reduce.
+        self._flags = torch.zeros(2, device=self.device)
         self._ddp_norm: torch.Tensor | None = None
 
-    def __call__(self, step: int) -> bool:
+    def __call__(self, step: int) -> Outcome:
         start, data_wait = time.perf_counter(), 0.0
         logging = step % self.log_every == 0 or step == self.max_steps
         loss_sum = None
@@ -97,18 +107,20 @@ class TrainStep:
             self.scheduler.step()
         if self.ema is not None:
             self.ema.update(self.accelerator.unwrap_model(self.unet))
-        # One all-reduce (and one host sync) per step carries the loss and whether any rank must stop.
+        # One all-reduce (and one host sync) per step carries the loss, whether any rank must stop, and whether
+        # rank 0 says a checkpoint is due.
         assert loss_sum is not None
-        self._flag.fill_(float(self.stop.requested))
-        self.stop.announce()
-        both = torch.stack([loss_sum.detach().float() / self.accum, self._flag])
-        mean_loss, stopping = self.accelerator.reduce(both, reduction="mean").tolist()
+        self._flags[0] = float(self.stop.requested)
+        self._flags[1] = float(self.rank == 0 and self.save_due())
+        self.stop.announce(self.progress)
+        values = torch.cat([(loss_sum.detach().float() / self.accum).reshape(1), self._flags])
+        mean_loss, stopping, due = self.accelerator.reduce(values, reduction="mean").tolist()
         elapsed = time.perf_counter() - start
         if logging:
             self._log(step, mean_loss, grad_norm, elapsed, data_wait)
         if self.progress is not None:
             self.progress.update(1)
-        return bool(stopping)
+        return Outcome(stop=stopping > 0, save=due > 0)
 
     def _micro_step(self, b: int, batch: dict[str, torch.Tensor], logging: bool) -> torch.Tensor:
         gens = [torch.Generator().manual_seed(self.seed * 1_000_003 + int(i)) for i in batch["position"]]
