@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import numerics
 import pytest
 from conftest import require, run_cli, wait_until
 
@@ -80,10 +81,10 @@ def test_zero2_and_zero3_across_two_nodes_equal_a_single_node_two_rank_run(tmp_p
         ours, theirs = _unet(cell), _unet(ref)
         assert ours.keys() == theirs.keys()
         # One node all-reduces through DeepSpeed's shared-memory op, two nodes through gloo over TCP: the same
-        # gradients summed in another order, measured ~2.5e-6 apart after 3 steps (a wrong step, LR or rank
-        # would move them by ~1e-4).
-        worst = max(float((ours[k].float() - theirs[k].float()).abs().max()) for k in ours)
-        assert worst <= 2e-5, f"{cell.name}: weights differ from one node's by {worst}"
+        # gradients summed in another order (measured at most 2.5e-6 apart after 3 steps here). The export holds the
+        # bf16 weights, where such noise can flip an element by one bf16 ulp (1e-4 at these magnitudes) on another
+        # CPU: the mean difference is the measure (tests/numerics.py); a wrong step, LR or rank moves it by ~1e-4.
+        numerics.assert_same_weights(ours, theirs, f"{cell.name}, two nodes against one", tolerance=2e-6)
     # Each rank ran on its own node, with its own address.
     outs = "".join(p.read_text() for p in cells[0].parent.glob(".submitit/*/*_log.out"))
     assert "hostname=dsnode1" in outs and "hostname=dsnode2" in outs

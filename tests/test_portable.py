@@ -10,12 +10,11 @@ the adapters. The ZeRO-3 NVMe run also checks DeepSpeed's NVMe training itself: 
 aligned gradient read (train/nvme_swap.py) its largest weight was 1e-4 off the reference after 4 steps.
 
 Tolerances: the runs differ only in floating-point summation order (gradients reduced over 2 ranks or
-accumulated over 2 micro-batches, DeepSpeed's Adam kernels vs torch.optim.AdamW). Measured here that
-noise is below 3e-6 on the weights and 1e-5 of the moments' scale; one training step moves weights by
-up to 5e-5 and moments by ~20% of their scale, so a lost moment, a skipped or repeated step or
-sample, or a wrong LR fails the test. (Parameters whose true gradient is zero, such as biases ahead of
-a GroupNorm, hold pure rounding noise in their moments; the moments are compared on their global
-scale for that reason.)
+accumulated over 2 micro-batches, DeepSpeed's Adam kernels vs torch.optim.AdamW). Weights and moments are
+compared by their mean absolute difference (tests/numerics.py has why, and the figures): the largest single
+difference is not bounded by the layout's noise on every CPU (Adam turns summation-order noise in near-zero
+gradients into learning-rate-sized steps), the mean is, and a lost moment, a skipped or repeated step or sample,
+or a wrong LR moves it by orders of magnitude more.
 """
 
 from __future__ import annotations
@@ -25,8 +24,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numerics
 import pytest
-from conftest import require, run_cli, run_dirs
+from conftest import require, run_cli, run_dirs, torchrun
 
 from ds_trainer.config import nvme
 
@@ -74,7 +74,7 @@ def train(cwd: Path, zero: str, offload: str, ranks: int, micro: int, accum: int
     cwd.mkdir(parents=True, exist_ok=True)
     if ranks == 1:
         return run_cli(*args, cwd=cwd, timeout=1800)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "-m", "ds_trainer", *args]
+    cmd = [*torchrun(ranks), "-m", "ds_trainer", *args]
     return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=1800)
 
 
@@ -116,14 +116,18 @@ def portable_state(folder: Path) -> tuple[dict, dict[str, torch.Tensor]]:
 
 
 def assert_same_state(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], what: str,
-                      moments: float = 1e-4) -> None:
+                      moments: float = 1e-3) -> None:
+    """Weights by their mean absolute difference, moments by theirs over their scale (see tests/numerics.py: the
+    largest single difference is no measure on every CPU; the mean separates noise from a lost state)."""
     assert got.keys() == expected.keys(), what
-    for kind, tolerance in (("fp32", 2e-5), ("exp_avg", moments), ("exp_avg_sq", moments)):
+    for kind in ("fp32", "exp_avg", "exp_avg_sq"):
         keys = [k for k in expected if k.startswith(kind + "/")]
         assert keys, f"{what}: no {kind} in the portable state"
-        scale = 1.0 if kind == "fp32" else max(expected[k].abs().max().item() for k in keys)
-        worst = max(((got[k] - expected[k]).abs().max().item(), k) for k in keys)
-        assert worst[0] <= tolerance * scale, f"{what}: {worst[1]} differs by {worst[0]:.3g} (scale {scale:.3g})"
+        pair = ({k: got[k] for k in keys}, {k: expected[k] for k in keys})
+        if kind == "fp32":
+            numerics.assert_same_weights(*pair, f"{what} {kind}")
+        else:
+            numerics.assert_same_moments(*pair, f"{what} {kind}", tolerance=moments)
 
 
 @pytest.mark.slow
@@ -153,17 +157,15 @@ def test_resume_under_another_configuration_continues_the_run(chain: Chain, name
     # weights over 4 steps whatever the layout, so the carry is checked one step after it, against the
     # source run's same step (the same state, data and bf16 weights; measured 1e-7 on the weights, 4e-4 of the
     # moments' scale, where a lost moment is off by ~90% of it).
-    against, at, moments = (chain[source][0], first, 1e-3) if kind == BF16 else (reference, M, 1e-4)
+    against, at, moments = (chain[source][0], first, 1e-2) if kind == BF16 else (reference, M, 1e-3)
     _, state = portable_state(ckpt(run_dir, at))
     _, expected_state = portable_state(ckpt(against, at))
     assert_same_state(state, expected_state, f"{source} -> {name}", moments=moments)
     ema, ref_ema = (torch.load(ckpt(r, at) / "ema.pt", weights_only=True) for r in (run_dir, against))
     assert ema["step"] == ref_ema["step"] == at
-    # The EMA follows the module's weights: under bf16 a few of those round one bf16 ulp apart (measured: 771
-    # of 5.4M elements, up to 7e-5 in the EMA by step 5). The fp32 chain is the EMA's tight test.
-    atol = 2e-4 if kind == BF16 else 2e-5
-    for key, value in ref_ema["shadow"].items():
-        torch.testing.assert_close(ema["shadow"][key], value, rtol=0, atol=atol, msg=f"EMA {key}")
+    # The EMA follows the module's weights (under bf16 a few of those round one bf16 ulp apart: 771 of 5.4M
+    # elements, up to 7e-5 by step 5); its mean difference is as small as the weights'.
+    numerics.assert_same_weights(ema["shadow"], ref_ema["shadow"], f"{source} -> {name} EMA")
 
 
 def convert(*args: str | Path, cwd: Path) -> subprocess.CompletedProcess[str]:
