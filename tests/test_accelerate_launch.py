@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import run_cli, run_dirs
+from conftest import free_port, run_cli, run_dirs
 
 SCRIPT = Path(__file__).parent / "scripts" / "one_step.py"
 
@@ -19,7 +19,8 @@ def launch(config: Path, cwd: Path) -> list[dict]:
     out.mkdir()
     env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")} | {"ONE_STEP_OUT": str(out)}
     result = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
-                             str(SCRIPT)], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+                             "--main_process_port", str(free_port()), str(SCRIPT)], cwd=cwd, env=env,
+                            capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return [json.loads(f.read_text()) for f in sorted(out.glob("rank*.json"))]
 

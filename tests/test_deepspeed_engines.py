@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import make_cfg, one_rank_process_group, require
+from conftest import free_port, make_cfg, one_rank_process_group, require
 
 from ds_trainer import cli
 from ds_trainer.config import nvme, validation
@@ -23,7 +23,7 @@ deepspeed = pytest.importorskip("deepspeed")
 
 @pytest.fixture(scope="module", autouse=True)
 def one_rank_group() -> Iterator[None]:
-    with one_rank_process_group(29655):
+    with one_rank_process_group(free_port()):
         yield
 
 

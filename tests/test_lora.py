@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import make_cfg, one_rank_process_group, require, run_cli, run_dirs, wait_until
+from conftest import free_port, make_cfg, one_rank_process_group, require, run_cli, run_dirs, torchrun, wait_until
 
 from ds_trainer.config import nvme
 
@@ -165,7 +165,7 @@ def test_init_from_continues_from_the_file(shared_run: Path, workdir: Path) -> N
 @pytest.mark.parametrize("zero", ["stage2", "stage3"])
 def test_two_ranks_export_deepspeeds_fp32_masters(workdir: Path, zero: str) -> None:
     # A persistence threshold below every adapter matrix: under ZeRO-3 all of them are partitioned.
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "ds_trainer", *LORA,
+    cmd = [*torchrun(2), "-m", "ds_trainer", *LORA,
            f"zero={zero}", "train.max_steps=3", "zero.stage3_param_persistence_threshold=64"]
     result = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -226,7 +226,7 @@ def test_a_target_matching_nothing_lists_the_module_names(workdir: Path) -> None
 @pytest.fixture(scope="module")
 def one_rank_group() -> Iterator[None]:
     pytest.importorskip("deepspeed")
-    with one_rank_process_group(29671):
+    with one_rank_process_group(free_port()):
         yield
 
 

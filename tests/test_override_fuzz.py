@@ -1,5 +1,6 @@
-"""Property test: over a thousand generated override sets, run as a user runs them (dry run). Each either
-runs or exits 2 with a one-screen message naming a key or value it was given; none prints a traceback.
+"""Property test: generated override sets (250, and 2500 in `make test-long`), run as a user runs them (dry
+run). Each either runs or exits 2 with a one-screen message naming a key or value it was given; none prints a
+traceback.
 
 The sets give every config group choices of every type (integers, floats, booleans, lists, empty, null,
 unknown names, near-misses of real names, several values without -m), plain keys wrong types, and
@@ -139,18 +140,32 @@ def _in_process(argv: list[str], cwd: Path) -> tuple[int, str]:
 FIXED = str(Path("/tmp") / f"ds_trainer_fuzz_{os.getpid()}")
 
 
-@pytest.mark.slow
-@settings(max_examples=int(os.environ.get("FUZZ_EXAMPLES", "1000")), deadline=None, derandomize=True,
-          suppress_health_check=list(HealthCheck))
-@given(overrides=override_sets(FIXED))
-def test_generated_overrides_run_or_fail_with_one_screen_naming_the_key(tmp_path_factory: pytest.TempPathFactory,
-                                                                        overrides: list[str]) -> None:
+def _one_set(tmp_path_factory: pytest.TempPathFactory, overrides: list[str]) -> None:
     cwd: Path = tmp_path_factory.mktemp("fuzz")
     shutil.rmtree(f"{FIXED}/run_a", ignore_errors=True)
     Path(FIXED).mkdir(exist_ok=True)
     (Path(FIXED) / "f").write_text("a file where a folder is expected")
     code, output = _in_process([*overrides, "dry_run=true", f"offload.nvme_path={cwd}/swap"], cwd)
     _check(overrides, code, output, [cwd, Path(FIXED) / "run_a"])
+
+
+# 250 sets in the default suite (about a minute), 2500 in `make test-long` (FUZZ_EXAMPLES overrides both).
+@pytest.mark.slow
+@settings(max_examples=int(os.environ.get("FUZZ_EXAMPLES", "250")), deadline=None, derandomize=True,
+          suppress_health_check=list(HealthCheck))
+@given(overrides=override_sets(FIXED))
+def test_generated_overrides_run_or_fail_with_one_screen_naming_the_key(tmp_path_factory: pytest.TempPathFactory,
+                                                                        overrides: list[str]) -> None:
+    _one_set(tmp_path_factory, overrides)
+
+
+@pytest.mark.long
+@settings(max_examples=int(os.environ.get("FUZZ_EXAMPLES", "2500")), deadline=None, derandomize=True,
+          suppress_health_check=list(HealthCheck))
+@given(overrides=override_sets(FIXED))
+def test_many_more_generated_overrides_run_or_fail_with_one_screen(tmp_path_factory: pytest.TempPathFactory,
+                                                                  overrides: list[str]) -> None:
+    _one_set(tmp_path_factory, overrides)
 
 
 # The classes of the issue, as real processes: python -m ds_trainer and python -m ds_trainer.plan.

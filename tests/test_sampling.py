@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import require, run_cli, run_dirs
+from conftest import require, run_cli, run_dirs, torchrun
 
 torch = pytest.importorskip("torch")
 
@@ -27,7 +27,7 @@ SAMPLES = ["samples=on", "samples.every=2", f"samples.prompts=[{','.join(PROMPTS
 def _torchrun(cwd: Path, *overrides: str, timeout: int = 900) -> subprocess.CompletedProcess[str]:
     """`torchrun --nproc_per_node 2 -m ds_trainer` with COMMON and `overrides`, one thread per rank."""
     cwd.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "ds_trainer", *COMMON,
+    cmd = [*torchrun(2), "-m", "ds_trainer", *COMMON,
            *overrides]
     return subprocess.run(cmd, cwd=cwd, env={**os.environ, **ONE_THREAD}, capture_output=True, text=True,
                           timeout=timeout)
