@@ -23,13 +23,13 @@ REPO = Path(__file__).resolve().parent.parent
 IN_CI = os.environ.get("CI", "").lower() == "true"
 
 # Engines built in this process load the ops `make ops` built for this environment (and so do the runs it starts).
-op_cache.use_environment_folder()
-op_cache.cache_cpu_info()
+op_cache.prepare()
 schema.register()
 sweep.register()
 rundir.register_resolvers()
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Under pytest-xdist (`-n 2`, as `make test` runs) the tests of one local Slurm cluster run one after another
     in one worker, which starts that cluster once: the one-node cluster's tests in one group, the two-node

@@ -136,3 +136,15 @@ def test_the_cpu_description_is_probed_once_per_kind_of_cpu(tmp_path: Path) -> N
     assert first.stdout.split()[1:] == second.stdout.split()[1:] == ["True", "True"]
     assert float(second.stdout.split()[0]) < 0.1 <= float(first.stdout.split()[0])  # the probe ran once, in the first
     assert cached.stat().st_size > 100
+
+
+def test_ops_compile_without_debug_information_in_every_process_that_loads_them() -> None:
+    """DeepSpeed compiles its ops with -g (40% of the compile time, nobody reads it); torch rebuilds an op whose
+    flags changed, so every entry point must compile them the same way: `prepare` leaves -g out, idempotently."""
+    code = ("from ds_trainer.config import op_cache; op_cache.prepare(); op_cache.prepare(); "
+            "from deepspeed.ops.op_builder.cpu import CPUAdamBuilder; b = CPUAdamBuilder(); "
+            "print(b.strip_empty_entries(b.cxx_args()))")
+    lean = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    stock = subprocess.run([sys.executable, "-c", code.replace("op_cache.prepare(); ", "")], capture_output=True,
+                           text=True, check=True).stdout
+    assert "'-g'" in stock and "'-g'" not in lean and "'-O3'" in lean

@@ -138,7 +138,7 @@ def raw_loop(folder: Path, steps: int, warmup: int = 2) -> tuple[float, float]:
 
         from ds_trainer.config import op_cache
 
-        op_cache.use_environment_folder()
+        op_cache.prepare()
         ds = json.loads((folder / "ds_config.json").read_text())
         deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
         engine, _, _, _ = deepspeed.initialize(model=unet, model_parameters=unet.parameters(), config=ds)

@@ -9,6 +9,7 @@ folder) so that each new node does not compile again.
 
 from __future__ import annotations
 
+import logging
 import sys
 
 # What the optimizer and offload groups can ask for, by DeepSpeed's builder names; every DeepSpeed process on
@@ -21,9 +22,13 @@ def main(argv: list[str] | None = None) -> int:
     """Build (or find built) every op this accelerator has; report each on one line."""
     from ds_trainer.config import op_cache
 
-    where = op_cache.use_environment_folder()  # the folder runs of this environment load them from
-    op_cache.cache_cpu_info()
+    where = op_cache.prepare()  # the folder runs of this environment load them from, built as they build them
     from deepspeed.accelerator import get_accelerator
+
+    from ds_trainer.train import op_builds
+
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    stop_watching = op_builds.watch()  # a build killed earlier (Ctrl-C, a lost session) left its lock: cleared
 
     names = list(sys.argv[1:] if argv is None else argv) or OPS
     print(f"building DeepSpeed ops into {where}", flush=True)
@@ -40,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {name}: FAILED ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})")
             continue
         print(f"  {name}: ready")
+    stop_watching()
     return 1 if failed else 0
 
 
