@@ -55,9 +55,10 @@ ops:
 
 # libaio-dev for DeepSpeed's async_io op (NVMe offload); Debian's Slurm and munge for the local SLURM cluster
 # (`python -m ds_trainer.slurm_local start`) the sweep tests submit to; iproute2 for its two-node form
-# (`--nodes 2`: network namespaces); python3-venv for the .venv. Installed when running as root (a policy-rc.d
+# (`--nodes 2`: network namespaces); python3-venv for the .venv; g++ and python3-dev for DeepSpeed's ops (they
+# compile on this machine; `python -m ds_trainer.doctor` says what is missing). Installed when running as root (a policy-rc.d
 # keeps the packages from starting their daemons); otherwise listed.
-SYSTEM_PACKAGES = libaio-dev slurmctld slurmd slurm-client munge iproute2 python3-venv
+SYSTEM_PACKAGES = libaio-dev g++ python3-dev slurmctld slurmd slurm-client munge iproute2 python3-venv
 system-deps:
 	@missing=$$(for p in $(SYSTEM_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
 	if [ -z "$$missing" ] || ! command -v dpkg >/dev/null; then exit 0; fi; \
@@ -72,7 +73,7 @@ run: setup
 	$(RUN) $(PY) -m ds_trainer
 
 # Two workers (pytest-xdist): most of a test's time is a process starting (imports, one core), so two run side
-# by side on two cores; the Slurm tests share one worker (one local cluster at a time).
+# by side on two cores; the tests of one local Slurm cluster share one worker.
 test: setup
 	$(RUN) $(PY) -m pytest -n 2 --dist loadgroup $(PYTEST_ARGS)
 

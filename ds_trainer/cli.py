@@ -14,7 +14,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from ds_trainer import CONF_DIR
+from ds_trainer import CONF_DIR, console
 from ds_trainer.config import (
     accelerate_file,
     distributed,
@@ -32,6 +32,7 @@ from ds_trainer.train import checkpoint, startup
 
 log = logging.getLogger("ds_trainer")
 
+console.install()  # before any library is imported: their known messages go to the run's log file
 schema.register()
 sweep.register()
 try:  # installed from ds_trainer/hydra_plugin by `pip install`; a bare source checkout lacks it

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import subprocess
 import sys
 import time
@@ -79,6 +80,25 @@ def run_cli(*args: str, cwd: Path, env: dict[str, str] | None = None, timeout: i
     full_env.pop("HYDRA_FULL_ERROR", None)
     return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=full_env, capture_output=True,
                           text=True, timeout=timeout)
+
+
+# What a run may print on the terminal (stderr): ds_trainer's log lines, its progress bar, its closing summary
+# (indented lines under "ds_trainer: <status>"), W&B's own lines. Anything else (a library's warning, a
+# traceback's first line) is chatter a user should not have to read.
+OUR_LINE = re.compile(r"\[[^]]+\]\[ds_trainer(\.[\w.]+)?\]\[[A-Z]+\] - |ds_trainer: |wandb: |  \S|$")
+PROGRESS_BAR = re.compile(r"train:\s+\d+%\|[^|]*\|\s*\d+/\d+\s*\[[^\]]*\]")
+
+
+def terminal_chatter(stderr: str) -> list[str]:
+    """The lines of a run's stderr that are not ds_trainer's. The progress bar's redraws (carriage returns) are
+    split apart, and what was printed right after a bar's text (no newline in between) is judged on its own."""
+    chatter = []
+    for line in (part for row in stderr.splitlines() for part in row.split("\r")):
+        while bar := PROGRESS_BAR.match(line):
+            line = line[bar.end():]
+        if not OUR_LINE.match(line):
+            chatter.append(line)
+    return chatter
 
 
 def run_dirs(root: Path) -> list[Path]:

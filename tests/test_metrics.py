@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import wandb_log
-from conftest import run_cli, run_dirs
+from conftest import run_cli, run_dirs, terminal_chatter
 from test_train import metrics, summary
 
 pytest.importorskip("torch")
@@ -53,6 +53,13 @@ def test_summary_says_what_ran_and_how_fast(workdir: Path) -> None:
     assert s["median_s_per_it"] == pytest.approx(timed[len(timed) // 2])
     assert s["host_rss_peak_mib"] == max(r["host_rss_peak_mib"] for r in rows)
     assert "gpu_mem_peak_allocated_mib" not in s  # no GPU here: absent, never zero
+    # The terminal shows ds_trainer alone; the libraries' known messages (ZeRO-3's per-step FutureWarning of
+    # torch, DeepSpeed's and diffusers' notes) are in the run's log file, once each.
+    assert terminal_chatter(result.stderr) == []
+    log_text = (run_dir / "ds_trainer.log").read_text()
+    assert log_text.count("`torch.distributed.reduce_scatter_tensor` is deprecated") == 1
+    assert "Attempting to get learning rate from scheduler before it has started" in log_text
+    assert "deepspeed_shm_comm_op built successfully" in log_text and result.stdout == ""
 
 
 @pytest.mark.slow
@@ -62,10 +69,12 @@ def test_a_resumed_run_continues_the_same_wandb_run(workdir: Path) -> None:
     second = run_cli("train.checkpoint_every=2", "train.max_steps=4", "data.num_samples=8", "resume=latest",
                      cwd=workdir)
     assert second.returncode == 0, second.stderr[-3000:]
+    assert terminal_chatter(first.stderr) == terminal_chatter(second.stderr) == []  # the default job, quiet
     a, b = run_dirs(workdir)
     assert (a / "wandb_id.txt").read_text() == (b / "wandb_id.txt").read_text()
     (wandb_file,) = b.glob("wandb/offline-run-*/run-*.wandb")
     assert [h["_step"] for h in wandb_log.history(wandb_file)] == [3, 4]
+    assert f"W&B offline: `wandb sync {wandb_file.parent}` uploads it" in second.stderr  # its 25-line table is not
 
 
 @pytest.mark.slow

@@ -18,8 +18,9 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import free_port, make_cfg, run_cli, wait_until
+from conftest import free_port, make_cfg, run_cli, run_dirs, wait_until
 
+from ds_trainer import CONF_DIR
 from ds_trainer.tools import calibration, plan
 
 # Space: stage0/none (fits), stage0/cpu (invalid: nothing to offload), stage2/none (0.127 GiB predicted:
@@ -36,8 +37,7 @@ def base(root: Path) -> list[str]:
 
 
 def tune_cmd(root: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "ds_trainer.tune", *base(root), *SPACE, f"tune.preset_dir={root / 'presets'}",
-            *extra]
+    return [sys.executable, "-m", "ds_trainer.tune", *base(root), *SPACE, *extra]
 
 
 def rows(tune_dir: Path) -> dict[str, dict[str, str]]:
@@ -113,12 +113,16 @@ def test_the_winning_line_and_the_preset_train(tuned: dict) -> None:
     run = run_cli(*line, cwd=root)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "ds_trainer: ok after 2 steps" in run.stderr
-    preset = root / "presets" / "experiment" / "tuned.yaml"
+    # The preset lies with the outputs (never in the source checkout), where +experiment finds it as is.
+    preset = root / "outputs" / "presets" / "experiment" / "tuned.yaml"
     assert preset.read_text().startswith("# @package _global_")
-    run = run_cli(f"hydra.searchpath=[file://{root / 'presets'}]", "+experiment=tuned",
-                  f"paths.outputs={root / 'preset_run'}", cwd=root)
+    assert not (CONF_DIR / "experiment" / "tuned.yaml").exists()
+    assert f"or: python -m ds_trainer paths.outputs={root / 'outputs'} +experiment=tuned" in tuned["second"].stdout
+    before = set(run_dirs(root))
+    run = run_cli(f"paths.outputs={root / 'outputs'}", "+experiment=tuned", cwd=root)
     assert run.returncode == 0, run.stderr[-3000:]
-    config = next((root / "preset_run" / "runs").glob("*/*/config.yaml")).read_text()
+    (preset_run,) = set(run_dirs(root)) - before
+    config = (preset_run / "config.yaml").read_text()
     winner = {o.split("=", 1)[0]: o.split("=", 1)[1] for o in line}
     assert f"stage: {winner['zero'][-1]}" in config and f"device: {winner['offload']}" in config
     assert "ds_trainer: ok after 2 steps" in run.stderr

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from ds_trainer.config import nvme, optimizers
 
@@ -161,6 +161,9 @@ def build(cfg: DictConfig, world_size: int) -> dict[str, Any]:
         "zero_allow_untested_optimizer": True,
         "optimizer": optimizer_block(cfg),
     }
+    if OmegaConf.select(cfg, "resolved.torch_adam", default=False):
+        # No nvcc matching torch here (validation said so): torch's AdamW instead of compiling FusedAdam.
+        ds["optimizer"]["params"]["torch_adam"] = True
     scheduler = scheduler_block(cfg)
     if scheduler is not None:
         ds["scheduler"] = scheduler

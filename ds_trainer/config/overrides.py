@@ -54,10 +54,13 @@ def _is_group(key: str) -> bool:
 
 
 def group_options(group: str) -> list[str]:
-    """The options of a config group: YAML files, ConfigStore entries and (for hydra/...) plugins."""
+    """The options of a config group: YAML files (conf/ and the user's presets), ConfigStore entries and (for
+    hydra/...) plugins."""
     from hydra.core.config_store import ConfigStore
 
-    names = {p.stem for p in (CONF_DIR / group).glob("*.yaml")}
+    from ds_trainer.config import rundir
+
+    names = {p.stem for folder in (CONF_DIR, rundir.presets_dir()) for p in (folder / group).glob("*.yaml")}
     node: Any = ConfigStore.instance().repo
     for part in group.split("/"):
         node = node.get(part, {}) if isinstance(node, dict) else {}
@@ -120,6 +123,11 @@ def _group_problem(key: str, value: object, multirun: bool) -> Problem | None:
     why += f" (options: {', '.join(options)})" if options else ""
     near = meant(group, value, options)
     fix = " or ".join(f"{key}={o}" for o in near) if near else f"one of: {', '.join(f'{key}={o}' for o in options)}"
+    if not options:
+        from ds_trainer.config import rundir
+
+        fix = (f"there are no {group} options yet; write {rundir.presets_dir() / group / str(value)}.yaml (python -m "
+               f"ds_trainer.tune writes its winner there), or give the paths.outputs of the run that wrote it")
     return Problem(key, "" if value is None else value, why, "use " + fix if near else fix)
 
 

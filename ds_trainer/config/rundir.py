@@ -12,6 +12,7 @@ import json
 import os
 import secrets
 import socket
+import sys
 import time
 from functools import cache
 from pathlib import Path
@@ -80,10 +81,31 @@ def asset(name: str) -> str:
     return str(ASSETS_DIR / name)
 
 
+PRESETS = "presets"  # <paths.outputs>/presets/<group>/<option>.yaml: presets the tools write (tune's winner)
+
+
+def presets_dir(default_outputs: str = "outputs", argv: list[str] | None = None) -> Path:
+    """The folder of the user's presets: `<paths.outputs>/presets`, with `paths.outputs` as the command line gives
+    it (Hydra reads its search path before it applies the overrides, so the config's value would be the
+    default's) or else `default_outputs`. A tool writes presets there, never into the source checkout."""
+    outputs = default_outputs
+    for arg in sys.argv[1:] if argv is None else argv:
+        key, _, value = arg.partition("=")
+        if key.lstrip("+") == "paths.outputs" and value and "," not in value:
+            outputs = value
+    return Path(outputs).expanduser().absolute() / PRESETS
+
+
+def presets_searchpath(default_outputs: str) -> str:
+    """`hydra.searchpath` entry of conf/config.yaml: `+experiment=<name>` finds a preset there as is."""
+    return f"file://{presets_dir(default_outputs)}"
+
+
 def register_resolvers() -> None:
-    """Resolvers used by `conf/`: run and sweep directories, rank-0-only files, asset paths."""
+    """Resolvers used by `conf/`: run and sweep directories, rank-0-only files, asset paths, the presets."""
     for name, fn in (("ds_trainer_run_stamp", stamp), ("ds_trainer_rank_zero_only", rank_zero_only),
-                     ("ds_trainer_log_file", log_file), ("ds_trainer_asset", asset)):
+                     ("ds_trainer_log_file", log_file), ("ds_trainer_asset", asset),
+                     ("ds_trainer_presets", presets_searchpath)):
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, fn)
 

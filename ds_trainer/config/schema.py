@@ -331,8 +331,9 @@ class TuneConfig:
     # The tune folder (re-running the same command continues there) and the experiment preset's name.
     name: str = "tuned"
     dir: str = "${paths.outputs}/tune/${tune.name}"
-    # A config folder: the preset goes to <preset_dir>/experiment/<name>.yaml. None: the repo's conf/
-    # (found by `+experiment=<name>` as is); another folder needs `hydra.searchpath=[file://<folder>]`.
+    # A config folder: the preset goes to <preset_dir>/experiment/<name>.yaml. None: <paths.outputs>/presets
+    # (found by `+experiment=<name>` as is, with the same paths.outputs); another folder needs
+    # `hydra.searchpath=[file://<folder>]`.
     preset_dir: str | None = None
 
 
@@ -352,6 +353,8 @@ class ResolvedConfig:
     optimizer_state_on: str | None = None
     params_on: str | None = None
     nvme_swap_bytes: int | None = None
+    # DeepSpeed's optimizer is torch's AdamW (`torch_adam`): FusedAdam cannot be compiled on this machine.
+    torch_adam: bool = False
     # Parameters the optimizer trains (the UNet's, or the adapters' with adapter=lora); set before training.
     trainable_params: int | None = None
     warnings: list[str] = field(default_factory=list)

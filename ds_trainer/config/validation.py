@@ -27,6 +27,7 @@ from ds_trainer.config import (
     optimizers,
     samples,
     schema,
+    toolkit,
 )
 
 # Top-level keys that may hold anything (added by launchers and sweeps).
@@ -195,6 +196,31 @@ def _optimizer(cfg: DictConfig, info: hardware.PlatformInfo, out: list[Problem],
     return name
 
 
+def _cuda_ops(cfg: DictConfig, info: hardware.PlatformInfo, optimizer: str | None, out: list[Problem],
+              warnings: list[str]) -> None:
+    """A GPU-resident DeepSpeed optimizer compiles its fused CUDA kernel at the first step: without a CUDA
+    toolkit that matches torch that step fails. Adam and AdamW then run as torch's AdamW (the same update,
+    unfused), said loudly and recorded; Lamb and Lion have no such twin and are refused."""
+    op = toolkit.CUDA_OPS.get(optimizer or "")
+    if info.kind != "cuda" or cfg.zero.backend.value != "deepspeed" or op is None:
+        return
+    if ds_config.placement(cfg)[0] != "gpu":
+        return  # an offloaded state steps in DeepSpeed's C++ CPU op: no nvcc needed
+    kit = toolkit.probe()
+    if kit.can_compile(op):
+        return
+    if op == "fused_adam":
+        cfg.resolved.torch_adam = True
+        warnings.append(f"optimizer={optimizer}: DeepSpeed's FusedAdam cannot be compiled here ({kit.problem}); "
+                        f"using torch's AdamW instead (ds_config `torch_adam: true`: the same update, unfused, a "
+                        f"little slower). For the fused kernel: {kit.fix()}")
+        return
+    fix = kit.fix() + ", or optimizer=adamw" + (" or offload=cpu (DeepSpeed's C++ CPU Lion)" if optimizer == "lion"
+                                                  else "")
+    out.append(Problem("optimizer.name", optimizer, f"DeepSpeed compiles its fused {optimizer} kernel ({op}) with "
+                       f"nvcc at the first step, and cannot here: {kit.problem}", fix))
+
+
 def _offload(cfg: DictConfig, out: list[Problem], warnings: list[str]) -> None:
     device, backend, stage = cfg.offload.device.value, cfg.zero.backend.value, int(cfg.zero.stage)
     if backend == "deepspeed" and stage not in (0, 1, 2, 3):
@@ -302,6 +328,7 @@ def check(cfg: DictConfig, info: hardware.PlatformInfo | None = None) -> Report:
     _platform(cfg, info, problems, warnings)
     _offload(cfg, problems, warnings)
     optimizer = _optimizer(cfg, info, problems, warnings)
+    _cuda_ops(cfg, info, optimizer, problems, warnings)
     swap = _nvme(cfg, optimizer, problems) if not problems else 0
     _paths(cfg, problems)
     problems.extend(Problem(*rule) for rule in adapter_rules.check(cfg))

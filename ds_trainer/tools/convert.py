@@ -18,6 +18,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ds_trainer import console
+
 log = logging.getLogger("ds_trainer.convert")
 
 KINDS = ("fp32", "exp_avg", "exp_avg_sq")
@@ -155,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--architecture", default="sdxl_base", help="with --import-to: the model's architecture")
     parser.add_argument("--optimizer", default="adamw", help="with --import-to: the source's optimizer (adam/adamw)")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    console.for_tool(logging.INFO)
     try:
         if not args.checkpoint.is_dir():
             raise ConvertError(f"{args.checkpoint}: not a folder")

@@ -12,6 +12,8 @@ from __future__ import annotations
 import logging
 import sys
 
+from ds_trainer import console
+
 # What the optimizer and offload groups can ask for, by DeepSpeed's builder names; every DeepSpeed process on
 # the CPU accelerator also loads its communication op (ShareMemCommBuilder) when it starts.
 OPS = ["FusedAdamBuilder", "CPUAdamBuilder", "CPUAdagradBuilder", "CPULionBuilder", "AsyncIOBuilder",
@@ -22,12 +24,13 @@ def main(argv: list[str] | None = None) -> int:
     """Build (or find built) every op this accelerator has; report each on one line."""
     from ds_trainer.config import op_cache
 
+    console.for_tool(logging.WARNING)  # DeepSpeed's "Setting accelerator to CPU" is not news here
+
     where = op_cache.prepare()  # the folder runs of this environment load them from, built as they build them
     from deepspeed.accelerator import get_accelerator
 
     from ds_trainer.train import op_builds
 
-    logging.basicConfig(level=logging.WARNING, format="%(message)s")
     stop_watching = op_builds.watch()  # a build killed earlier (Ctrl-C, a lost session) left its lock: cleared
 
     names = list(sys.argv[1:] if argv is None else argv) or OPS

@@ -73,7 +73,7 @@ def preset(ctx: Context, best: Cell, line: list[str]) -> str:
             OmegaConf.update(values, name, yaml.safe_load(value), force_add=True)
     head = (f"# @package _global_\n# Written by python -m ds_trainer.tune: the fastest cell that fit, {best.label}, "
             f"{best.result.get('images_per_s') or 0:.2f} images/s measured on {ctx.info.kind}.\n"
-            f"# Apply: python -m ds_trainer +experiment={ctx.cfg.tune.name}\n")
+            f"# Apply: {apply_line(ctx)}\n")
     rest = OmegaConf.to_container(values)
     assert isinstance(rest, dict)
     body = {"defaults": defaults, **rest} if defaults else rest
@@ -81,12 +81,21 @@ def preset(ctx: Context, best: Cell, line: list[str]) -> str:
 
 
 def preset_path(ctx: Context) -> tuple[Path, list[str]]:
-    """Where the preset goes and the extra overrides that make Hydra find it there."""
-    from ds_trainer import CONF_DIR
+    """Where the preset goes and the extra overrides that make Hydra find it there: by default with the outputs
+    (`<paths.outputs>/presets`, on conf/config.yaml's search path), never in the source checkout."""
+    from ds_trainer.config import rundir
 
-    root = Path(str(ctx.cfg.tune.preset_dir)).absolute() if ctx.cfg.tune.preset_dir else CONF_DIR
-    extra = [] if root == CONF_DIR else [f"hydra.searchpath=[file://{root}]"]
+    default = rundir.presets_dir(str(ctx.cfg.paths.outputs), argv=[])
+    root = Path(str(ctx.cfg.tune.preset_dir)).expanduser().absolute() if ctx.cfg.tune.preset_dir else default
+    outputs = str(ctx.cfg.paths.outputs)
+    extra = [f"hydra.searchpath=[file://{root}]"] if root != default else [] if outputs == "outputs" else \
+        [f"paths.outputs={outputs}"]
     return root / "experiment" / f"{ctx.cfg.tune.name}.yaml", extra
+
+
+def apply_line(ctx: Context) -> str:
+    """The command that trains with the preset."""
+    return f"python -m ds_trainer {' '.join([*preset_path(ctx)[1], f'+experiment={ctx.cfg.tune.name}'])}"
 
 
 def chart(ctx: Context, cells: list[Cell], best: Cell | None, path: Path) -> None:
@@ -167,9 +176,8 @@ def write(ctx: Context, cells: list[Cell], best: Cell | None, final: bool = Fals
 
 def announce(ctx: Context, best: Cell, out: dict[str, Path]) -> str:
     """What the user reads at the end: the winner, the line to paste, the preset command."""
-    _, extra = preset_path(ctx)
     return "\n".join([
         f"tune: winner {best.label}: {best.result['images_per_s']:.2f} images/s, {best.result['s_per_it']:.3f} s/it",
         "  python -m ds_trainer " + " ".join(winning_line(ctx, best)),
-        f"  or: python -m ds_trainer {' '.join(extra + ['+experiment=' + str(ctx.cfg.tune.name)])}",
+        f"  or: {apply_line(ctx)}",
         f"  report: {out['md']} (ds_config.json, tune.csv, tune.png beside it); preset: {out.get('preset')}"])

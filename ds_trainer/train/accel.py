@@ -11,6 +11,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from ds_trainer import console
 from ds_trainer.config.accelerate_file import mixed_precision
 
 
@@ -57,10 +58,13 @@ def make_accelerator(cfg: DictConfig, ds: dict[str, Any] | None, platform_kind: 
         kwargs["gradient_accumulation_steps"] = int(cfg.train.gradient_accumulation_steps)
         kwargs["cpu"] = platform_kind == "cpu"
     wandb = cfg.logger.name.value == "wandb" and cfg.logger.mode.value != "disabled"
-    return Accelerator(mixed_precision=mixed_precision(cfg), kwargs_handlers=handlers,
-                       log_with="wandb" if wandb else None,
-                       project_config=ProjectConfiguration(project_dir=str(run_dir)),
-                       step_scheduler_with_optimizer=False, **kwargs)
+    with console.stdout_to_log("Accelerate's set-up"):  # DeepSpeed prints that its CPU comm op loaded
+        accelerator = Accelerator(mixed_precision=mixed_precision(cfg), kwargs_handlers=handlers,
+                                  log_with="wandb" if wandb else None,
+                                  project_config=ProjectConfiguration(project_dir=str(run_dir)),
+                                  step_scheduler_with_optimizer=False, **kwargs)
+    console.adopt()  # DeepSpeed (imported by now) logs through the run's handlers
+    return accelerator
 
 
 def from_main(accelerator: Any, value: Any) -> Any:

@@ -38,7 +38,9 @@ def diffusers(cfg: DictConfig, accelerator: Any, unet: Any, ema: EMA | None, fro
 
 def _pipeline(cfg: DictConfig, frozen: models.Frozen, unet: Any, run_dir: Path) -> None:
     from diffusers import StableDiffusionXLPipeline
+    from transformers.utils import logging as transformers_logging
 
+    transformers_logging.disable_progress_bar()  # a "Writing model shards" bar per text encoder, on the terminal
     for part in (frozen.vae, frozen.text_encoder, frozen.text_encoder_2):
         part.to("cpu", torch.float32)
     pipe = StableDiffusionXLPipeline(vae=frozen.vae, text_encoder=frozen.text_encoder,

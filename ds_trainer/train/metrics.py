@@ -104,6 +104,8 @@ class Tracker:
             init = {"mode": cfg.logger.mode.value, "dir": str(run_dir), "name": name, "id": self.wandb_id,
                     "group": cfg.logger.group, "tags": list(cfg.logger.tags), "entity": cfg.logger.entity,
                     **wandb_resume(self.wandb_id if wandb_id else None, resume_step)}
+            if cfg.logger.mode.value == "offline":  # its 25-line history on the terminal repeats metrics.jsonl;
+                init["settings"] = {"quiet": True}  # the run's last lines say how to upload it (print_summary)
             accelerator.init_trackers(cfg.logger.project, config=config,
                                       init_kwargs={"wandb": {k: v for k, v in init.items() if v is not None}})
 
@@ -252,4 +254,7 @@ def print_summary(summary: dict[str, Any], run_dir: Path) -> None:
     if summary.get("message"):
         lines.append(f"  {summary['message']}")
     lines.append(f"  outputs: {run_dir}")
+    offline = sorted((run_dir / "wandb").glob("offline-run-*"), key=lambda p: p.stat().st_mtime)
+    if offline:
+        lines.append(f"  W&B offline: `wandb sync {offline[-1]}` uploads it")
     print("\n".join(lines), file=sys.stderr, flush=True)

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
+from ds_trainer import console
 from ds_trainer.config import checkpoint_file
 
 
@@ -56,6 +57,8 @@ def load_frozen(cfg: DictConfig, deepspeed_plugin: Any = None) -> Frozen:
     """VAE, both text encoders and tokenizers, in eval mode with gradients off."""
     from diffusers import AutoencoderKL
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
+
+    console.adopt()  # diffusers and transformers, imported now, log through the run's handlers
 
     from ds_trainer.train import single_file
 
