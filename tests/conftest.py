@@ -34,13 +34,31 @@ rundir.register_resolvers()
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Under pytest-xdist (`-n 2`, as `make test` runs) the tests of one local Slurm cluster run one after another
     in one worker, which starts that cluster once: the one-node cluster's tests in one group, the two-node
-    cluster's in another (the two clusters run side by side)."""
+    cluster's in another (the two clusters run side by side), and both groups start first."""
+    rank = {}
     for item in items:
         fixtures = set(getattr(item, "fixturenames", ()))
         if "two_nodes" in fixtures:
             item.add_marker(pytest.mark.xdist_group("slurm_two_nodes"))
+            rank[item.nodeid] = 0
         elif "slurm_cluster" in fixtures or "slurm" in item.name:
             item.add_marker(pytest.mark.xdist_group("slurm_one_node"))
+            rank[item.nodeid] = 1
+    # Each group is one unit of work of several minutes: first, so that the other tests fill the workers around
+    # them (last, the suite waited for one worker running a whole group alone).
+    items.sort(key=lambda item: rank.get(item.nodeid, 2))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """`--dist loadgroup` works by pytest-xdist 3.8 writing each test's group into `item._nodeid`; pytest 9.2 keeps
+    the id elsewhere, and the groups are then silently ignored: the Slurm tests ran in both workers at once and
+    CI failed three of them. Refuse to run that way."""
+    from _pytest import nodes
+
+    if config.getoption("dist", "no") == "loadgroup" and "_nodeid" not in getattr(nodes.Node, "__slots__", ()):
+        raise pytest.UsageError(f"pytest {pytest.__version__} with pytest-xdist's --dist loadgroup ignores the test "
+                                "groups (the local Slurm cluster's tests would run side by side): install the "
+                                "versions of constraints.txt (pytest<9.2), as `make test` does")
 
 
 def group_options() -> list[tuple[str, str]]:
@@ -146,6 +164,16 @@ def slurm_cluster() -> Iterator[dict[str, str]]:
     yield slurm_local.env(folder)
     if not running:  # leave a cluster the user had started alone
         slurm_local.stop(folder)
+
+
+def slurm_jobs(env: dict[str, str], workdir: Path, states: str = "PENDING,RUNNING,CONFIGURING,REQUEUED") -> list[str]:
+    """The ids of this test's jobs (submitted from `workdir`) in `states`: a job of the previous test may still
+    be completing (state CG, for seconds on a loaded machine), and squeue lists it by default."""
+    out = subprocess.run(["squeue", "-h", "-t", states, "-o", "%i|%Z"], env=env, capture_output=True,
+                         text=True).stdout
+    mine = str(workdir.resolve())
+    return [job for job, _, folder in (line.partition("|") for line in out.splitlines())
+            if Path(folder).resolve().is_relative_to(mine)]
 
 
 def torchrun(ranks: int) -> list[str]:

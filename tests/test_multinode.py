@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numerics
 import pytest
-from conftest import require, run_cli, wait_until
+from conftest import require, run_cli, slurm_jobs, wait_until
 
 from ds_trainer.launch import netns, slurm_local
 
@@ -100,8 +100,7 @@ def _job_after_checkpoint(workdir: Path, env: dict[str, str], proc: subprocess.P
     """The running job's id once the cell has a complete checkpoint at `step`."""
     wait_until(lambda: list(workdir.glob(f"outputs/sweeps/*/*/0/checkpoints/step_{step:08d}/COMPLETE")),
                f"no step-{step} checkpoint before the job ended", proc=proc, deadline=time.time() + 600)
-    squeue = subprocess.run(["squeue", "-h", "-o", "%i"], env=env, capture_output=True, text=True)
-    (job,) = squeue.stdout.split()
+    (job,) = slurm_jobs(env, workdir)
     return job
 
 

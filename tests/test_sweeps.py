@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import run_cli, wait_until
+from conftest import run_cli, slurm_jobs, wait_until
 
 from ds_trainer import SWEEPS_DIR
 
@@ -148,8 +148,7 @@ def test_a_preempted_slurm_job_is_requeued_and_resumes_into_the_same_wandb_run(
     # step, then submitit requeues the job with scontrol and exits; the requeued job runs the cell again.
     proc = _start_sweep(workdir, slurm_cluster, "train.max_steps=40", "train.checkpoint_every=5")
     _wait_for_step_10_checkpoint(workdir, proc)
-    squeue = subprocess.run(["squeue", "-h", "-o", "%i"], env=slurm_cluster, capture_output=True, text=True)
-    jobs = squeue.stdout.split()
+    jobs = slurm_jobs(slurm_cluster, workdir)
     assert jobs
     subprocess.run(["scancel", "--signal=USR2", jobs[0]], env=slurm_cluster, check=True)
     _, err = proc.communicate(timeout=900)
@@ -181,8 +180,7 @@ def test_a_slurm_job_cancelled_with_scancel_comes_back_and_resumes(workdir: Path
     # submits the cell again, which resumes from that checkpoint; not one step is trained twice.
     proc = _start_sweep(workdir, slurm_cluster, "train.max_steps=40")
     cell = _wait_for_steps(workdir, proc, 5, "the job ended before scancel")
-    squeue = subprocess.run(["squeue", "-h", "-o", "%i"], env=slurm_cluster, capture_output=True, text=True)
-    jobs = squeue.stdout.split()
+    jobs = slurm_jobs(slurm_cluster, workdir)
     assert len(jobs) == 1
     subprocess.run(["scancel", jobs[0]], env=slurm_cluster, check=True)
     _, err = proc.communicate(timeout=900)
@@ -207,8 +205,7 @@ def test_a_slurm_job_killed_outright_is_submitted_again_and_resumes(workdir: Pat
     # result; the launcher sees the job gone and submits the cell again, from its periodic checkpoint.
     proc = _start_sweep(workdir, slurm_cluster, "train.max_steps=30", "train.checkpoint_every=5")
     _wait_for_step_10_checkpoint(workdir, proc)
-    squeue = subprocess.run(["squeue", "-h", "-o", "%i"], env=slurm_cluster, capture_output=True, text=True)
-    (job,) = squeue.stdout.split()
+    (job,) = slurm_jobs(slurm_cluster, workdir)
     # kill -9 the ranks themselves (scancel --signal=KILL would send SIGTERM first).
     pids = subprocess.run(["scontrol", "listpids", job], env=slurm_cluster, capture_output=True, text=True).stdout
     ranks = [line.split()[0] for line in pids.splitlines()[1:] if line.split()[2] == "0" and line.split()[3].isdigit()]
@@ -263,12 +260,11 @@ def test_ctrl_c_on_a_slurm_sweep_cancels_its_jobs_and_they_save(workdir: Path, s
     stopped = json.loads((cell / "summary.json").read_text())
     assert stopped["status"] == "interrupted" and stopped["steps"] < 200
     assert (cell / "checkpoints" / f"step_{stopped['steps']:08d}" / "COMPLETE").is_file()
-    wait_until(lambda: not subprocess.run(["squeue", "-h", "-o", "%i"], env=slurm_cluster, capture_output=True,
-                                          text=True).stdout, "the cancelled job is still there", deadline=deadline,
-               interval=0.5)
+    everything = "all"  # completing (CG) too: the cancelled job is gone only when it has ended
+    wait_until(lambda: not slurm_jobs(slurm_cluster, workdir, everything), "the cancelled job is still there",
+               deadline=deadline, interval=0.5)
     time.sleep(5)  # nothing is submitted again: the launcher is gone
-    squeue = subprocess.run(["squeue", "-h", "-o", "%i"], env=slurm_cluster, capture_output=True, text=True)
-    assert not squeue.stdout.split()
+    assert not slurm_jobs(slurm_cluster, workdir, everything)
 
 
 @pytest.mark.slow
