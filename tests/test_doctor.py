@@ -51,6 +51,15 @@ def test_what_would_stop_a_run_is_a_problem_with_its_fix_and_exit_status_2(tmp_p
     assert full.returncode == 2, full.stdout + full.stderr
     assert f"PROBLEM: {small_disk}/outputs has 200 MiB free and the run writes up to" in full.stdout
     assert "fix: paths.outputs=<a folder with" in full.stdout and "train.checkpoints_to_keep=1" in full.stdout
+    # DeepSpeed's ops not built and no compiler to build them: refused before any model loads, by the doctor
+    # and by the run itself (the same one screen as a bad override).
+    bare = {**os.environ, "CXX": "/nonexistent/c++", "TORCH_EXTENSIONS_DIR": str(tmp_path / "no_ops")}
+    run = subprocess.run([sys.executable, "-m", "ds_trainer", "offload=cpu", "logger=none"], cwd=tmp_path, env=bare,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr[-3000:]
+    assert "DeepSpeed's ops cpu_adam, deepspeed_shm_comm are not built" in run.stderr
+    assert "missing a C++ compiler (CXX or c++)" in run.stderr and "then `make ops`" in run.stderr
+    assert not list(tmp_path.glob("outputs/cache/*"))  # nothing was loaded or encoded
     # A mistake in the overrides: the configuration's one screen, exit 2, no traceback.
     typo = doctor("zero=stage9", cwd=tmp_path)
     assert typo.returncode == 2 and "zero has no option 'stage9'" in typo.stderr and "Traceback" not in typo.stderr

@@ -71,13 +71,19 @@ def _nvidia_smi() -> list[tuple[str, int, float]]:
     return gpus
 
 
+def _nvidia_driver_gpus() -> bool:
+    """NVIDIA's kernel driver lists GPUs (a container without the nvidia-smi binary, or one that fails)."""
+    folder = Path("/proc/driver/nvidia/gpus")
+    return folder.is_dir() and any(folder.iterdir())
+
+
 def detect(requested: str = "auto") -> PlatformInfo:
     """The platform to plan for: `requested` unless it is `auto`, else what the machine has."""
     kind = requested
     if kind == "auto":
         if sys.platform == "darwin":
             kind = "mps" if _platform.machine() == "arm64" else "cpu"
-        elif _nvidia_smi():
+        elif _nvidia_smi() or _nvidia_driver_gpus():
             kind = "cuda"
         elif Path("/dev/kfd").exists() and Path("/opt/rocm").exists():
             kind = "rocm"
@@ -103,7 +109,10 @@ def confirm_with_torch(planned: PlatformInfo) -> PlatformInfo:
         return _cpu_info()
     if planned.kind == "cuda":
         props = torch.cuda.get_device_properties(0)
-        return PlatformInfo("cuda", bf16=torch.cuda.is_bf16_supported(), fp16=True,
+        # From the properties: torch.cuda.is_bf16_supported() answers True on pre-Ampere GPUs (emulation) and,
+        # to find out, makes a tensor on cuda:0 from every rank before Accelerate set each rank's device (a
+        # CUDA context per rank on GPU 0).
+        return PlatformInfo("cuda", bf16=props.major >= 8, fp16=True,
                             gpu_name=props.name, gpu_memory_mib=props.total_memory // 2**20)
     if planned.kind == "cpu":
         return PlatformInfo("cpu", bf16=True, fp16=bool(torch.ops.mkldnn._is_mkldnn_fp16_supported()))

@@ -34,8 +34,17 @@ def buffers(max_param_numel: int, prefetch_bucket: int) -> tuple[int, int]:
     return max(5, min(count, 64)), size
 
 
-def aio_prerequisites() -> str | None:
-    """Why DeepSpeed's async_io op cannot build here, or None. Torch-free: header and library."""
+def aio_prerequisites(gpu: bool = False) -> str | None:
+    """Why DeepSpeed's async_io op cannot build here, or None. Torch-free: header and library, and on a GPU
+    machine the CUDA toolkit's headers (DeepSpeed's CUDA builder of the op includes CUDA_HOME and links
+    cudart; an nvcc of another release does not matter for this C++ op)."""
+    if gpu:
+        from ds_trainer.config import toolkit
+
+        if toolkit.cuda_home() is None:
+            return ("on a GPU machine DeepSpeed's async_io op compiles against the CUDA toolkit's headers and "
+                    "none was found (CUDA_HOME unset, no nvcc on PATH, no /usr/local/cuda): install the CUDA "
+                    "toolkit of torch's release and export CUDA_HOME")
     include_dirs = ["/usr/include", "/usr/local/include"]
     include_dirs += [flag[2:] for flag in os.environ.get("CFLAGS", "").split() if flag.startswith("-I")]
     has_header = any(Path(d, "libaio.h").exists() for d in include_dirs)
@@ -46,17 +55,22 @@ def aio_prerequisites() -> str | None:
             "(or set CFLAGS=-I<include dir> and LDFLAGS=-L<lib dir> where it lives)")
 
 
-def aio_load_error() -> str | None:
-    """Build/load the async_io op now (minutes the first time, cached after); the error, or None."""
+def aio_load_error(gpu: bool = False) -> str | None:
+    """Build/load the async_io op now (minutes the first time, cached after); the error, or None. The
+    prerequisites are named first: a missing CUDA_HOME made DeepSpeed fail with "expected str, bytes or
+    os.PathLike object, not NoneType", which said nothing of the cause."""
+    why = aio_prerequisites(gpu)
+    if why:
+        return why
     try:
         from deepspeed.ops.op_builder import AsyncIOBuilder
 
         builder = AsyncIOBuilder()
         if not builder.is_compatible(verbose=False):
-            return aio_prerequisites() or "DeepSpeed reports its async_io op as incompatible here"
+            return "DeepSpeed reports its async_io op as incompatible here"
         builder.load(verbose=False)
     except Exception as exc:  # noqa: BLE001 - any build failure is reported to the user
-        return f"DeepSpeed's async_io op failed to build or load: {exc}. Install libaio-dev."
+        return f"DeepSpeed's async_io op failed to build or load: {type(exc).__name__}: {exc}"
     return None
 
 

@@ -58,14 +58,19 @@ def use_environment_folder() -> Path:
 
     Idempotent: a process started by another ds_trainer process keeps the folder it inherited.
     """
+    folder = environment_folder()
+    os.environ["TORCH_EXTENSIONS_DIR"] = str(folder)
+    return folder
+
+
+def environment_folder() -> Path:
+    """This environment's ops folder, without changing anything (see `use_environment_folder`)."""
     tag = environment_tag()
     given = os.environ.get("TORCH_EXTENSIONS_DIR")
     if given and Path(given).name == tag:
         return Path(given)
     root = Path(given) if given else Path.home() / ".cache" / "torch_extensions"
-    folder = root / tag
-    os.environ["TORCH_EXTENSIONS_DIR"] = str(folder)
-    return folder
+    return root / tag
 
 
 def _cpu_key() -> str:

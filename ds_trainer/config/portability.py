@@ -28,7 +28,11 @@ def layout(cfg: DictConfig) -> dict[str, Any]:
             "offload": str(cfg.offload.device.value), "world_size": int(cfg.resolved.world_size),
             "micro_batch_size": int(cfg.train.micro_batch_size),
             "gradient_accumulation_steps": int(cfg.train.gradient_accumulation_steps),
-            "precision": str(cfg.precision.name.value)}
+            "precision": str(cfg.precision.name.value),
+            # torch's AdamW standing in for FusedAdam (no CUDA toolkit): another state format in DeepSpeed's
+            # files, so a move between the two goes through the portable state. Absent otherwise, as in the
+            # checkpoints written before it existed.
+            **({"optimizer_kernel": "torch"} if cfg.resolved.get("torch_adam") else {})}
 
 
 def identity(cfg: DictConfig) -> dict[str, Any]:
@@ -52,9 +56,9 @@ def read_meta(checkpoint: Path) -> dict[str, Any] | None:
 
 def changes(meta: dict[str, Any], cfg: DictConfig) -> list[str]:
     """The layout differences, as `key: saved -> now`."""
-    now = layout(cfg)
-    return [f"{key}: {meta['layout'].get(key)} -> {value}" for key, value in now.items()
-            if meta["layout"].get(key) != value]
+    now, saved = layout(cfg), meta["layout"]
+    return [f"{key}: {saved.get(key)} -> {now.get(key)}" for key in [*now, *(k for k in saved if k not in now)]
+            if saved.get(key) != now.get(key)]
 
 
 def reset_requested(cfg: DictConfig) -> bool:

@@ -302,9 +302,11 @@ class SamplesConfig:
 
 @dataclass
 class PlanConfig:
-    """`python -m ds_trainer.plan`: the VRAM budget per GPU (None: the detected GPU's memory)."""
+    """`python -m ds_trainer.plan`: the VRAM budget per GPU (None: the detected GPU's memory minus `margin`)."""
 
     vram_gib: float | None = None
+    # Of a detected GPU's memory, kept for the CUDA context, fragmentation and what the allocator reserves.
+    margin: float = 0.1
     # Measured cells (written by `python -m ds_trainer.tune`) the planner corrects its activations from.
     calibration: str = "${paths.outputs}/plan_calibration.jsonl"
 

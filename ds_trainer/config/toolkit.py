@@ -137,3 +137,42 @@ def probe() -> Toolkit:
 def cxx_compiler() -> str | None:
     """The C++ compiler torch's extension builder would use (CXX, else c++), or None."""
     return shutil.which(os.environ.get("CXX", "c++"))
+
+
+def needed_ops(cfg: Any) -> list[str]:
+    """DeepSpeed's ops a validated configuration loads (by the folder names torch's loader builds them in)."""
+    r = cfg.resolved
+    if r.backend != "deepspeed":
+        return []
+    on_gpu, cpu = r.optimizer_state_on == "gpu", r.platform == "cpu"
+    ops = []
+    if on_gpu and not r.torch_adam:
+        op = CUDA_OPS.get(r.optimizer) if not cpu else {"adam": "fused_adam", "adamw": "fused_adam"}.get(r.optimizer)
+        ops += [op] if op else []
+    elif not on_gpu:
+        ops.append({"adagrad": "cpu_adagrad", "lion": "cpu_lion"}.get(r.optimizer, "cpu_adam"))
+    if "nvme" in (r.optimizer_state_on, r.params_on):
+        ops.append("async_io")
+    if cpu:
+        ops.append("deepspeed_shm_comm")  # DeepSpeed's CPU accelerator loads it at start-up
+    return ops
+
+
+def build_tools_missing() -> list[str]:
+    """What torch's extension builder needs for a C++ op that this machine lacks."""
+    import sys
+    import sysconfig
+
+    headers = Path(sysconfig.get_paths()["include"], "Python.h").exists()
+    ninja = shutil.which("ninja") is not None or Path(sys.executable).with_name("ninja").exists()
+    return [what for ok, what in ((cxx_compiler(), "a C++ compiler (CXX or c++)"),
+                                  (headers, "Python's headers (Python.h)"), (ninja, "ninja")) if not ok]
+
+
+def built(op: str, folder: Path) -> bool:
+    """Whether `op` is compiled already: into the installed DeepSpeed, or in this environment's ops folder."""
+    return op in probe().prebuilt or any((folder / op).glob("*.so"))
+
+
+BUILD_FIX = ("apt-get install g++ python3-dev libaio-dev (and pip install ninja), then `make ops`; or zero=ddp, which "
+             "loads no DeepSpeed op")

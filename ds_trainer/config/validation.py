@@ -221,6 +221,23 @@ def _cuda_ops(cfg: DictConfig, info: hardware.PlatformInfo, optimizer: str | Non
                        f"nvcc at the first step, and cannot here: {kit.problem}", fix))
 
 
+def _ops(cfg: DictConfig, out: list[Problem]) -> None:
+    """Every DeepSpeed op the run loads is built or can be compiled here (a C++ compiler, Python's headers,
+    ninja): checked now, before any model loads, rather than minutes in at DeepSpeed's set-up. (nvcc for the
+    CUDA ops and libaio are checked above, where the fallback or the offload is decided.)"""
+    from ds_trainer.config import op_cache
+
+    folder = op_cache.environment_folder()
+    missing = toolkit.build_tools_missing()
+    if not missing:
+        return
+    unbuilt = [op for op in toolkit.needed_ops(cfg) if not toolkit.built(op, folder)]
+    if unbuilt:
+        out.append(Problem("zero", f"stage{int(cfg.zero.stage)}", f"DeepSpeed's ops {', '.join(unbuilt)} are not "
+                           f"built in {folder} and this machine cannot compile them: missing {', '.join(missing)}",
+                           toolkit.BUILD_FIX))
+
+
 def _offload(cfg: DictConfig, out: list[Problem], warnings: list[str]) -> None:
     device, backend, stage = cfg.offload.device.value, cfg.zero.backend.value, int(cfg.zero.stage)
     if backend == "deepspeed" and stage not in (0, 1, 2, 3):
@@ -254,7 +271,7 @@ def swap_problem(cfg: DictConfig, optimizer: str | None = None) -> str | None:
     return nvme.check_path(str(cfg.offload.nvme_path), int(need * float(cfg.offload.free_space_margin)))
 
 
-def _nvme(cfg: DictConfig, optimizer: str | None, out: list[Problem]) -> int:
+def _nvme(cfg: DictConfig, optimizer: str | None, out: list[Problem], gpu: bool = False) -> int:
     optimizer_on, params_on = ds_config.placement(cfg)
     if "nvme" not in (optimizer_on, params_on):
         return 0
@@ -269,9 +286,11 @@ def _nvme(cfg: DictConfig, optimizer: str | None, out: list[Problem]) -> int:
     why = swap_problem(cfg, optimizer or "adamw")
     if why:
         out.append(Problem("offload.nvme_path", path, why, "offload.nvme_path=<a writable folder on a fast disk>"))
-    why = nvme.aio_prerequisites()
+    why = nvme.aio_prerequisites(gpu)
     if why:
-        out.append(Problem("offload", "nvme", why, "apt-get install libaio-dev, or offload=cpu"))
+        fix = "the CUDA toolkit (CUDA_HOME), or offload=cpu" if "CUDA" in why else "apt-get install libaio-dev, " \
+            "or offload=cpu"
+        out.append(Problem("offload", "nvme", why, fix))
     return need
 
 
@@ -329,7 +348,7 @@ def check(cfg: DictConfig, info: hardware.PlatformInfo | None = None) -> Report:
     _offload(cfg, problems, warnings)
     optimizer = _optimizer(cfg, info, problems, warnings)
     _cuda_ops(cfg, info, optimizer, problems, warnings)
-    swap = _nvme(cfg, optimizer, problems) if not problems else 0
+    swap = _nvme(cfg, optimizer, problems, info.kind == "cuda") if not problems else 0
     _paths(cfg, problems)
     problems.extend(Problem(*rule) for rule in adapter_rules.check(cfg))
     problems.extend(Problem(*issue) for issue in samples.issues(cfg))
@@ -342,4 +361,6 @@ def check(cfg: DictConfig, info: hardware.PlatformInfo | None = None) -> Report:
     cfg.resolved.params_on = params_on
     cfg.resolved.nvme_swap_bytes = swap
     cfg.resolved.warnings = warnings
+    if not problems:
+        _ops(cfg, problems)
     return Report(cfg, problems, warnings)

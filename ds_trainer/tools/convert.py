@@ -50,7 +50,7 @@ def _weights(checkpoint: Path, ema: bool) -> dict[str, Any]:
     if ema:
         if not (checkpoint / "ema.pt").is_file():
             raise ConvertError(f"{checkpoint}: no ema.pt (the run had train.ema=false)")
-        return dict(torch.load(checkpoint / "ema.pt", weights_only=True)["shadow"])
+        return dict(torch.load(checkpoint / "ema.pt", map_location="cpu", weights_only=True)["shadow"])
     portable = _portable_weights(checkpoint)
     if portable is not None:
         return portable

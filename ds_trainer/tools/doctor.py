@@ -19,7 +19,6 @@ import resource
 import shutil
 import subprocess
 import sys
-import sysconfig
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -107,57 +106,30 @@ def cuda_toolkit(f: Findings, cfg: DictConfig) -> None:
                        f"ds_config `torch_adam: true`, recorded in config.yaml). For the fused kernel: {kit.fix()}")
 
 
-def needed_ops(cfg: DictConfig) -> list[str]:
-    """DeepSpeed's ops the configured run loads (torch's loader names them by these folders)."""
-    from ds_trainer.config import toolkit
-
-    if cfg.resolved.backend != "deepspeed":
-        return []
-    optimizer, on_gpu = cfg.resolved.optimizer, cfg.resolved.optimizer_state_on == "gpu"
-    cpu = cfg.resolved.platform == "cpu"
-    ops = []
-    if on_gpu and not cfg.resolved.torch_adam:
-        op = toolkit.CUDA_OPS.get(optimizer) if not cpu else {"adam": "fused_adam", "adamw": "fused_adam"}.get(
-            optimizer)
-        ops += [op] if op else []
-    elif not on_gpu:
-        ops.append({"adagrad": "cpu_adagrad", "lion": "cpu_lion"}.get(optimizer, "cpu_adam"))
-    if "nvme" in (cfg.resolved.optimizer_state_on, cfg.resolved.params_on):
-        ops.append("async_io")
-    if cpu:
-        ops.append("deepspeed_shm_comm")  # DeepSpeed's CPU accelerator loads it at start-up
-    return ops
-
-
 def ops(f: Findings, cfg: DictConfig) -> None:
     from ds_trainer.config import nvme, op_cache, toolkit
 
-    wanted = needed_ops(cfg)
+    wanted = toolkit.needed_ops(cfg)
     if not wanted:
         f.lines.append("DeepSpeed ops: none needed (zero=ddp runs torch's own optimizer)")
         return
-    folder = op_cache.use_environment_folder()
+    folder = op_cache.environment_folder()
     kit = toolkit.probe()
-    compiler = toolkit.cxx_compiler()
-    headers = Path(sysconfig.get_paths()["include"], "Python.h").exists()
-    ninja = shutil.which("ninja") is not None or Path(sys.executable).with_name("ninja").exists()
     states = []
     for op in wanted:
-        if op in kit.prebuilt or any((folder / op).glob("*.so")):
+        if toolkit.built(op, folder):
             states.append(f"{op} built")
             continue
-        missing = [what for ok, what in ((compiler, "a C++ compiler (CXX or c++)"),
-                                         (headers, "Python's headers (Python.h)"), (ninja, "ninja")) if not ok]
-        if op in toolkit.CUDA_OPS.values() and cfg.resolved.platform == "cuda" and kit.problem:
+        missing = toolkit.build_tools_missing()
+        cuda_op = op in toolkit.CUDA_OPS.values() and cfg.resolved.platform == "cuda"
+        if cuda_op and kit.problem:
             missing.append(f"nvcc matching torch ({kit.problem})")
-        if op == "async_io" and (why := nvme.aio_prerequisites()):
+        if op == "async_io" and (why := nvme.aio_prerequisites(gpu=cfg.resolved.platform == "cuda")):
             missing.append(why)
         if missing:
             states.append(f"{op} CANNOT be built")
             f.problems.append((f"DeepSpeed's op {op} is not built and cannot be: missing {'; '.join(missing)}",
-                               "apt-get install build-essential python3-dev libaio-dev (and pip install ninja), "
-                               "then `make ops`" if op != "fused_adam" or cfg.resolved.platform == "cpu"
-                               else kit.fix()))
+                               kit.fix() if cuda_op and kit.problem else toolkit.BUILD_FIX))
         else:
             states.append(f"{op} compiles at the first run (20 s to 3 min; `make ops` does it now)")
     f.lines.append(f"DeepSpeed ops this run loads: {', '.join(states)} (folder {folder})")

@@ -193,7 +193,9 @@ def _model_states(zero: str, offload: str, p: int, layer: int, n: int, params_of
     """(params, grads, optimizer, host) bytes per rank; sums match DeepSpeed's estimators."""
     half = 2 if precision != "fp32" else 4
     if zero == "ddp":
-        return 4 * p, 4 * p, 8 * p, 0
+        # fp32 weights, gradients (DDP's buckets are the gradients: Accelerate is given gradient_as_bucket_view)
+        # and Adam's moments; under 16-bit autocast a 16-bit copy of every weight lives through backward.
+        return 4 * p + (0 if precision == "fp32" else 2 * p), 4 * p, 8 * p, 0
     stage = int(zero[-1])
     if stage in (0, 1, 2):
         ranks = 1 if stage == 0 else n
@@ -228,6 +230,10 @@ def estimate(cfg: DictConfig, zero: str, offload: str, world_size: int, activati
     else:
         params, grads, optimizer, host = plan_lora.model_states(zero, offload, stats.params, lora, stats.largest_layer,
                                                                 world_size, params_offload, precision)
+    if cfg.train.ema and cfg.train.ema_device == "gpu":
+        params += 4 * (lora or stats.params) // world_size  # the fp32 shadow, a slice per rank (train/ema.py)
+    if not cfg.data.cache:  # the VAE and text encoders stay on the GPU and encode every batch
+        params += plan_samples.frozen_bytes(_architecture(cfg), "cuda", precision)
     act_bytes = 4 if precision == "fp32" else 2
     width, height = buckets.largest(cfg)  # with aspect-ratio buckets the largest one bounds memory
     activations = plan_cache.cached("activation_bytes", (_architecture(cfg), int(cfg.train.micro_batch_size), width,
@@ -355,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     info = hardware.detect(cfg.platform.value)
     world = validation.world_size_of(cfg)
     budget_gib = cfg.plan.vram_gib if cfg.plan.vram_gib is not None else (
-        info.gpu_memory_mib / 1024 if info.gpu_memory_mib else None)
+        info.gpu_memory_mib / 1024 * (1 - float(cfg.plan.margin)) if info.gpu_memory_mib else None)
     budget = budget_gib * GIB if budget_gib is not None else None
     calibrated = calibration.for_config(cfg, info)
     estimates = plan(cfg, world, calibrated.factor)

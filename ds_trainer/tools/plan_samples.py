@@ -73,8 +73,9 @@ def _activations(architecture: str, width: int, height: int, batch: int, dtype_b
 
 
 @cache
-def _frozen_bytes(architecture: str, kind: str) -> int:
-    """The VAE and both text encoders as training loads them (bf16 text encoders on a GPU)."""
+def frozen_bytes(architecture: str, kind: str, precision: str = "bf16") -> int:
+    """The VAE and both text encoders as training loads them (in the precision's dtype on a GPU, float32 on
+    the CPU; the VAE in float32 when its config asks)."""
     import torch
     from diffusers import AutoencoderKL
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
@@ -83,7 +84,7 @@ def _frozen_bytes(architecture: str, kind: str) -> int:
         vae = AutoencoderKL.from_config(AutoencoderKL.load_config(architecture, subfolder="vae"))
         te1 = CLIPTextModel(CLIPTextConfig.from_pretrained(architecture, subfolder="text_encoder"))
         te2 = CLIPTextModelWithProjection(CLIPTextConfig.from_pretrained(architecture, subfolder="text_encoder_2"))
-    half = 4 if kind == "cpu" else 2
+    half = 4 if kind == "cpu" or precision == "fp32" else 2
     vae_bytes = 4 if vae.config.force_upcast or kind == "cpu" else half
     count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
     return count(vae) * vae_bytes + (count(te1) + count(te2)) * half
@@ -99,11 +100,11 @@ def peak(cfg: DictConfig, resident: int, unet_params: int, architecture: str, ki
     width, height = samples.size(cfg)
     batch = 2 if float(cfg.samples.guidance_scale) > 1 else 1
     dtype_bytes = 4 if cfg.precision.name.value == "fp32" else 2
-    ema = 4 * unet_params if cfg.train.ema and cfg.samples.ema and cfg.train.ema_device != "gpu" else 0
+    ema = 4 * unet_params if cfg.train.ema and cfg.samples.ema else 0  # the whole EMA UNet, gathered to sample
     if ema:
         dtype_bytes = 4  # the EMA UNet samples in float32
-    return resident + _frozen_bytes(architecture, kind) + ema + _activations(architecture, width, height, batch,
-                                                                               dtype_bytes)
+    frozen = frozen_bytes(architecture, kind, cfg.precision.name.value)
+    return resident + frozen + ema + _activations(architecture, width, height, batch, dtype_bytes)
 
 
 def describe(sampling: int, training: int) -> str:

@@ -144,12 +144,13 @@ class Trained:
         module = accelerator.unwrap_model(unet)
         weights = lora_file.gather_fp32(module, self.names, engine.engine if engine else None,
                                         accelerator.is_main_process)
+        shadow = ema.full(dst=0) if ema is not None else None  # collective: the EMA is sharded across the ranks
         if not accelerator.is_main_process:
             return
         dtype = _DTYPES[self.cfg.adapter.save_dtype.value]
         lora_file.write(run_dir / "lora", module, weights, dtype)
-        if ema is not None:
-            lora_file.write(run_dir / "lora_ema", module, ema.shadow, dtype)
+        if shadow is not None:
+            lora_file.write(run_dir / "lora_ema", module, shadow, dtype)
 
 
 def build(cfg: DictConfig, unet: torch.nn.Module) -> Trained:

@@ -102,7 +102,9 @@ class Carry:
         step = int(self.meta["step"])
         sched = _scheduler(accelerator, scheduler)
         if sched is not None and (self.path / "portable" / "scheduler.pt").exists():  # type: ignore[operator]
-            sched.load_state_dict(torch.load(self.path / "portable" / "scheduler.pt", weights_only=False))  # type: ignore[operator]
+            saved = torch.load(self.path / "portable" / "scheduler.pt", map_location="cpu",  # type: ignore[operator]
+                               weights_only=False)
+            sched.load_state_dict(saved)
             if engine is None:
                 sched.step(sched.last_batch_iteration)  # the LR of the current position (as DeepSpeed's load)
         if engine is not None:
@@ -166,8 +168,8 @@ class Carry:
         assert self.path is not None
         if ema is None or not (self.path / "ema.pt").exists():
             return
-        state = torch.load(self.path / "ema.pt", weights_only=True)
-        if set(state["shadow"]) != set(ema.shadow):
+        state = torch.load(self.path / "ema.pt", map_location="cpu", weights_only=True, mmap=True)
+        if set(state["shadow"]) != set(ema.names):
             log.warning("the checkpoint's EMA covers other parameters: the EMA starts from the carried weights")
             return
         ema.load_state_dict(state)

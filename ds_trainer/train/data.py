@@ -21,7 +21,7 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 
 from ds_trainer.config import buckets as bucket_geometry
 from ds_trainer.errors import DataError
-from ds_trainer.train import buckets
+from ds_trainer.train import buckets, models
 
 log = logging.getLogger(__name__)
 
@@ -294,7 +294,10 @@ class LatentCache:
 
     def __init__(self, cfg: DictConfig, data: SyntheticImages | FolderImages) -> None:
         self.names = data.cache_names() if isinstance(data, FolderImages) else None
-        model = OmegaConf.to_container(cfg.model, resolve=True)
+        model: Any = OmegaConf.to_container(cfg.model, resolve=True)
+        # The encoders' dtype is part of what a latent is: a cache built on a GPU in bf16 and one built on a CPU
+        # in float32 must not be mixed in a shared cache_dir.
+        model["encoders_dtype"] = models.frozen_dtype_name(cfg, str(cfg.resolved.platform or "cpu"))
         identity = {"model": model, "resolution": [int(cfg.resolution.width), int(cfg.resolution.height)],
                     "data": data.identity()} if self.names is None else {"model": model}
         key = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
@@ -349,7 +352,7 @@ class LatentCache:
         tmp.replace(self.manifest)
 
     def load(self, indices: list[int]) -> dict[str, torch.Tensor]:
-        items = [torch.load(self.path(i), weights_only=True) for i in indices]
+        items = [torch.load(self.path(i), map_location="cpu", weights_only=True) for i in indices]
         return {key: torch.stack([item[key] for item in items]) for key in items[0]}
 
 
@@ -361,8 +364,10 @@ def encode_batch(data: SyntheticImages | FolderImages, frozen: Any, indices: lis
     examples = [data[i] for i in indices]
     latents = encode_images(frozen, torch.stack([e.pixels for e in examples]))
     embeds, pooled = encode_prompts(frozen, [e.caption for e in examples], device)
-    return {"latents": latents.float(), "prompt_embeds": embeds.float(), "pooled": pooled.float(),
-            "time_ids": torch.stack([e.time_ids for e in examples])}
+    # On the CPU in float32, as the cache holds them: the step draws its noise on the CPU, and on a GPU the
+    # encoders' CUDA tensors would meet it there (diffusers' add_noise moves only the schedule's tensors).
+    return {"latents": latents.to("cpu", torch.float32), "prompt_embeds": embeds.to("cpu", torch.float32),
+            "pooled": pooled.to("cpu", torch.float32), "time_ids": torch.stack([e.time_ids for e in examples])}
 
 
 class Loader:

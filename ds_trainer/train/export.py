@@ -21,11 +21,12 @@ def diffusers(cfg: DictConfig, accelerator: Any, unet: Any, ema: EMA | None, fro
     from diffusers import UNet2DConditionModel
 
     state = accelerator.get_state_dict(unet)
+    shadow = ema.full(dst=0) if ema else None  # collective: the EMA is sharded across the ranks
     if not accelerator.is_main_process:
         return
     config = accelerator.unwrap_model(unet).config
     exported = {}
-    for name, weights in (("unet", state), ("unet_ema", ema.shadow if ema else None)):
+    for name, weights in (("unet", state), ("unet_ema", shadow)):
         if weights is None:
             continue
         model = UNet2DConditionModel.from_config(config)
@@ -41,8 +42,13 @@ def _pipeline(cfg: DictConfig, frozen: models.Frozen, unet: Any, run_dir: Path) 
     from transformers.utils import logging as transformers_logging
 
     transformers_logging.disable_progress_bar()  # a "Writing model shards" bar per text encoder, on the terminal
+    parts = (frozen.vae, frozen.text_encoder, frozen.text_encoder_2)
+    if any(p.dtype != torch.float32 for p in parts):
+        # Training ran them in 16 bits (a GPU run): up-casting those copies would save rounded weights as
+        # float32. The pipeline gets them as loaded, from the source, on the CPU.
+        frozen = models.load_frozen(cfg)
     for part in (frozen.vae, frozen.text_encoder, frozen.text_encoder_2):
-        part.to("cpu", torch.float32)
+        part.to("cpu")
     pipe = StableDiffusionXLPipeline(vae=frozen.vae, text_encoder=frozen.text_encoder,
                                      text_encoder_2=frozen.text_encoder_2, tokenizer=frozen.tokenizer,
                                      tokenizer_2=frozen.tokenizer_2, unet=unet,

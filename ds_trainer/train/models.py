@@ -53,6 +53,16 @@ def outside_zero3(deepspeed_plugin: Any) -> Iterator[None]:
         yield
 
 
+FROZEN_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def frozen_dtype_name(cfg: DictConfig, kind: str) -> str:
+    """The dtype the text encoders (and a VAE without force_upcast) run in: float32 on the CPU (where 16-bit
+    is emulated for much of a text encoder and slower), else the run's `precision` (fp16 on GPUs without
+    bf16, float32 when asked). Part of the latent cache's identity."""
+    return "float32" if kind == "cpu" else FROZEN_DTYPES[cfg.precision.name.value]
+
+
 def load_frozen(cfg: DictConfig, deepspeed_plugin: Any = None) -> Frozen:
     """VAE, both text encoders and tokenizers, in eval mode with gradients off."""
     from diffusers import AutoencoderKL

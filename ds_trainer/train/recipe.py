@@ -94,7 +94,7 @@ def _prepare_nvme(cfg: DictConfig, accelerator: Any) -> None:
     if cfg.resolved.optimizer_state_on == "nvme":
         nvme_swap.align_gradient_reads()  # DeepSpeed's swapped-gradient read misses unaligned slices
     if accelerator.local_process_index == 0:
-        error = nvme.aio_load_error()
+        error = nvme.aio_load_error(gpu=torch.cuda.is_available())
         if error:
             raise TrainingError(f"offload=nvme: {error}")
         for stale in nvme.remove_stale_swap(cfg.offload.nvme_path):
@@ -241,8 +241,13 @@ def _train(cfg: DictConfig, ds: dict[str, Any] | None, run_dir: Path, accelerato
     resumed = carry.Carry(cfg, resume_from)
     resumed.before_prepare(unet)
     startup.mark("model build")
-    ema = EMA(unet, float(cfg.train.ema_decay), "cpu" if cfg.train.ema_device == "cpu" else str(accelerator.device)) \
-        if cfg.train.ema else None
+    ema = EMA(unet, float(cfg.train.ema_decay), "cpu" if cfg.train.ema_device == "cpu" else str(accelerator.device),
+              accelerator.process_index, accelerator.num_processes, accelerator.device) if cfg.train.ema else None
+    if ema is not None and accelerator.num_processes > 1 and accelerator.is_main_process:
+        whole = sum(torch.Size(s).numel() for s in ema.shapes.values()) * 4 / 2**20
+        mine = sum(v.numel() for v in ema.shadow.values()) * 4 / 2**20
+        log.info("EMA (%.0f MiB in fp32) sharded over %d ranks: rank 0 keeps and updates %.0f MiB of it",
+                 whole, accelerator.num_processes, mine)
     optimizer, scheduler = _optimizer_and_scheduler(cfg, ds, trained.parameters)
     if ds is not None and "nvme" in (cfg.resolved.optimizer_state_on, cfg.resolved.params_on):
         _check_swap_space(cfg, accelerator)
@@ -298,9 +303,10 @@ def _train(cfg: DictConfig, ds: dict[str, Any] | None, run_dir: Path, accelerato
 
 
 def _load_frozen(cfg: DictConfig, accelerator: Any, kind: str) -> models.Frozen:
-    """The VAE and text encoders, outside ZeRO-3, on the training device (float32 on the CPU)."""
+    """The VAE and text encoders, outside ZeRO-3, on the training device, in the precision's dtype (float32
+    on the CPU; the VAE in float32 when its config asks, as SDXL's does)."""
     frozen = models.load_frozen(cfg, accelerator.state.deepspeed_plugin)
-    dtype = torch.float32 if kind == "cpu" else torch.bfloat16
+    dtype = getattr(torch, models.frozen_dtype_name(cfg, kind))
     frozen.text_encoder.to(accelerator.device, dtype)
     frozen.text_encoder_2.to(accelerator.device, dtype)
     frozen.vae.to(accelerator.device, torch.float32 if frozen.vae.config.force_upcast or kind == "cpu" else dtype)
@@ -317,7 +323,8 @@ def _resume(accelerator: Any, ds: dict[str, Any] | None, ema: EMA | None, resume
         checkpoint.restore_optimizer_clocks(accelerator.deepspeed_engine_wrapped.engine)
     start_step = int((checkpoint.complete(resume_from) or {})["step"])
     if ema is not None and (resume_from / "ema.pt").exists():
-        ema.load_state_dict(torch.load(resume_from / "ema.pt", weights_only=True))
+        # Memory-mapped: each rank reads the pages of its own slice, not the whole EMA.
+        ema.load_state_dict(torch.load(resume_from / "ema.pt", map_location="cpu", weights_only=True, mmap=True))
     log.info("resumed from %s at step %d", resume_from, start_step)
     return start_step
 

@@ -248,11 +248,11 @@ class Sampler:
         config = self.accelerator.unwrap_model(self.unet).config
         with torch.device("meta"):
             model = UNet2DConditionModel.from_config(config)
-        missing = set(model.state_dict()) - set(self.ema.shadow)
+        missing = set(model.state_dict()) - set(self.ema.names)
         if missing:
             raise TrainingError(f"samples.ema=true: the EMA holds only the trained parameters, not {len(missing)} "
                                 "others of the UNet; use samples.ema=false")
-        model.load_state_dict(self.ema.shadow, assign=True)
+        model.load_state_dict(self.ema.full(), assign=True)  # collective: every rank samples a share
         return model.to(self.accelerator.device).eval()
 
     @contextlib.contextmanager
