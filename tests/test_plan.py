@@ -89,3 +89,34 @@ def test_training_logs_the_plan(workdir) -> None:  # type: ignore[no-untyped-def
     result = run_cli("logger=none", "train.max_steps=1", "data.num_samples=2", cwd=workdir)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "memory plan (python -m ds_trainer.plan): about" in result.stderr
+
+
+def test_the_planner_counts_what_a_gpu_run_holds_beyond_the_model_states(base: plan.UNetStats) -> None:
+    """The terms a GPU run adds, against hand-computed bytes: the GPU EMA's fp32 shadow (a slice per rank),
+    the VAE and text encoders left on the GPU with data.cache=false, and DDP's 16-bit autocast copy of the
+    weights (its bucketed gradient copy is gone: Accelerate gets gradient_as_bucket_view)."""
+    from ds_trainer.tools import plan_samples
+
+    p = base.params
+    cell = ("model=sdxl_base", "zero=stage2")
+    plain = plan.estimate(make_cfg(*cell), "stage2", "none", 4)
+    ema = plan.estimate(make_cfg(*cell, "train.ema=true", "train.ema_device=gpu"), "stage2", "none", 4)
+    assert ema.params - plain.params == 4 * p // 4  # 2.57 GB per rank of 4, not 10.3 GB on each
+    assert plan.estimate(make_cfg(*cell, "train.ema=true"), "stage2", "none", 4).params == plain.params  # host EMA
+    uncached = plan.estimate(make_cfg(*cell, "data.cache=false"), "stage2", "none", 4)
+    frozen = plan_samples.frozen_bytes(str(make_cfg(*cell).model.architecture), "cuda", "bf16")
+    assert uncached.params - plain.params == frozen and 1.5 * 2**30 < frozen < 2 * 2**30  # bf16 encoders, fp32 VAE
+    ddp = plan.estimate(make_cfg("model=sdxl_base", "zero=ddp"), "ddp", "none", 2)
+    ddp32 = plan.estimate(make_cfg("model=sdxl_base", "zero=ddp", "precision=fp32"), "ddp", "none", 2)
+    assert (ddp.params, ddp.grads, ddp.optimizer) == (6 * p, 4 * p, 8 * p)
+    assert ddp32.params == 4 * p
+
+
+def test_a_checkpoint_and_the_export_are_sized_from_the_parameters(base: plan.UNetStats) -> None:
+    """What the doctor compares with the free disk: 2 + 12 + 12 bytes a parameter with AdamW in bf16 (measured on
+    the tiny model's files), 4 more with the EMA; the export is the fp32 UNet (and its EMA twin)."""
+    p = base.params
+    one, export = plan.checkpoint_bytes(make_cfg("model=sdxl_base"))
+    assert (one, export) == (26 * p, 4 * p)
+    one, export = plan.checkpoint_bytes(make_cfg("model=sdxl_base", "train.ema=true"))
+    assert (one, export) == (30 * p, 8 * p)

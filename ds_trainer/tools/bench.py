@@ -26,6 +26,7 @@ import argparse
 import csv
 import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -59,6 +60,15 @@ def all_cells(resolutions: list[int], batches: list[int]) -> list[Cell]:
 
 
 def peak_tflops() -> float:
+    """Dense matrix-multiply rate of this device in TFLOP/s, measured in a process of its own: the bench's parent
+    stays alive while its cells run, and a CUDA context and cached blocks of its own would take 0.5-1 GB from
+    every cell (moving where cells run out of memory)."""
+    code = "from ds_trainer.tools.bench import measure_peak_tflops; print(measure_peak_tflops())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    return float(out.split()[-1])
+
+
+def measure_peak_tflops() -> float:
     """Dense matrix-multiply rate of this device in TFLOP/s: bf16 8192^3 on a GPU (fp32 512^3 on a CPU)."""
     import torch
 

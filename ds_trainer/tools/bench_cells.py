@@ -144,7 +144,7 @@ def raw_loop(folder: Path, steps: int, warmup: int = 2) -> tuple[float, float]:
         engine, _, _, _ = deepspeed.initialize(model=unet, model_parameters=unet.parameters(), config=ds)
         model, device = engine, engine.device
         autocast: Any = contextlib.nullcontext
-        dtype = torch.bfloat16 if bf16 else torch.float32
+        dtype = next(engine.module.parameters()).dtype  # the engine's own: bf16, fp16 or fp32
 
         def update(loss: Any) -> None:
             engine.backward(loss)

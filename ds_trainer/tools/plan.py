@@ -359,6 +359,8 @@ def main(argv: list[str] | None = None) -> int:
     rundir.register_resolvers()
     cfg = overrides.compose_checked(list(sys.argv[1:] if argv is None else argv))  # a mistake: exit 2
     info = hardware.detect(cfg.platform.value)
+    if info.kind == "cuda" and cfg.plan.vram_gib is None:
+        info = hardware.confirm_with_torch(info)  # torch's figure: a MIG slice's memory, not the whole card's
     world = validation.world_size_of(cfg)
     budget_gib = cfg.plan.vram_gib if cfg.plan.vram_gib is not None else (
         info.gpu_memory_mib / 1024 * (1 - float(cfg.plan.margin)) if info.gpu_memory_mib else None)
