@@ -7,11 +7,14 @@ import logging
 import warnings
 from pathlib import Path
 
+import pytest
+
 from ds_trainer import console
 
 
 def test_known_library_messages_go_to_the_log_file_and_every_other_warning_stays_on_the_terminal(
-        tmp_path: Path) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(console._FILTER, "seen", set())  # as a fresh process: other tests here may have seen them
     terminal = io.StringIO()
     screen = logging.StreamHandler(terminal)
     screen.addFilter(console.ConsoleFilter())

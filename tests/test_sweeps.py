@@ -260,7 +260,8 @@ def test_ctrl_c_on_a_slurm_sweep_cancels_its_jobs_and_they_save(workdir: Path, s
     stopped = json.loads((cell / "summary.json").read_text())
     assert stopped["status"] == "interrupted" and stopped["steps"] < 200
     assert (cell / "checkpoints" / f"step_{stopped['steps']:08d}" / "COMPLETE").is_file()
-    everything = "all"  # completing (CG) too: the cancelled job is gone only when it has ended
+    # Completing (CG) too: the cancelled job is gone only when it has ended (`all` would list ended jobs as well).
+    everything = "PENDING,RUNNING,CONFIGURING,COMPLETING,REQUEUED,SUSPENDED"
     wait_until(lambda: not slurm_jobs(slurm_cluster, workdir, everything), "the cancelled job is still there",
                deadline=deadline, interval=0.5)
     time.sleep(5)  # nothing is submitted again: the launcher is gone

@@ -331,6 +331,9 @@ def compose_checked(overrides: list[str]) -> Any:
     """`compose` for tools that take overrides without `hydra.main` (the planner): same messages."""
     from hydra import compose, initialize_config_dir
 
+    from ds_trainer import console
+
+    console.install()  # Hydra's note of a presets folder not written yet is not for the terminal
     if problems := check_args(overrides, multirun=False):
         print(render(problems), file=sys.stderr)
         raise SystemExit(2)
