@@ -124,6 +124,9 @@ class ConsoleFilter(logging.Filter):
 def install() -> None:
     """Put the known messages' filter on the loggers that create them, and send `warnings.warn` through logging
     (so a warning reaches the run's log file too, and the terminal through the console filter). Idempotent."""
+    # Off, then on: a `warnings.catch_warnings` block that ended since the last call put back the hook it found,
+    # and captureWarnings(True) alone would then do nothing (it remembers having been called).
+    logging.captureWarnings(False)
     logging.captureWarnings(True)
     for name in _PATTERNS:
         logger = logging.getLogger(name)
