@@ -183,6 +183,15 @@ def torchrun(ranks: int) -> list[str]:
             str(free_port())]
 
 
+def sigint_at_default() -> None:
+    """A `preexec_fn`: SIGINT at its default disposition, as a terminal's foreground job has it. A child inherits
+    an ignored SIGINT (a shell's background job, a test runner's worker may have one), and Python then installs no
+    KeyboardInterrupt handler: Ctrl-C would do nothing."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def free_port() -> int:
     """A TCP port nobody listens on right now (for MASTER_PORT)."""
     import socket

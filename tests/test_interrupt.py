@@ -17,17 +17,14 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import run_cli, run_dirs, torchrun, wait_until
+from conftest import run_cli, run_dirs, sigint_at_default, torchrun, wait_until
 
 pytestmark = [pytest.mark.slow]
 
 
 def _terminal_job(cmd: list[str], cwd: Path) -> subprocess.Popen:
-    def foreground() -> None:
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-
     return subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=foreground, start_new_session=True)
+                            preexec_fn=sigint_at_default, start_new_session=True)
 
 
 def _ctrl_c(proc: subprocess.Popen) -> None:

@@ -15,6 +15,7 @@ import contextlib
 import io
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -119,7 +120,7 @@ def _check(overrides: list[str], code: int, output: str, places: list[Path]) -> 
 
 def _in_process(argv: list[str], cwd: Path) -> tuple[int, str]:
     out = io.StringIO()
-    old, environ = Path.cwd(), dict(os.environ)
+    old, environ, sigint = Path.cwd(), dict(os.environ), signal.getsignal(signal.SIGINT)
     os.chdir(cwd)
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
@@ -134,6 +135,9 @@ def _in_process(argv: list[str], cwd: Path) -> tuple[int, str]:
         # every later test's runs into one run directory.
         os.environ.clear()
         os.environ.update(environ)
+        # main() ends by ignoring SIGINT (a process's last moments); every process this worker starts later would
+        # inherit that, and Ctrl-C would do nothing to them (CI5: the Slurm Ctrl-C test in the same worker).
+        signal.signal(signal.SIGINT, sigint)
     return code, out.getvalue()
 
 

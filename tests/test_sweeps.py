@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import run_cli, slurm_jobs, wait_until
+from conftest import run_cli, sigint_at_default, slurm_jobs, wait_until
 
 from ds_trainer import SWEEPS_DIR
 
@@ -46,7 +46,7 @@ def test_named_sweep_says_how_to_run_it_and_composes(name: str) -> None:
 
 
 def test_named_sweeps_required_by_the_docs_exist() -> None:
-    assert {"zero_offload", "resolution", "batch_size"} <= {p.stem for p in SWEEPS_DIR.glob("*.yaml")}
+    assert {"zero_offload", "resolution", "batch_size", "backends"} <= {p.stem for p in SWEEPS_DIR.glob("*.yaml")}
 
 
 @pytest.mark.parametrize("preset", sorted(p.stem for p in (Path(__file__).parent.parent / "conf" / "hydra" /
@@ -119,7 +119,7 @@ def test_two_cell_sweep_on_a_real_slurm_cluster(workdir: Path, slurm_cluster: di
 def _start_sweep(workdir: Path, env: dict[str, str], *args: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "ds_trainer", "-m", "zero=stage2", "hydra/launcher=slurm_localtest",
                              "data.num_samples=8", *args], cwd=workdir, env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, preexec_fn=sigint_at_default)
 
 
 def _cell_steps(cell: Path) -> list[int]:

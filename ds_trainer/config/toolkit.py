@@ -85,11 +85,17 @@ def _assigned(path: Path, name: str) -> Any:
     except (OSError, SyntaxError, ValueError):
         return None
     for node in tree.body:
-        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) \
-            else []
-        if any(isinstance(t, ast.Name) and t.id == name for t in targets) and node.value is not None:
+        targets: list[ast.expr]
+        value: ast.expr | None
+        if isinstance(node, ast.Assign):
+            targets, value = node.targets, node.value
+        elif isinstance(node, ast.AnnAssign):
+            targets, value = [node.target], node.value
+        else:
+            continue
+        if any(isinstance(t, ast.Name) and t.id == name for t in targets) and value is not None:
             try:
-                return ast.literal_eval(node.value)
+                return ast.literal_eval(value)
             except ValueError:
                 return None
     return None
