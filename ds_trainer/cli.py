@@ -12,7 +12,7 @@ from pathlib import Path
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from ds_trainer import CONF_DIR, console
 from ds_trainer.config import (
@@ -91,6 +91,8 @@ def run(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> None:
     if cfg.dry_run:
         if ds is not None:
             print(json.dumps(ds, indent=2))
+        elif cfg.resolved.backend == "fsdp":  # what FSDP2 will run, as config.yaml records it
+            print(json.dumps(OmegaConf.to_container(cfg.resolved.fsdp), indent=2))
         else:
             print(f"zero=ddp: plain Accelerate data parallel, no DeepSpeed config ({cfg.resolved.platform})")
         print(f"run files written to {run_dir}", file=sys.stderr)

@@ -49,6 +49,10 @@ KNOWN = (
           r"main, path=\S+/presets is not available\.",
           "conf/config.yaml puts <paths.outputs>/presets (where the tune writes its preset) on Hydra's search "
           "path; until a preset is written there the folder does not exist, which is normal"),
+    Known("py.warnings", r"accelerate/state\.py:\d+: UserWarning: OMP_NUM_THREADS/MKL_NUM_THREADS unset, we set it at "
+          r"\d+ to improve oob performance\.",
+          "Accelerate gives each CPU rank (zero=ddp and FSDP on the CPU) the machine's physical cores divided by the "
+          "ranks on it, and says so; that is the right share, and OMP_NUM_THREADS set by the user overrides it"),
     Known("DeepSpeed", r"^Setting accelerator to CPU\. If you have GPU",
           "DeepSpeed found no GPU; the run's own start-up lines say which device it trains on, and "
           "`python -m ds_trainer.doctor` why no GPU is seen"),

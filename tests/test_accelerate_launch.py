@@ -30,6 +30,7 @@ def launch(config: Path, cwd: Path) -> list[dict]:
     (["zero=stage2", "offload=cpu"], 2, 1),
     (["zero=stage3", "world_size=2"], 3, 2),
     (["zero=ddp", "world_size=2"], None, 2),
+    (["zero=fsdp_shard_grad_op", "world_size=2"], None, 2),
 ])
 def test_accelerate_config_drives_a_step(workdir: Path, overrides: list[str], stage: int | None, world: int) -> None:
     dry = run_cli(*overrides, "dry_run=true", cwd=workdir)
@@ -40,3 +41,7 @@ def test_accelerate_config_drives_a_step(workdir: Path, overrides: list[str], st
     for step in steps:
         assert step["world"] == world and step["zero_stage"] == stage and step["mixed_precision"] == "bf16"
         assert ("DEEPSPEED" in step["distributed_type"]) == (stage is not None)
+        fsdp = "fsdp" in overrides[0]
+        assert ("FSDP" in step["distributed_type"]) == fsdp
+        if fsdp:  # the yaml's FSDP fields reached the plugin Accelerate built from them
+            assert step["fsdp"] == {"version": 2, "reshard_after_forward": False, "units": 2}

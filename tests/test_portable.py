@@ -52,9 +52,14 @@ CHAIN: dict[str, tuple[str, str, int, int, int, tuple[str, int] | None, tuple[st
     # The optimizer state on NVMe (ZeRO-3 swaps it to disk), carried in and out again.
     "stage3_nvme": ("stage3", "nvme", 1, 2, 1, ("stage2_x2", 2), ()),
     "stage2_after_stage3_nvme": ("stage2", "none", 1, 2, 1, ("stage3_nvme", 4), ()),
+    # DeepSpeed -> PyTorch FSDP2 -> DeepSpeed: ZeRO-2's state into FSDP's sharded DTensors on two ranks, and out
+    # again into ZeRO-3.
+    "fsdp_full_shard_x2": ("fsdp_full_shard", "none", 2, 1, 1, ("stage2_x2", 2), ()),
+    "stage3_after_fsdp": ("stage3", "none", 1, 2, 1, ("fsdp_full_shard_x2", 4), ()),
     # LoRA: only the adapters train; their weights and moments carry the same way.
     "lora_stage0": ("stage0", "none", 1, 2, 1, None, LORA),
     "lora_stage3_x2": ("stage3", "none", 2, 1, 1, ("lora_stage0", 3), LORA),
+    "lora_fsdp_shard_grad_op_x2": ("fsdp_shard_grad_op", "none", 2, 1, 1, ("lora_stage0", 2), LORA),
     # bf16: ZeRO-0 keeps the fp32 masters and Adam state in one flat tensor per group (FP16_Optimizer).
     "bf16_stage2": ("stage2", "none", 1, 2, 1, None, BF16),
     "bf16_stage0": ("stage0", "none", 1, 2, 1, ("bf16_stage2", 2), BF16),

@@ -26,8 +26,11 @@ def config_file(cfg: DictConfig, ds_json: Path | None, world_size: int) -> dict[
     """
     on_cpu = cfg.resolved.platform == "cpu"
     deepspeed = cfg.resolved.backend == "deepspeed"
+    fsdp = cfg.resolved.backend == "fsdp"
     if deepspeed:
         distributed_type = "DEEPSPEED"
+    elif fsdp:
+        distributed_type = "FSDP"  # on a CPU-only machine ds_trainer itself turns it into FSDP on gloo
     elif world_size > 1:
         # Accelerate starts N local processes (torchrun) only for the GPU types; its MULTI_CPU type
         # wants mpirun. On a CPU-only machine ds_trainer asks Accelerate for the CPU (gloo) itself.
@@ -43,11 +46,26 @@ def config_file(cfg: DictConfig, ds_json: Path | None, world_size: int) -> dict[
         "main_training_function": "main",
         "rdzv_backend": "static",
         "same_network": True,
-        "use_cpu": on_cpu and world_size == 1 and not deepspeed,
+        "use_cpu": on_cpu and world_size == 1 and not deepspeed and not fsdp,
         "downcast_bf16": "no",
         "debug": False,
     }
-    if not deepspeed:
+    if fsdp:
+        meaning = cfg.resolved.fsdp
+        out["mixed_precision"] = mixed_precision(cfg)
+        # Every field FSDP2 reads, explicit (a field left out is read from FSDP_* variables). The reduce dtype
+        # has no key here; ds_trainer sets it in the plugin it builds (config.yaml: resolved.fsdp).
+        out["fsdp_config"] = {
+            "fsdp_version": 2,
+            "fsdp_reshard_after_forward": bool(meaning.reshard_after_forward),
+            "fsdp_offload_params": cfg.offload.device.value == "cpu",
+            "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+            "fsdp_transformer_layer_cls_to_wrap": ",".join(meaning.units),
+            "fsdp_state_dict_type": "SHARDED_STATE_DICT",
+            "fsdp_cpu_ram_efficient_loading": False,
+            "fsdp_activation_checkpointing": False,
+        }
+    elif not deepspeed:
         out["mixed_precision"] = mixed_precision(cfg)
     else:
         assert ds_json is not None

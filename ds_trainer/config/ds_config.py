@@ -25,14 +25,26 @@ def placement(cfg: DictConfig) -> tuple[str, str]:
     device, stage = str(cfg.offload.device.value), int(cfg.zero.stage)
     if device == "none" or cfg.zero.backend.value == "ddp" or stage == 0:
         return "gpu", "gpu"
+    if cfg.zero.backend.value == "fsdp":  # CPUOffloadPolicy: all or nothing (validation refuses the rest)
+        return device, device
     optimizer_on = device if stage == 3 else "cpu"
     params_on = device if stage == 3 and cfg.offload.params is not False else "gpu"
     return optimizer_on, params_on
 
 
 def zero_option(cfg: DictConfig) -> str:
-    """The `zero` option a config runs as: `ddp` or `stageN` (after validation, any fallback included)."""
-    return "ddp" if cfg.zero.backend.value == "ddp" else f"stage{cfg.zero.stage}"
+    """The `zero` option a config runs as: `ddp`, `stageN` or `fsdp_full_shard`/`fsdp_shard_grad_op` (after
+    validation, any fallback included)."""
+    return option_name(cfg.zero.backend.value, int(cfg.zero.stage))
+
+
+def option_name(backend: str, stage: int | None) -> str:
+    """The `zero` option of a backend and stage (as `config.yaml` records them)."""
+    if backend == "ddp":
+        return "ddp"
+    if backend == "fsdp":
+        return "fsdp_full_shard" if stage == 3 else "fsdp_shard_grad_op"
+    return f"stage{stage}"
 
 
 def warmup_steps(cfg: DictConfig) -> int:

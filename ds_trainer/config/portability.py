@@ -15,6 +15,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from ds_trainer.config.ds_config import option_name
 from ds_trainer.config.validation import Problem
 
 META = "portable/meta.json"
@@ -24,7 +25,7 @@ MOMENT_OPTIMIZERS = ("adam", "adamw")
 
 def layout(cfg: DictConfig) -> dict[str, Any]:
     """What may change between a run and its resume: where and how the state is split."""
-    return {"zero": "ddp" if cfg.resolved.backend == "ddp" else f"stage{int(cfg.zero.stage)}",
+    return {"zero": option_name(str(cfg.resolved.backend), int(cfg.zero.stage)),
             "offload": str(cfg.offload.device.value), "world_size": int(cfg.resolved.world_size),
             "micro_batch_size": int(cfg.train.micro_batch_size),
             "gradient_accumulation_steps": int(cfg.train.gradient_accumulation_steps),

@@ -17,6 +17,7 @@ from omegaconf import MISSING
 class Backend(str, Enum):
     ddp = "ddp"
     deepspeed = "deepspeed"
+    fsdp = "fsdp"  # PyTorch FSDP2 through Accelerate; `stage` 3 reshards after forward, 2 does not
 
 
 class ResumeOptimizer(str, Enum):
@@ -103,6 +104,9 @@ class ZeroConfig:
     stage3_max_reuse_distance: int = 1_000_000_000
     stage3_gather_16bit_weights_on_model_save: bool = True
     sub_group_size: int = 1_000_000_000
+    # backend=fsdp: the module classes that become FSDP units, and the gradients' reduce dtype under 16-bit.
+    fsdp_wrap: list[str] = field(default_factory=lambda: ["BasicTransformerBlock", "ResnetBlock2D"])
+    fsdp_reduce_dtype: str = "fp32"
 
 
 @dataclass
@@ -359,6 +363,8 @@ class ResolvedConfig:
     torch_adam: bool = False
     # Parameters the optimizer trains (the UNet's, or the adapters' with adapter=lora); set before training.
     trainable_params: int | None = None
+    # backend=fsdp: what the precision and sharding mean under FSDP2 (the plugin's fields as the run set them).
+    fsdp: dict[str, Any] | None = None
     warnings: list[str] = field(default_factory=list)
 
 

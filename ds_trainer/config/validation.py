@@ -93,7 +93,8 @@ def _unknown_keys(cfg: DictConfig, out: list[Problem]) -> None:
                     close = difflib.get_close_matches(str(key), [str(k) for k in known], n=1)
                     hint = f"did you mean {prefix}{close[0]}?" if close else "remove it"
                     out.append(Problem(path, node[key], "is not a ds_trainer setting", hint))
-            elif OmegaConf.is_dict(node._get_node(key)) and OmegaConf.is_dict(ref._get_node(key)):
+            elif OmegaConf.is_dict(node._get_node(key)) and OmegaConf.is_dict(ref._get_node(key)) \
+                    and node[key] is not None and ref[key] is not None:  # an optional mapping left unset
                 walk(node[key], ref[key], path + ".")
     walk(cfg, OmegaConf.structured(schema.Config), "")
 
@@ -177,9 +178,9 @@ def _optimizer(cfg: DictConfig, info: hardware.PlatformInfo, out: list[Problem],
                            "optimizer=adamw (or optimizer.name=<one of the above>)"))
         return None
     backend = cfg.zero.backend.value
-    if backend == "ddp" and name not in ("adam", "adamw", "adagrad"):
-        out.append(Problem("optimizer.name", name, "zero=ddp runs torch.optim, which has adam, adamw and adagrad",
-                           "optimizer=adamw, or a DeepSpeed stage such as zero=stage2"))
+    if backend in ("ddp", "fsdp") and name not in ("adam", "adamw", "adagrad"):
+        out.append(Problem("optimizer.name", name, f"zero={ds_config.zero_option(cfg)} runs torch.optim, which has "
+                           "adam, adamw and adagrad", "optimizer=adamw, or a DeepSpeed stage such as zero=stage2"))
         return name
     optimizer_on, _ = ds_config.placement(cfg)
     if backend == "deepspeed" and optimizer_on != "gpu" and name not in optimizers.CPU_OFFLOAD_CAPABLE:
@@ -238,8 +239,89 @@ def _ops(cfg: DictConfig, out: list[Problem]) -> None:
                            toolkit.BUILD_FIX))
 
 
+# Accelerate's first release with what backend=fsdp relies on: FSDP2 (1.6), trainable parameters cast to one dtype
+# before fully_shard (1.14, #3985) and the frozen LoRA base left in its dtype (1.13, #3848).
+FSDP_ACCELERATE = (1, 14)
+# zero keys only DeepSpeed reads: set under backend=fsdp they would do nothing.
+_DEEPSPEED_ONLY = ("overlap_comm", "contiguous_gradients", "reduce_scatter", "allgather_partitions",
+                   "reduce_bucket_size", "allgather_bucket_size", "round_robin_gradients",
+                   "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold", "stage3_max_live_parameters",
+                   "stage3_max_reuse_distance", "stage3_gather_16bit_weights_on_model_save", "sub_group_size")
+
+
+def _installed_version(package: str) -> tuple[int, ...] | None:
+    from importlib import metadata
+
+    try:
+        return tuple(int(part) for part in re.findall(r"\d+", metadata.version(package))[:2])
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _fsdp(cfg: DictConfig, info: hardware.PlatformInfo, out: list[Problem]) -> None:
+    """backend=fsdp (zero=fsdp_full_shard / fsdp_shard_grad_op): what PyTorch FSDP2 can do, asked of it."""
+    if cfg.zero.backend.value != "fsdp":
+        return
+    option = ds_config.zero_option(cfg)
+    stage = int(cfg.zero.stage)
+    if stage not in (2, 3):
+        out.append(Problem("zero.stage", stage, "FSDP shards gradients and optimizer state always, and parameters "
+                           "between forward and backward with stage 3 (full shard) or not with stage 2 (shard grad "
+                           "op); it has no stage 0 or 1", "zero=fsdp_full_shard or zero=fsdp_shard_grad_op"))
+    version = _installed_version("accelerate")
+    if version is not None and version < FSDP_ACCELERATE:
+        out.append(Problem("zero", option, f"the installed accelerate {'.'.join(map(str, version))} predates what "
+                           "FSDP2 training of a UNet needs (one dtype for the trainable parameters, a frozen LoRA "
+                           "base left in 16 bits)", "pip install -c constraints.txt 'accelerate>=1.14'"))
+    if info.kind not in ("cuda", "rocm", "cpu"):
+        out.append(Problem("zero", option, f"PyTorch FSDP2 runs on CUDA/ROCm (NCCL) or the CPU (gloo), not {info.kind}",
+                           "zero=ddp"))
+    device = cfg.offload.device.value
+    if device == "nvme":
+        out.append(Problem("offload", "nvme", "FSDP offloads to host memory only (CPUOffloadPolicy); it has no NVMe "
+                           "tier", "offload=cpu, or zero=stage3 offload=nvme (DeepSpeed swaps to disk)"))
+    elif device == "cpu" and cfg.offload.params is False:
+        out.append(Problem("offload.params", False, "FSDP's CPU offload is all or nothing: parameters, gradients and "
+                           "the optimizer step live on the host together", "offload.params=null, or zero=stage2 "
+                           "offload=cpu (DeepSpeed offloads the optimizer state alone)"))
+    if cfg.precision.name.value == "fp16":
+        out.append(Problem("precision", "fp16", "ds_trainer's FSDP backend trains in bf16 or fp32: fp16 needs a "
+                           "gradient scaler over sharded gradients, which it does not run",
+                           "precision=bf16, or zero=stage2 precision=fp16 (DeepSpeed's loss scaling)"))
+    if str(cfg.zero.fsdp_reduce_dtype) not in ("fp32", "bf16"):
+        out.append(Problem("zero.fsdp_reduce_dtype", cfg.zero.fsdp_reduce_dtype, "gradients are reduced in fp32 or "
+                           "bf16", "zero.fsdp_reduce_dtype=fp32"))
+    if not list(cfg.zero.fsdp_wrap):
+        out.append(Problem("zero.fsdp_wrap", [], "with no unit below the root FSDP gathers the whole UNet at once "
+                           "(no memory saved over DDP)", "zero.fsdp_wrap=[BasicTransformerBlock,ResnetBlock2D]"))
+    defaults = schema.ZeroConfig()
+    for key in _DEEPSPEED_ONLY:
+        if cfg.zero[key] != getattr(defaults, key):
+            out.append(Problem(f"zero.{key}", cfg.zero[key], f"a DeepSpeed setting; zero={option} is PyTorch FSDP, "
+                               "which does not read it", f"drop zero.{key}, or a DeepSpeed stage such as zero=stage"
+                               f"{stage if stage in (2, 3) else 3}"))
+
+
+def fsdp_meaning(cfg: DictConfig) -> dict[str, object]:
+    """What backend=fsdp runs, as `config.yaml` records it: the FSDP2 fields and what the precision means."""
+    precision = cfg.precision.name.value
+    compute = {"bf16": "bf16", "fp16": "fp16"}.get(precision, "fp32")
+    return {"fsdp_version": 2, "reshard_after_forward": int(cfg.zero.stage) == 3,
+            "units": [str(name) for name in cfg.zero.fsdp_wrap],
+            # Accelerate casts the trainable parameters to fp32 before sharding: fp32 sharded masters and Adam state
+            # (DeepSpeed's meaning of the same precision), compute in the precision's dtype.
+            "master_weights": "fp32, sharded", "optimizer_state": "fp32, sharded", "compute_dtype": compute,
+            "reduce_dtype": "fp32" if compute == "fp32" else str(cfg.zero.fsdp_reduce_dtype),
+            "offload": "CPUOffloadPolicy (parameters, gradients, optimizer step on the host)"
+            if cfg.offload.device.value == "cpu" else "none",
+            # Every micro-batch's gradients are reduce-scattered: no full unsharded gradient kept between them.
+            "sync_each_batch": True}
+
+
 def _offload(cfg: DictConfig, out: list[Problem], warnings: list[str]) -> None:
     device, backend, stage = cfg.offload.device.value, cfg.zero.backend.value, int(cfg.zero.stage)
+    if backend == "fsdp":
+        return  # its own rules (`_fsdp`)
     if backend == "deepspeed" and stage not in (0, 1, 2, 3):
         out.append(Problem("zero.stage", stage, "ZeRO stages are 0, 1, 2 and 3", "zero=stage2"))
         return
@@ -346,6 +428,7 @@ def check(cfg: DictConfig, info: hardware.PlatformInfo | None = None) -> Report:
     problems.extend(Problem(*p) for p in buckets.problems(cfg))
     _platform(cfg, info, problems, warnings)
     _offload(cfg, problems, warnings)
+    _fsdp(cfg, info, problems)
     optimizer = _optimizer(cfg, info, problems, warnings)
     _cuda_ops(cfg, info, optimizer, problems, warnings)
     swap = _nvme(cfg, optimizer, problems, info.kind == "cuda") if not problems else 0
@@ -360,6 +443,7 @@ def check(cfg: DictConfig, info: hardware.PlatformInfo | None = None) -> Report:
     cfg.resolved.optimizer_state_on = optimizer_on
     cfg.resolved.params_on = params_on
     cfg.resolved.nvme_swap_bytes = swap
+    cfg.resolved.fsdp = fsdp_meaning(cfg) if cfg.zero.backend.value == "fsdp" else None
     cfg.resolved.warnings = warnings
     if not problems:
         _ops(cfg, problems)

@@ -17,6 +17,8 @@ from typing import Any
 
 import yaml
 
+from ds_trainer.config.ds_config import option_name
+
 COLUMNS = ("cell", "zero", "offload", "resolution", "micro_batch_size", "world_size", "precision", "status",
            "gpu_mem_peak_allocated_mib", "gpu_mem_peak_reserved_mib", "host_rss_peak_mib", "median_s_per_it",
            "images_per_s", "gradient_accumulation_steps", "gradient_checkpointing", "message")
@@ -39,7 +41,7 @@ def _row(cell: Path, root: Path) -> dict[str, Any]:
     cfg = _cell_config(cell)
     if cfg and "zero" not in row:
         zero = cfg.get("zero", {})
-        row["zero"] = "ddp" if zero.get("backend") == "ddp" else f"stage{zero.get('stage')}"
+        row["zero"] = option_name(str(zero.get("backend")), zero.get("stage"))
         row["offload"] = cfg.get("offload", {}).get("device")
         res = cfg.get("resolution", {})
         row["resolution"] = f"{res.get('width')}x{res.get('height')}"

@@ -207,7 +207,7 @@ def diagnose(cfg: DictConfig) -> Findings:
 
 def main(argv: list[str] | None = None) -> int:
     from ds_trainer import console
-    from ds_trainer.config import op_cache, overrides, rundir, schema, validation
+    from ds_trainer.config import ds_config, op_cache, overrides, rundir, schema, validation
 
     console.for_tool()
     op_cache.prepare()
@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     findings.notes[:0] = list(report.warnings)
     findings.problems[:0] = [(f"{p.key}={p.value}: {p.why}", p.fix) for p in report.problems]
     c = report.cfg
-    title = (f"ds_trainer doctor: zero={f'stage{c.zero.stage}' if c.resolved.backend == 'deepspeed' else 'ddp'} "
+    title = (f"ds_trainer doctor: zero={ds_config.option_name(c.resolved.backend, int(c.zero.stage))} "
              f"offload={c.offload.device.value} optimizer={c.resolved.optimizer} precision={c.precision.name.value} "
              f"on {c.resolved.platform}, {c.resolved.world_size} rank(s)")
     print(findings.render(title))

@@ -42,6 +42,8 @@ from ds_trainer.tools import plan_cache, plan_lora, plan_samples
 GIB = 2**30
 CELLS = [("ddp", "none"), ("stage0", "none"), ("stage1", "none"), ("stage2", "none"), ("stage3", "none"),
          ("stage1", "cpu"), ("stage2", "cpu"), ("stage3", "cpu"), ("stage3", "nvme")]
+# PyTorch FSDP2's counterparts, printed after the ZeRO cells (recommended only when no ZeRO cell fits).
+FSDP_CELLS = [("fsdp_shard_grad_op", "none"), ("fsdp_full_shard", "none"), ("fsdp_full_shard", "cpu")]
 
 
 @dataclass
@@ -192,6 +194,14 @@ def _model_states(zero: str, offload: str, p: int, layer: int, n: int, params_of
                   precision: str) -> tuple[int, int, int, int]:
     """(params, grads, optimizer, host) bytes per rank; sums match DeepSpeed's estimators."""
     half = 2 if precision != "fp32" else 4
+    if zero.startswith("fsdp"):
+        # FSDP2 with Accelerate's fp32 sharded parameters (the masters), gradients reduce-scattered into fp32
+        # shards, Adam's moments sharded: 16P/N. Full shard gathers one unit at a time in the compute dtype (and
+        # prefetches the next); shard-grad-op keeps every unit gathered from forward to backward.
+        if offload != "none":  # CPUOffloadPolicy: parameters, gradients and optimizer state on the host
+            return 2 * half * layer, 0, 0, int(p * 16 * 1.5)
+        gathered = 2 * half * layer if zero == "fsdp_full_shard" else half * p
+        return gathered + 4 * p // n, 4 * p // n, 8 * p // n, 0
     if zero == "ddp":
         # fp32 weights, gradients (DDP's buckets are the gradients: Accelerate is given gradient_as_bucket_view)
         # and Adam's moments; under 16-bit autocast a 16-bit copy of every weight lives through backward.
@@ -286,7 +296,7 @@ def checkpoint_bytes(cfg: DictConfig) -> tuple[int, int]:
 
 
 def plan(cfg: DictConfig, world_size: int, activation_factor: float = 1.0) -> list[Estimate]:
-    return [estimate(cfg, zero, offload, world_size, activation_factor) for zero, offload in CELLS]
+    return [estimate(cfg, zero, offload, world_size, activation_factor) for zero, offload in CELLS + FSDP_CELLS]
 
 
 def describe(e: Estimate) -> str:

@@ -34,6 +34,11 @@ def model_states(zero: str, offload: str, base: int, t: int, layer: int, n: int,
     adapter parameters. DeepSpeed casts the whole module (base and adapters) to 16-bit; the fp32
     masters and Adam moments (12 bytes) and the gradients exist for the adapters only."""
     half = 2 if precision != "fp32" else 4
+    if zero.startswith("fsdp"):  # the frozen base sharded in 16-bit, the adapters' fp32 state sharded
+        if offload != "none":
+            return 2 * half * layer, 0, 0, int((half * base + 16 * t) * 1.5)
+        gathered = 2 * half * layer if zero == "fsdp_full_shard" else half * (base + t)
+        return gathered + (half * base + 4 * t) // n, 4 * t // n, 8 * t // n, 0
     if zero == "ddp":  # the base cast to 16-bit by the recipe, the adapters fp32 with their Adam state
         return half * base + 4 * t, 4 * t, 8 * t, 0
     stage = int(zero[-1])

@@ -105,10 +105,12 @@ def space(t: DictConfig, fixed: dict[str, str], ranks: int, accumulation: int) -
                                 f"micro batch x {ranks} must divide it)",
                                 f"tune.global_batch={nearest} (or one of {makeable}), or tune.global_batch=null")])
     cells = [Cell(z, o, m, a, c) for z in zeros for o in offloads for m, a in pairs for c in ckpts]
-    from ds_trainer.tools.plan import CELLS
+    from ds_trainer.tools.plan import CELLS, FSDP_CELLS
+
+    order = CELLS + FSDP_CELLS  # fastest first; FSDP's cells after DeepSpeed's
 
     def rung(c: Cell) -> int:
-        return CELLS.index((c.zero, c.offload)) if (c.zero, c.offload) in CELLS else len(CELLS)
+        return order.index((c.zero, c.offload)) if (c.zero, c.offload) in order else len(order)
     return sorted(cells, key=lambda c: (c.ckpt, rung(c), -c.micro))
 
 

@@ -14,6 +14,7 @@ from omegaconf import DictConfig
 
 from ds_trainer import console
 from ds_trainer.config.accelerate_file import mixed_precision
+from ds_trainer.errors import TrainingError
 
 
 def deepspeed_plugin(cfg: DictConfig, ds: dict[str, Any]) -> Any:
@@ -42,6 +43,49 @@ def deepspeed_plugin(cfg: DictConfig, ds: dict[str, Any]) -> Any:
     )
 
 
+def fsdp_plugin(cfg: DictConfig, platform_kind: str) -> Any:
+    """A FullyShardedDataParallelPlugin (FSDP2) with every field explicit: a field left None is read from the
+    `FSDP_*` environment, and one set that FSDP2 does not use warns or raises."""
+    import torch
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+    meaning = cfg.resolved.fsdp
+    compute = getattr(torch, {"bf16": "bfloat16", "fp16": "float16"}.get(meaning.compute_dtype, "float32"))
+    reduce = getattr(torch, {"bf16": "bfloat16"}.get(meaning.reduce_dtype, "float32"))
+    # Pinned host memory needs an accelerator; a CPU-only build fails with "Cannot access accelerator device".
+    offload = CPUOffloadPolicy(pin_memory=platform_kind != "cpu" and bool(cfg.offload.pin_memory)) \
+        if cfg.offload.device.value == "cpu" else OffloadPolicy()
+    return FullyShardedDataParallelPlugin(
+        fsdp_version=2,
+        reshard_after_forward=bool(meaning.reshard_after_forward),
+        # The compute dtype of the forward and backward; the sharded fp32 parameters stay the masters.
+        mixed_precision_policy=MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=reduce, output_dtype=compute,
+                                                    cast_forward_inputs=True),
+        auto_wrap_policy="transformer_based_wrap",
+        transformer_cls_names_to_wrap=list(meaning.units),
+        cpu_offload=offload,
+        ignored_modules=[],
+        state_dict_type="SHARDED_STATE_DICT",  # torch.distributed.checkpoint: reshards on load, any world size
+        activation_checkpointing=False,  # the UNet's own gradient checkpointing (it keeps parameter names)
+        activation_checkpointing_offload=False,
+        cpu_ram_efficient_loading=False,
+        min_num_params=0,
+    )
+
+
+def _fsdp_on_cpu(accelerator: Any, plugin: Any) -> None:
+    """Accelerate never selects FSDP for a CPU process (it gives DDP, silently); FSDP2 itself runs on gloo. Set
+    the distributed type in both places Accelerate reads it (else a later AcceleratorState() reverts it), as
+    Accelerate 1.14-1.15 keep them; `make_accelerator` then checks that FSDP2 is what runs."""
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType
+
+    accelerator.state.distributed_type = DistributedType.FSDP
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+    accelerator.state.fsdp_plugin = plugin
+
+
 def make_accelerator(cfg: DictConfig, ds: dict[str, Any] | None, platform_kind: str, run_dir: Path) -> Any:
     """The Accelerator of a training run: DeepSpeed from `ds`, or plain DDP when `ds` is None.
 
@@ -56,8 +100,21 @@ def make_accelerator(cfg: DictConfig, ds: dict[str, Any] | None, platform_kind: 
     handlers: list[Any] = [InitProcessGroupKwargs(backend="gloo")] if platform_kind == "cpu" else \
         [InitProcessGroupKwargs(timeout=datetime.timedelta(minutes=60))]
     kwargs: dict[str, Any] = {}
+    fsdp = cfg.resolved.backend == "fsdp"
+    plugin = fsdp_plugin(cfg, platform_kind) if fsdp else None
     if ds is not None:
         kwargs["deepspeed_plugin"] = deepspeed_plugin(cfg, ds)
+    elif fsdp:
+        from accelerate.utils import GradientAccumulationPlugin
+
+        # Gradients reduce-scattered after every micro-batch: no full unsharded gradient kept between them
+        # (Accelerate's no_sync would keep one per rank, the whole UNet's in the reduce dtype).
+        kwargs["gradient_accumulation_plugin"] = GradientAccumulationPlugin(
+            num_steps=int(cfg.train.gradient_accumulation_steps), sync_each_batch=True)
+        if platform_kind == "cpu":
+            kwargs["cpu"] = True
+        else:
+            kwargs["fsdp_plugin"] = plugin
     else:
         kwargs["gradient_accumulation_steps"] = int(cfg.train.gradient_accumulation_steps)
         kwargs["cpu"] = platform_kind == "cpu"
@@ -70,6 +127,13 @@ def make_accelerator(cfg: DictConfig, ds: dict[str, Any] | None, platform_kind: 
                                   project_config=ProjectConfiguration(project_dir=str(run_dir)),
                                   step_scheduler_with_optimizer=False, **kwargs)
     console.adopt()  # DeepSpeed (imported by now) logs through the run's handlers
+    if fsdp:
+        if platform_kind == "cpu":
+            _fsdp_on_cpu(accelerator, plugin)
+        if not accelerator.is_fsdp2:
+            raise TrainingError(f"zero={cfg.zero.backend.value}: Accelerate set up {accelerator.distributed_type} "
+                                "instead of FSDP2; check the accelerate version (pip install -c constraints.txt "
+                                "accelerate) and unset ACCELERATE_* variables")
     return accelerator
 
 

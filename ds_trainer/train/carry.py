@@ -18,8 +18,8 @@ from omegaconf import DictConfig
 
 from ds_trainer.config import portability
 from ds_trainer.errors import TrainingError
-from ds_trainer.train import checkpoint, nvme_swap, portable
-from ds_trainer.train.portable import KINDS, Reader, _base_optimizer, _engine, _mapped, _scheduler, _shape, trainable
+from ds_trainer.train import checkpoint, nvme_swap, portable, sharded
+from ds_trainer.train.portable import KINDS, Reader, _base_optimizer, _engine, _mapped, _scheduler, trainable
 
 log = logging.getLogger("ds_trainer")
 MOMENTS = portability.MOMENT_OPTIMIZERS
@@ -132,10 +132,10 @@ class Carry:
                     safe_set_full_optimizer_state(p, values[kind].to(p.device), kind)
             return
         with torch.no_grad():
-            p.copy_(values["fp32"].reshape(_shape(p)))
+            p.copy_(sharded.like(values["fp32"], p))  # FSDP: this rank's shard of it
         if moments and "exp_avg" in values:
-            base.state[p] = {"step": _step_value(base, t, p.device), "exp_avg": values["exp_avg"].to(p.device, p.dtype),
-                             "exp_avg_sq": values["exp_avg_sq"].to(p.device, p.dtype)}
+            base.state[p] = {"step": _step_value(base, t, p.device), "exp_avg": sharded.like(values["exp_avg"], p),
+                             "exp_avg_sq": sharded.like(values["exp_avg_sq"], p)}
 
     def _set_flat(self, p: torch.nn.Parameter, name: str, base: Any, moments: bool,
                   place: tuple[torch.Tensor, int, int]) -> None:

@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from ds_trainer.train import sharded
+
 _GATHER_CHUNK = 100_000_000  # elements gathered at once under ZeRO-3
 
 
@@ -72,9 +74,10 @@ class EMA:
     def _read(self, unet: torch.nn.Module, init: bool, weight: float = 1.0) -> None:
         named = dict(unet.named_parameters())
         zero3 = any(hasattr(named[n], "ds_id") for n in self.names)
-        # Without ZeRO-3 every rank has every parameter: each reads its own. Under it the gather is collective:
-        # every rank takes part in every chunk and keeps its own names.
-        params = [named[n] for n in self.names if zero3 or self.mine(n)]
+        fsdp = any(sharded.is_sharded(named[n]) for n in self.names)
+        # Without ZeRO-3 or FSDP every rank has every parameter: each reads its own. Under them the gather is
+        # collective: every rank takes part in every chunk (every parameter under FSDP) and keeps its own names.
+        params = [named[n] for n in self.names if zero3 or fsdp or self.mine(n)]
         by_id = {id(p): n for n, p in named.items()}
         for chunk in _chunks(params):
             if zero3:
@@ -86,9 +89,10 @@ class EMA:
             with context, torch.no_grad():
                 for p in chunk:
                     name = by_id[id(p)]
+                    whole = sharded.full(p.detach())  # collective for an FSDP parameter
                     if not self.mine(name):
                         continue
-                    value = p.detach().to(self.device, torch.float32)
+                    value = whole.to(self.device, torch.float32)
                     if init:
                         self.shadow[name] = value.clone()
                     else:

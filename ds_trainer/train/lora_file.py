@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from ds_trainer.train import sharded
+
 WEIGHT_NAME = "pytorch_lora_weights.safetensors"
 
 
@@ -56,7 +58,7 @@ def gather_fp32(module: torch.nn.Module, names: list[str], engine: Any, keep: bo
         if hasattr(p, "ds_id") or hasattr(p, "_hp_mapping"):
             value = safe_get_full_fp32_param(p)
         else:
-            value = masters.get(id(p), p)
+            value = sharded.full(masters.get(id(p), p))  # collective for an FSDP parameter
         if keep:
             out[name] = value.detach().to("cpu", torch.float32).clone()
     return out
@@ -78,7 +80,7 @@ def set_fp32(module: torch.nn.Module, names: list[str], path: Path, engine: Any)
             masters[id(p)].copy_(value.view_as(masters[id(p)]))
         with torch.no_grad():
             if not hasattr(p, "ds_id"):
-                p.copy_(value.to(p.dtype))
+                p.copy_(sharded.like(value, p))
 
 
 def write(folder: Path, module: Any, weights: dict[str, torch.Tensor], dtype: torch.dtype) -> Path:

@@ -26,7 +26,7 @@ import torch
 from omegaconf import DictConfig
 
 from ds_trainer.config import portability
-from ds_trainer.train import nvme_swap
+from ds_trainer.train import nvme_swap, sharded
 
 log = logging.getLogger("ds_trainer")
 
@@ -179,7 +179,9 @@ class Writer:
             return (weight, safe_get_full_optimizer_state(p, "exp_avg"),
                     safe_get_full_optimizer_state(p, "exp_avg_sq"))
         state = base.state.get(p, {}) if self.moments else {}
-        return p.detach(), state.get("exp_avg"), state.get("exp_avg_sq")
+        # Whole values (collective for FSDP's DTensors: every rank reads every parameter, in the same order).
+        return tuple(sharded.full(t) if t is not None else None
+                     for t in (p.detach(), state.get("exp_avg"), state.get("exp_avg_sq")))
 
     @staticmethod
     def _flush(out: Path, shard: dict[str, torch.Tensor], index: dict[str, str]) -> int:

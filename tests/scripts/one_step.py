@@ -16,9 +16,30 @@ from accelerate.utils import DummyOptim, DummyScheduler, InitProcessGroupKwargs
 # runs plain DDP over CPU only when asked for the CPU: ds_trainer's training does both, and so does this.
 distributed_cpu = not torch.cuda.is_available() and "LOCAL_RANK" in os.environ
 deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false") == "true"
+fsdp = os.environ.get("ACCELERATE_USE_FSDP", "false") == "true"
 handlers = [InitProcessGroupKwargs(backend="gloo")] if distributed_cpu else []
 accelerator = Accelerator(cpu=distributed_cpu and not deepspeed, kwargs_handlers=handlers)
-model = torch.nn.Sequential(torch.nn.Linear(16, 256), torch.nn.ReLU(), torch.nn.Linear(256, 4))
+if fsdp and distributed_cpu:
+    # Accelerate does not select FSDP for a CPU process; ds_trainer's training sets it as here (train/accel.py),
+    # with the plugin Accelerate builds from the yaml's FSDP_* variables.
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    accelerator.state.distributed_type = DistributedType.FSDP
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+    accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin()
+
+
+class ResnetBlock2D(torch.nn.Sequential):  # the UNet's unit names the yaml lists, so the wrap policy finds them
+    pass
+
+
+class BasicTransformerBlock(torch.nn.Sequential):
+    pass
+
+
+model = torch.nn.Sequential(ResnetBlock2D(torch.nn.Linear(16, 256), torch.nn.ReLU()),
+                            BasicTransformerBlock(torch.nn.Linear(256, 4)))
 plugin = accelerator.state.deepspeed_plugin
 if plugin is not None:
     ds = plugin.deepspeed_config
@@ -41,6 +62,12 @@ optimizer.zero_grad()
 result = {"rank": accelerator.process_index, "world": accelerator.num_processes,
           "distributed_type": str(accelerator.distributed_type), "mixed_precision": accelerator.mixed_precision,
           "zero_stage": plugin.zero_stage if plugin else None, "loss": loss.item()}
+if accelerator.is_fsdp2:
+    from torch.distributed.fsdp import FSDPModule
+
+    fsdp_plugin = accelerator.state.fsdp_plugin
+    result["fsdp"] = {"version": fsdp_plugin.fsdp_version, "reshard_after_forward": fsdp_plugin.reshard_after_forward,
+                      "units": sum(isinstance(m, FSDPModule) for m in model.modules()) - 1}
 Path(os.environ["ONE_STEP_OUT"], f"rank{accelerator.process_index}.json").write_text(json.dumps(result))
 accelerator.wait_for_everyone()
 accelerator.end_training()

@@ -1,0 +1,32 @@
+"""FSDP2's parameters and optimizer state are DTensors: each rank holds a dim-0 shard (possibly empty) of every
+tensor. The code that reads or writes whole values (EMA, portable state, LoRA file, resume) goes through these
+three functions, which leave plain tensors (DDP, DeepSpeed) as they are."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def is_sharded(t: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    """The whole value of `t` on every rank. Collective for a DTensor: every rank calls it, in the same order."""
+    return t.full_tensor() if is_sharded(t) else t  # type: ignore[attr-defined,no-any-return]
+
+
+def like(value: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """`value` (whole, the same on every rank) laid out as `p`: this rank's shard of it for a DTensor, in `p`'s
+    dtype and device. No communication: each rank cuts its own shard."""
+    if not is_sharded(p):
+        return value.to(p.device, p.dtype).reshape(p.shape)
+    from torch.distributed.tensor import distribute_tensor
+
+    mesh = p.device_mesh  # type: ignore[attr-defined]
+    return distribute_tensor(value.to(mesh.device_type, p.dtype).reshape(p.shape), mesh,
+                             p.placements, src_data_rank=None)  # type: ignore[attr-defined]

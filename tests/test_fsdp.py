@@ -1,0 +1,141 @@
+"""PyTorch FSDP2 as the second backend (`zero=fsdp_full_shard`, `zero=fsdp_shard_grad_op`): real FSDP2 on gloo
+through Accelerate, on the tiny SDXL.
+
+One shared two-rank run (full shard, fp32, EMA, checkpoints, samples with the EMA, export) serves the checks of
+what a user gets from it; a second run resumes it natively. The moves between DeepSpeed and FSDP (ZeRO-2 ->
+FSDP full shard -> ZeRO-3, and a LoRA under shard-grad-op) are runs of test_portable's chain, compared step by
+step with an uninterrupted one-rank run there; `accelerate launch` with the written yaml is in
+test_accelerate_launch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import make_cfg, run_cli, run_dirs, torchrun
+
+from ds_trainer.config import accelerate_file, validation
+
+torch = pytest.importorskip("torch")
+
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # the exact image comparison needs the same kernels as the reference
+COMMON = ["zero=fsdp_full_shard", "precision=fp32", "logger=none", "data.num_samples=8", "train.max_steps=4",
+          "train.checkpoint_every=2", "train.ema=true", "scheduler.warmup_steps=4"]
+SAMPLES = ["samples=on", "samples.every=4", "samples.steps=2", "samples.ema=true", "samples.prompts=[a red cube]"]
+
+
+def _two_ranks(cwd: Path, *overrides: str) -> tuple[Path, str]:
+    cwd.mkdir(parents=True, exist_ok=True)
+    result = subprocess.run([*torchrun(2), "-m", "ds_trainer", *COMMON, *overrides], cwd=cwd,
+                            env={**os.environ, **ONE_THREAD}, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (run_dir,) = run_dirs(cwd)
+    return run_dir, result.stderr
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    return _two_ranks(tmp_path_factory.mktemp("fsdp"), *SAMPLES)
+
+
+def _metrics(run_dir: Path) -> dict[int, dict]:
+    return {row["step"]: row for row in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+
+
+def _portable(folder: Path) -> dict:
+    from safetensors.torch import load_file
+
+    tensors: dict = {}
+    for shard in sorted((folder / "portable").glob("state-*.safetensors")):
+        tensors.update(load_file(shard))
+    return tensors
+
+
+def _step(run_dir: Path, step: int) -> Path:
+    return run_dir / "checkpoints" / f"step_{step:08d}"
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_two_ranks_train_checkpoint_sample_and_export_under_fsdp(fsdp_run: tuple[Path, str]) -> None:
+    from safetensors.torch import load_file
+    from test_sampling import _from_export, _image
+
+    run_dir, stderr = fsdp_run
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert (summary["status"], summary["steps"], summary["zero"], summary["world_size"]) == \
+        ("ok", 4, "fsdp_full_shard", 2)
+    recorded = yaml.safe_load((run_dir / "config.yaml").read_text())["resolved"]
+    assert recorded["backend"] == "fsdp" and recorded["fsdp"]["reshard_after_forward"] is True
+    assert recorded["fsdp"]["master_weights"] == "fp32, sharded" and recorded["fsdp"]["reduce_dtype"] == "fp32"
+    assert "sharded over 2 ranks: rank 0 keeps and updates" in stderr  # the EMA, as under DeepSpeed
+    # Native checkpoints: torch.distributed.checkpoint, one file per rank for the model and the optimizer.
+    saved = _step(run_dir, 4)
+    for part in ("pytorch_model_fsdp_0", "optimizer_0"):
+        assert sorted(p.name for p in (saved / part).iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    # The export gathers the sharded weights: they are the fp32 weights the portable state holds (written from
+    # the shards by another path), bit for bit, and the EMA UNet is ema.pt's shadow.
+    state = _portable(saved)
+    unet = load_file(run_dir / "unet" / "diffusion_pytorch_model.safetensors")
+    assert unet.keys() == {k.removeprefix("fp32/") for k in state if k.startswith("fp32/")}
+    assert all(torch.equal(unet[k], state[f"fp32/{k}"]) for k in unet)
+    assert any(state[k].abs().sum() > 0 for k in state if k.startswith("exp_avg_sq/"))  # Adam's state, gathered
+    shadow = torch.load(saved / "ema.pt", weights_only=True)["shadow"]
+    ema = load_file(run_dir / "unet_ema" / "diffusion_pytorch_model.safetensors")
+    assert all(torch.equal(ema[k], shadow[k]) for k in ema) and ema.keys() == shadow.keys()
+    assert any(not torch.equal(ema[k], unet[k]) for k in ema)
+    # Sampling ran every rank through FSDP's gathers; its image is the exported (EMA) pipeline's, exactly.
+    got = _image(run_dir / "samples" / "step_00000004" / "0_0.png")
+    assert (got == _from_export(run_dir, "a red cube", 0)).all()
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_a_native_fsdp_resume_repeats_the_uninterrupted_run(fsdp_run: tuple[Path, str], tmp_path: Path) -> None:
+    run_dir, _ = fsdp_run
+    resumed, stderr = _two_ranks(tmp_path, f"resume={_step(run_dir, 2)}")
+    assert f"resumed from {_step(run_dir, 2)} at step 2" in stderr and "another configuration" not in stderr
+    got, expected = _metrics(resumed), _metrics(run_dir)
+    assert sorted(got) == [3, 4]
+    for step in got:  # the same layout: the same sums in the same order
+        assert (got[step]["loss"], got[step]["lr"]) == (expected[step]["loss"], expected[step]["lr"]), step
+    after, before = _portable(_step(resumed, 4)), _portable(_step(run_dir, 4))
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+    shadows = [torch.load(_step(r, 4) / "ema.pt", weights_only=True)["shadow"] for r in (resumed, run_dir)]
+    assert all(torch.equal(shadows[0][k], shadows[1][k]) for k in shadows[1])
+
+
+@pytest.mark.parametrize(("overrides", "key", "fix"), [
+    (["offload=nvme"], "offload=nvme", "offload=cpu"),
+    (["offload=cpu", "offload.params=false"], "offload.params=False", "offload.params=null"),
+    (["precision=fp16"], "precision=fp16", "precision=bf16"),
+    (["zero.overlap_comm=false"], "zero.overlap_comm=False", "drop zero.overlap_comm"),
+    (["optimizer=lion"], "optimizer.name=lion", "optimizer=adamw"),
+    (["zero.stage=1"], "zero.stage=1", "zero=fsdp_shard_grad_op"),
+])
+def test_what_fsdp_cannot_do_gets_the_one_screen_message(overrides: list[str], key: str, fix: str) -> None:
+    report = validation.check(make_cfg("zero=fsdp_full_shard", *overrides))
+    text = report.render()
+    assert not report.ok and f"- {key}\n" in text and fix in text, text
+
+
+def test_the_dry_run_records_what_fsdp_runs_and_writes_a_launchable_yaml(tmp_path: Path) -> None:
+    cfg = validation.check(make_cfg("zero=fsdp_shard_grad_op", "offload=cpu", "precision=bf16")).cfg
+    assert cfg.resolved.fsdp.reshard_after_forward is False and cfg.resolved.fsdp.compute_dtype == "bf16"
+    assert cfg.resolved.optimizer_state_on == cfg.resolved.params_on == "cpu"  # FSDP offloads all or nothing
+    written = accelerate_file.config_file(cfg, None, 2)
+    assert written["distributed_type"] == "FSDP" and written["mixed_precision"] == "bf16"
+    assert written["fsdp_config"] == {
+        "fsdp_version": 2, "fsdp_reshard_after_forward": False, "fsdp_offload_params": True,
+        "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+        "fsdp_transformer_layer_cls_to_wrap": "BasicTransformerBlock,ResnetBlock2D",
+        "fsdp_state_dict_type": "SHARDED_STATE_DICT", "fsdp_cpu_ram_efficient_loading": False,
+        "fsdp_activation_checkpointing": False}
+    dry = run_cli("zero=fsdp_full_shard", "dry_run=true", cwd=tmp_path)
+    assert dry.returncode == 0, dry.stderr
+    assert json.loads(dry.stdout)["reshard_after_forward"] is True  # stdout: what FSDP2 will run
