@@ -60,3 +60,20 @@ def test_bench_times_the_first_step_against_the_raw_loop(tmp_path: Path) -> None
     table = (out / "startup.md").read_text()
     assert "| zero | pairs | first step (s) | raw loop (s) | ratio | s/it | raw s/it | ratio |" in table
     assert table.splitlines()[-1].startswith("| ddp | 1 | ")
+
+
+@pytest.mark.slow
+def test_bench_compares_the_training_loss_of_precisions_on_the_same_run(tmp_path: Path) -> None:
+    out = tmp_path / "precision"
+    cmd = [sys.executable, "-m", "ds_trainer.bench", "--out", str(out), "--model", "sdxl_tiny", "--resolutions", "128",
+           "--batches", "1", "--steps", "4", "--samples", "4", "--precisions", "bf16", "bf16_pure", "--zeros", "stage2"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    rows = list(csv.DictReader((out / "precision.csv").open()))
+    curves = {p: [float(r["loss"]) for r in rows if r["precision"] == p] for p in ("bf16", "bf16_pure")}
+    assert [len(c) for c in curves.values()] == [4, 4]
+    # The same seed, data, timesteps and noise: the first step's loss is computed before any update, the same under
+    # both; the updates then differ by the precision of the masters and moments alone.
+    assert curves["bf16"][0] == curves["bf16_pure"][0] and curves["bf16"] != curves["bf16_pure"]
+    table = (out / "precision.md").read_text()
+    assert "## lr 0.0001" in table and table.count("| bf16") == 2 and "%" in table.splitlines()[-2]

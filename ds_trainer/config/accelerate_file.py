@@ -9,10 +9,14 @@ from typing import Any
 from omegaconf import DictConfig
 
 # precision group -> Accelerate's mixed_precision
-MIXED_PRECISION = {"bf16": "bf16", "fp16": "fp16", "fp32": "no"}
+MIXED_PRECISION = {"bf16": "bf16", "bf16_pure": "bf16", "fp16": "fp16", "fp32": "no"}
 
 
 def mixed_precision(cfg: DictConfig) -> str:
+    """Accelerate's mixed_precision for the run. FSDP with bf16_pure: "no", or Accelerate would cast the bf16
+    parameters to fp32 masters before sharding (the model is bf16 already: it computes in bf16)."""
+    if cfg.precision.name.value == "bf16_pure" and cfg.zero.backend.value == "fsdp":
+        return "no"
     return MIXED_PRECISION[cfg.precision.name.value]
 
 

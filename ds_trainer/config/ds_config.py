@@ -99,6 +99,8 @@ def _precision_blocks(cfg: DictConfig) -> dict[str, Any]:
     p = cfg.precision
     if p.name.value == "bf16":
         return {"bf16": {"enabled": True}}
+    if p.name.value == "bf16_pure":  # ZeRO 1-3: bf16 masters, gradients and Adam moments (10 bytes a parameter)
+        return {"bf16": {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}}
     if p.name.value == "fp16":
         return {"fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": int(p.initial_scale_power),
                          "loss_scale_window": int(p.loss_scale_window), "hysteresis": int(p.hysteresis),

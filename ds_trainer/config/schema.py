@@ -41,6 +41,7 @@ class SchedulerName(str, Enum):
 
 class Precision(str, Enum):
     bf16 = "bf16"
+    bf16_pure = "bf16_pure"
     fp16 = "fp16"
     fp32 = "fp32"
 
@@ -165,7 +166,8 @@ class ResolutionConfig:
 
 @dataclass
 class PrecisionConfig:
-    """`precision` group: bf16, fp16 with dynamic loss scaling, or fp32."""
+    """`precision` group: bf16 (fp32 masters and optimizer state), bf16_pure (bf16 masters, gradients and optimizer
+    state), fp16 with dynamic loss scaling, or fp32."""
 
     name: Precision = Precision.bf16
     initial_scale_power: int = 16
@@ -363,6 +365,9 @@ class ResolvedConfig:
     torch_adam: bool = False
     # Parameters the optimizer trains (the UNet's, or the adapters' with adapter=lora); set before training.
     trainable_params: int | None = None
+    # What the precision means under the backend that runs: dtypes of the masters, gradients, optimizer state,
+    # compute and reduce (validation.precision_meaning).
+    precision: dict[str, Any] | None = None
     # backend=fsdp: what the precision and sharding mean under FSDP2 (the plugin's fields as the run set them).
     fsdp: dict[str, Any] | None = None
     warnings: list[str] = field(default_factory=list)

@@ -302,16 +302,69 @@ def _fsdp(cfg: DictConfig, info: hardware.PlatformInfo, out: list[Problem]) -> N
                                f"{stage if stage in (2, 3) else 3}"))
 
 
+# Optimizers whose state precision=bf16_pure keeps in bf16 (DeepSpeed's Adam family, its CPU Adam with
+# fp32_optimizer_states=False under offload; torch's AdamW on bf16 parameters under FSDP).
+PURE_OPTIMIZERS = ("adam", "adamw")
+
+
+def precision_meaning(cfg: DictConfig) -> dict[str, str]:
+    """What `precision` means under the backend that runs, as `config.yaml` records it (resolved.precision): the
+    dtypes of the master weights, the gradients the optimizer reads, the optimizer state, the forward/backward
+    compute and the gradient reduction."""
+    precision, backend = cfg.precision.name.value, cfg.zero.backend.value
+    compute = {"bf16": "bf16", "bf16_pure": "bf16", "fp16": "fp16"}.get(precision, "fp32")
+    if precision == "bf16_pure":  # DeepSpeed's bf16 masters, gradients, moments; FSDP's bf16 parameters
+        master = gradients = state = "bf16"
+    else:  # fp32 masters (DeepSpeed's, Accelerate's fp32 FSDP shards, DDP's fp32 module under autocast)
+        master = state = gradients = "fp32"
+    if backend == "deepspeed":  # DeepSpeed's communication_data_type left unset: the parameters' dtype
+        reduce = compute
+    elif backend == "fsdp":
+        reduce = "fp32" if compute == "fp32" else str(cfg.zero.fsdp_reduce_dtype)
+    else:
+        reduce = "fp32"
+    sharded = ", sharded" if backend == "fsdp" or (backend == "deepspeed" and int(cfg.zero.stage) > 0) else ""
+    return {"master_weights": master + sharded, "gradients": gradients, "optimizer_state": state + sharded,
+            "compute_dtype": compute, "reduce_dtype": reduce}
+
+
+def _pure(cfg: DictConfig, out: list[Problem], warnings: list[str]) -> None:
+    """precision=bf16_pure: where bf16 masters and optimizer state exist, and what it costs at the run's LR."""
+    if cfg.precision.name.value != "bf16_pure":
+        return
+    lr = float(cfg.optimizer.lr)
+    # bf16 keeps 8 significant bits: round to nearest drops an update below half a unit in the last place (2^-9
+    # of the weight, taken as 1/256 to allow for Adam's steps reaching a few lr). benchmarks/cpu-tiny-precision.
+    warnings.append(f"precision=bf16_pure: the weights are bf16, so an update smaller than about 1/256 of a weight "
+                    f"rounds away; Adam steps by about optimizer.lr={lr:g}, which vanishes on every weight larger than "
+                    f"~{256 * lr:.2g}. Measured on the tiny model: at lr 1e-5 the loss barely moved (bf16 fell from "
+                    "1.07 to 0.61 over the same 400 steps). precision=bf16 keeps fp32 masters")
+    backend, stage, option = cfg.zero.backend.value, int(cfg.zero.stage), ds_config.zero_option(cfg)
+    if backend == "ddp" or (backend == "deepspeed" and stage == 0):
+        out.append(Problem("precision", "bf16_pure", f"bf16 master weights and optimizer state are DeepSpeed's ZeRO "
+                           f"1-3 feature (bf16_master_weights_and_grads) or FSDP's bf16 parameters; zero={option} "
+                           "keeps fp32 masters", "zero=stage1 (or stage2, stage3, fsdp_full_shard), or precision=bf16"))
+        return
+    name, _ = optimizers.resolve(cfg.optimizer.name)
+    if name is not None and name not in PURE_OPTIMIZERS:
+        out.append(Problem("optimizer.name", name, f"precision=bf16_pure keeps Adam's moments in bf16 "
+                           f"(bf16_optimizer_states); {name}'s state has no bf16 form in DeepSpeed (under offload its "
+                           "CPU kernel stores fp32)", "optimizer=adamw, or precision=bf16"))
+    if backend == "deepspeed" and ds_config.placement(cfg)[0] == "nvme":
+        out.append(Problem("offload", "nvme", "DeepSpeed's NVMe swapper sizes every optimizer state as fp32; "
+                           "precision=bf16_pure keeps it in bf16", "offload=cpu, or precision=bf16"))
+
+
 def fsdp_meaning(cfg: DictConfig) -> dict[str, object]:
     """What backend=fsdp runs, as `config.yaml` records it: the FSDP2 fields and what the precision means."""
-    precision = cfg.precision.name.value
-    compute = {"bf16": "bf16", "fp16": "fp16"}.get(precision, "fp32")
+    meaning = precision_meaning(cfg)
     return {"fsdp_version": 2, "reshard_after_forward": int(cfg.zero.stage) == 3,
             "units": [str(name) for name in cfg.zero.fsdp_wrap],
-            # Accelerate casts the trainable parameters to fp32 before sharding: fp32 sharded masters and Adam state
-            # (DeepSpeed's meaning of the same precision), compute in the precision's dtype.
-            "master_weights": "fp32, sharded", "optimizer_state": "fp32, sharded", "compute_dtype": compute,
-            "reduce_dtype": "fp32" if compute == "fp32" else str(cfg.zero.fsdp_reduce_dtype),
+            # precision=bf16: Accelerate casts the trainable parameters to fp32 before sharding: fp32 sharded masters
+            # and Adam state (DeepSpeed's meaning of the same precision), compute in bf16. bf16_pure: the parameters
+            # stay bf16 (mixed_precision "no"), and Adam's state is bf16 with them.
+            "master_weights": meaning["master_weights"], "optimizer_state": meaning["optimizer_state"],
+            "compute_dtype": meaning["compute_dtype"], "reduce_dtype": meaning["reduce_dtype"],
             "offload": "CPUOffloadPolicy (parameters, gradients, optimizer step on the host)"
             if cfg.offload.device.value == "cpu" else "none",
             # Every micro-batch's gradients are reduce-scattered: no full unsharded gradient kept between them.
@@ -383,8 +436,8 @@ def _platform(cfg: DictConfig, info: hardware.PlatformInfo, out: list[Problem], 
                            else ""))
         cfg.zero.backend, cfg.zero.stage, cfg.offload.device = "ddp", 0, "none"
     precision = cfg.precision.name.value
-    if precision == "bf16" and not info.bf16:
-        out.append(Problem("precision", "bf16", f"this {info.gpu_name or info.kind} has no bf16 support",
+    if precision in ("bf16", "bf16_pure") and not info.bf16:
+        out.append(Problem("precision", precision, f"this {info.gpu_name or info.kind} has no bf16 support",
                            "precision=fp16"))
     if precision == "fp16" and not info.fp16:
         out.append(Problem("precision", "fp16", f"{info.kind} has no fp16 kernels here (DeepSpeed's CPU accelerator "
@@ -429,6 +482,7 @@ def check(cfg: DictConfig, info: hardware.PlatformInfo | None = None) -> Report:
     _platform(cfg, info, problems, warnings)
     _offload(cfg, problems, warnings)
     _fsdp(cfg, info, problems)
+    _pure(cfg, problems, warnings)
     optimizer = _optimizer(cfg, info, problems, warnings)
     _cuda_ops(cfg, info, optimizer, problems, warnings)
     swap = _nvme(cfg, optimizer, problems, info.kind == "cuda") if not problems else 0
@@ -443,6 +497,7 @@ def check(cfg: DictConfig, info: hardware.PlatformInfo | None = None) -> Report:
     cfg.resolved.optimizer_state_on = optimizer_on
     cfg.resolved.params_on = params_on
     cfg.resolved.nvme_swap_bytes = swap
+    cfg.resolved.precision = precision_meaning(cfg)
     cfg.resolved.fsdp = fsdp_meaning(cfg) if cfg.zero.backend.value == "fsdp" else None
     cfg.resolved.warnings = warnings
     if not problems:

@@ -208,6 +208,11 @@ def main(argv: list[str] | None = None) -> int:
                              "the raw loop, this many alternating pairs each (see tools/bench_startup.py)")
     parser.add_argument("--zeros", nargs="+", default=["ddp", "stage2", "stage3"],
                         help="the zero options --startup-pairs measures")
+    parser.add_argument("--precisions", nargs="+", default=None,
+                        help="instead of the cells: the training loss of the same run under each of these precisions "
+                             "(see tools/bench_precision.py), at each --lrs, for --steps steps")
+    parser.add_argument("--lrs", type=float, nargs="+", default=[1e-4], help="the learning rates --precisions runs at")
+    parser.add_argument("--samples", type=int, default=64, help="synthetic images --precisions trains on")
     parser.add_argument("--raw", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.argv = sys.argv[1:] if argv is None else argv
@@ -215,6 +220,10 @@ def main(argv: list[str] | None = None) -> int:
         first, median = raw_loop(args.raw, args.steps)
         print(f"raw_first_step_at={first}\nraw_median_s_per_it={median}", flush=True)
         return 0
+    if args.precisions:
+        from ds_trainer.tools import bench_precision
+
+        return bench_precision.main(args)
     if args.startup_pairs:
         from ds_trainer.tools import bench_startup
 

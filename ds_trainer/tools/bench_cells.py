@@ -132,7 +132,7 @@ def raw_loop(folder: Path, steps: int, warmup: int = 2) -> tuple[float, float]:
     train._single_process_env()
     unet = models.load_unet(cfg)
     micro, accum = int(cfg.train.micro_batch_size), int(cfg.train.gradient_accumulation_steps)
-    bf16 = cfg.precision.name == "bf16"
+    bf16 = cfg.precision.name in ("bf16", "bf16_pure")
     if (folder / "ds_config.json").exists():
         import deepspeed
 

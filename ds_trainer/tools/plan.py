@@ -192,34 +192,42 @@ def activation_bytes(architecture: str, batch: int, width: int, height: int, dty
 
 def _model_states(zero: str, offload: str, p: int, layer: int, n: int, params_offload: bool,
                   precision: str) -> tuple[int, int, int, int]:
-    """(params, grads, optimizer, host) bytes per rank; sums match DeepSpeed's estimators."""
+    """(params, grads, optimizer, host) bytes per rank; sums match DeepSpeed's estimators. precision=bf16_pure:
+    bf16 masters, gradients and Adam moments (DeepSpeed: 2 + 2 + 2 + 4 = 10 bytes a parameter instead of 16;
+    FSDP: bf16 parameters are the masters, 2 + 2 + 4 = 8)."""
     half = 2 if precision != "fp32" else 4
+    pure = precision == "bf16_pure"
     if zero.startswith("fsdp"):
         # FSDP2 with Accelerate's fp32 sharded parameters (the masters), gradients reduce-scattered into fp32
-        # shards, Adam's moments sharded: 16P/N. Full shard gathers one unit at a time in the compute dtype (and
-        # prefetches the next); shard-grad-op keeps every unit gathered from forward to backward.
+        # shards, Adam's moments sharded: 16P/N (bf16_pure: bf16 shards, 8P/N). Full shard gathers one unit at a
+        # time in the compute dtype (and prefetches the next); shard-grad-op keeps every unit gathered from forward
+        # to backward.
+        shard, moments = (2, 4) if pure else (4, 8)
         if offload != "none":  # CPUOffloadPolicy: parameters, gradients and optimizer state on the host
-            return 2 * half * layer, 0, 0, int(p * 16 * 1.5)
+            return 2 * half * layer, 0, 0, int(p * (2 * shard + moments) * 1.5)
         gathered = 2 * half * layer if zero == "fsdp_full_shard" else half * p
-        return gathered + 4 * p // n, 4 * p // n, 8 * p // n, 0
+        return gathered + shard * p // n, shard * p // n, moments * p // n, 0
     if zero == "ddp":
         # fp32 weights, gradients (DDP's buckets are the gradients: Accelerate is given gradient_as_bucket_view)
         # and Adam's moments; under 16-bit autocast a 16-bit copy of every weight lives through backward.
         return 4 * p + (0 if precision == "fp32" else 2 * p), 4 * p, 8 * p, 0
     stage = int(zero[-1])
+    # The optimizer's own bytes a parameter (masters + moments), the partitioned gradient beside the 16-bit one
+    # (fp32 unless bf16_pure), and the host's share of all model states under offload.
+    state, grad, host_state = (2 + 4, 2, 10) if pure else (4 + 8, 2 + 4, 16)
     if stage in (0, 1, 2):
         ranks = 1 if stage == 0 else n
         if offload == "none":
             full_grads = 2 * p - 2 * p // ranks if stage == 1 else 0
-            return half * p, (2 + 4) * p // ranks + full_grads, (4 + 8) * p // ranks, 0
-        host = int(p * max(4 * n, 16) * 1.5)
+            return half * p, grad * p // ranks + full_grads, state * p // ranks, 0
+        host = int(p * max(4 * n, host_state) * 1.5)
         return half * p, 0, 0, host
     gathered = 4 * layer
     if offload == "none":
-        return gathered + 2 * p // n, 4 * p // n, 12 * p // n, 0
+        return gathered + 2 * p // n, (2 if pure else 4) * p // n, state * p // n, 0
     if not params_offload:
-        return gathered + 2 * p // n, 0, 0, int(p * 16 * 1.5)
-    return gathered, 0, 0, int(p * 18 * 1.5)
+        return gathered + 2 * p // n, 0, 0, int(p * host_state * 1.5)
+    return gathered, 0, 0, int(p * (host_state + 2) * 1.5)
 
 
 def _architecture(cfg: DictConfig) -> str:
@@ -285,8 +293,9 @@ def checkpoint_bytes(cfg: DictConfig) -> tuple[int, int]:
                                          lambda a: list(dataclasses.astuple(unet_stats(a)))))
     trained = plan_lora.trainable(cfg, architecture) or stats.params
     fp32 = cfg.precision.name.value == "fp32" or cfg.zero.backend.value == "ddp"
-    moments = 4 * _MOMENTS.get(optimizers.resolve(cfg.optimizer.name)[0] or "adamw", 2)
-    engine = (4 if fp32 else 2) * stats.params + ((0 if fp32 else 4) + moments) * trained
+    pure = cfg.precision.name.value == "bf16_pure"  # bf16 masters and moments: no separate fp32 copy
+    moments = (2 if pure else 4) * _MOMENTS.get(optimizers.resolve(cfg.optimizer.name)[0] or "adamw", 2)
+    engine = (4 if fp32 else 2) * stats.params + ((0 if fp32 or pure else 4) + moments) * trained
     portable = (4 + moments) * trained
     ema = 4 * trained if cfg.train.ema else 0
     export = 4 * stats.params * (2 if cfg.train.ema else 1)

@@ -32,13 +32,19 @@ def model_states(zero: str, offload: str, base: int, t: int, layer: int, n: int,
                  precision: str) -> tuple[int, int, int, int]:
     """(params, grads, optimizer, host) bytes per rank for a frozen base of `base` parameters and `t`
     adapter parameters. DeepSpeed casts the whole module (base and adapters) to 16-bit; the fp32
-    masters and Adam moments (12 bytes) and the gradients exist for the adapters only."""
+    masters and Adam moments (12 bytes) and the gradients exist for the adapters only (bf16_pure: bf16
+    masters and moments, 6 bytes)."""
     half = 2 if precision != "fp32" else 4
-    if zero.startswith("fsdp"):  # the frozen base sharded in 16-bit, the adapters' fp32 state sharded
+    pure = precision == "bf16_pure"
+    # Below stage 3 the 16-bit gradient and its fp32 partition (bf16_pure: one bf16 gradient); stage 3 keeps the
+    # partition alone; the masters and moments; the host's share of all model states under offload.
+    grads, partition, state, host_state = (2, 2, 6, 10) if pure else (6, 4, 12, 16)
+    if zero.startswith("fsdp"):  # the frozen base sharded in 16-bit, the adapters' fp32 (bf16_pure: bf16) state
+        shard, moments = (2, 4) if pure else (4, 8)
         if offload != "none":
-            return 2 * half * layer, 0, 0, int((half * base + 16 * t) * 1.5)
+            return 2 * half * layer, 0, 0, int((half * base + (2 * shard + moments) * t) * 1.5)
         gathered = 2 * half * layer if zero == "fsdp_full_shard" else half * (base + t)
-        return gathered + (half * base + 4 * t) // n, 4 * t // n, 8 * t // n, 0
+        return gathered + (half * base + shard * t) // n, shard * t // n, moments * t // n, 0
     if zero == "ddp":  # the base cast to 16-bit by the recipe, the adapters fp32 with their Adam state
         return half * base + 4 * t, 4 * t, 8 * t, 0
     stage = int(zero[-1])
@@ -47,11 +53,11 @@ def model_states(zero: str, offload: str, base: int, t: int, layer: int, n: int,
         params = half * (base + t)
         if offload == "none":
             full_grads = 2 * t - 2 * t // ranks if stage == 1 else 0
-            return params, (2 + 4) * t // ranks + full_grads, 12 * t // ranks, 0
-        return params, 0, 0, int(t * max(4 * n, 16) * 1.5)
+            return params, grads * t // ranks + full_grads, state * t // ranks, 0
+        return params, 0, 0, int(t * max(4 * n, host_state) * 1.5)
     gathered = half * layer
     if offload == "none":
-        return gathered + half * (base + t) // n, 4 * t // n, 12 * t // n, 0
+        return gathered + half * (base + t) // n, partition * t // n, state * t // n, 0
     if not params_offload:
-        return gathered + half * (base + t) // n, 0, 0, int(t * 16 * 1.5)
-    return gathered, 0, 0, int((half * (base + t) + 16 * t) * 1.5)
+        return gathered + half * (base + t) // n, 0, 0, int(t * host_state * 1.5)
+    return gathered, 0, 0, int((half * (base + t) + host_state * t) * 1.5)

@@ -159,7 +159,7 @@ def build(cfg: DictConfig, unet: torch.nn.Module) -> Trained:
     if not enabled(cfg):
         return Trained(cfg, unet)
     _inject(cfg, unet)
-    half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision.name.value)
+    half = {"bf16": torch.bfloat16, "bf16_pure": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision.name.value)
     if half is not None:
         for p in unet.parameters():
             if not p.requires_grad:

@@ -37,6 +37,11 @@ class Carry:
         self.changed = self.meta is not None and (bool(moved) or self.reset)
         self.reader = Reader(resume_from, self.meta) if self.changed and resume_from and self.meta else None
         self.carried: list[str] = []
+        saved = str(self.meta["layout"].get("precision")) if self.meta is not None else None
+        now = str(cfg.precision.name.value)
+        # Into bf16_pure the fp32 weights and moments are rounded to bf16; out of it they are carried exactly.
+        self.precisions = (saved, now)
+        self.rounding = "bf16_pure" in self.precisions and saved != now and not self.reset
 
     def start(self, step: int, global_batch: int) -> tuple[int, int]:
         """(step, samples seen) where the data continues: the saved count, or for a checkpoint without a
@@ -111,6 +116,11 @@ class Carry:
             checkpoint.restore_optimizer_clocks(engine)
             engine.global_steps, engine.global_samples = step, int(self.meta["samples"])
         self._load_ema(ema)
+        if self.rounding:
+            into = self.precisions[1] == "bf16_pure"
+            log.warning("precision %s -> %s: %s", *self.precisions,
+                        "the carried fp32 weights and Adam moments were rounded to bf16 (bf16_pure keeps them so)"
+                        if into else "the bf16 weights and moments carry over exactly into fp32 masters")
         how = ("the WEIGHTS ONLY (resume_optimizer=reset: the optimizer starts fresh)" if not moments else
                f"fp32 weights and Adam moments (optimizer step {t})")
         log.warning("resumed from %s at step %d under another configuration (%s): carried %s of %d/%d trainable "

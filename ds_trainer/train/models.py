@@ -53,7 +53,7 @@ def outside_zero3(deepspeed_plugin: Any) -> Iterator[None]:
         yield
 
 
-FROZEN_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+FROZEN_DTYPES = {"bf16": "bfloat16", "bf16_pure": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
 def frozen_dtype_name(cfg: DictConfig, kind: str) -> str:

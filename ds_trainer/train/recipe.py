@@ -242,6 +242,8 @@ def _train(cfg: DictConfig, ds: dict[str, Any] | None, run_dir: Path, accelerato
     # carries over; otherwise DeepSpeed's native load (`_resume`).
     resumed = carry.Carry(cfg, resume_from)
     resumed.before_prepare(unet)
+    if cfg.resolved.backend == "fsdp" and cfg.precision.name.value == "bf16_pure":
+        unet.to(torch.bfloat16)  # FSDP2 shards the parameters as they are: bf16 masters, gradients and Adam state
     startup.mark("model build")
     ema = EMA(unet, float(cfg.train.ema_decay), "cpu" if cfg.train.ema_device == "cpu" else str(accelerator.device),
               accelerator.process_index, accelerator.num_processes, accelerator.device) if cfg.train.ema else None
