@@ -62,6 +62,12 @@ KNOWN = (
     Known("diffusers.models.modeling_utils", r"^There are modules in \w+ that should be kept in float32: \[\]\.",
           "diffusers warns on every `.to(dtype)` of a model, also when its list of float32 modules is empty, as "
           "here: nothing is cast that should not be (a non-empty list still reaches the terminal)"),
+    Known("DeepSpeed", r"^\*+ You are using ZeRO with an untested optimizer, proceed with caution \*+$",
+          "optimizer=adamw_torch and adamw8bit are handed to DeepSpeed as client optimizers on purpose; the run logs "
+          "the class that steps (`optimizer ... steps`) and refuses to start if it is another"),
+    Known("bitsandbytes.backends.cpu.ops", r"^Failed to load CPU gemm_4bit_forward from kernels-community",
+          "bitsandbytes looks for an optional 4-bit matmul kernel package when it loads; optimizer=adamw8bit uses "
+          "its 8-bit optimizer kernels, which it has"),
     Known("transformers.utils.import_utils", r"^`\w+ImageProcessor` requires torchvision \(not installed\); "
           r"falling back to `\w+ImageProcessorPil`",
           "the pipeline's image processors (for a safety checker SDXL does not have) fall back to PIL; training, "

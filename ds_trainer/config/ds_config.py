@@ -173,14 +173,22 @@ def build(cfg: DictConfig, world_size: int) -> dict[str, Any]:
         "steps_per_print": _STEPS_PER_PRINT,
         "wall_clock_breakdown": False,
         "zero_allow_untested_optimizer": True,
-        "optimizer": optimizer_block(cfg),
     }
-    if OmegaConf.select(cfg, "resolved.torch_adam", default=False):
-        # No nvcc matching torch here (validation said so): torch's AdamW instead of compiling FusedAdam.
-        ds["optimizer"]["params"]["torch_adam"] = True
-    scheduler = scheduler_block(cfg)
-    if scheduler is not None:
-        ds["scheduler"] = scheduler
+    name, _ = optimizers.resolve(cfg.optimizer.name)
+    if optimizers.is_client(name):
+        # ds_trainer builds the optimizer and its LR schedule (train/recipe.py) and hands both to DeepSpeed. Under
+        # offload DeepSpeed (and Accelerate before it) would replace a client optimizer by its CPU Adam: not here,
+        # it steps where the offload puts the state, as named.
+        if placement(cfg)[0] != "gpu":
+            ds["zero_force_ds_cpu_optimizer"] = False
+    else:
+        ds["optimizer"] = optimizer_block(cfg)
+        if OmegaConf.select(cfg, "resolved.torch_adam", default=False):
+            # No nvcc matching torch here (validation said so): torch's AdamW instead of compiling FusedAdam.
+            ds["optimizer"]["params"]["torch_adam"] = True
+        scheduler = scheduler_block(cfg)
+        if scheduler is not None:
+            ds["scheduler"] = scheduler
     ds.update(_precision_blocks(cfg))
     ds["zero_optimization"] = _zero_block(cfg)
     if "nvme" in placement(cfg):

@@ -19,6 +19,18 @@ SUBSTITUTES = {
     "fusedadam": "adamw",
 }
 
+# Optimizers ds_trainer builds itself and hands to `accelerator.prepare` (DeepSpeed: a client optimizer, no
+# `optimizer` block in its JSON; the LR schedule is built over it too). Normalized name -> the name runs record.
+CLIENT = {"adamwtorch": "adamw_torch", "torchadamw": "adamw_torch", "adamw8bit": "adamw8bit",
+          "bnbadamw8bit": "adamw8bit"}
+# What each client optimizer is, as the log and config.yaml name it: (module, class).
+CLIENT_CLASS = {"adamw_torch": ("torch.optim", "AdamW"), "adamw8bit": ("bitsandbytes.optim", "AdamW8bit")}
+# The Python package a client optimizer needs, and what installs it.
+CLIENT_PACKAGE = {"adamw8bit": ("bitsandbytes", "pip install -c constraints.txt bitsandbytes")}
+# Optimizers whose state is kept elementwise in fp32 (what DeepSpeed's NVMe swapper and the portable state's Adam
+# moments assume): the Adam family, DeepSpeed's and torch's.
+FP32_MOMENTS = frozenset({"adam", "adamw", "adamw_torch"})
+
 # Which fields of the `optimizer` group each DeepSpeed optimizer takes.
 PARAMS: dict[str, tuple[str, ...]] = {
     "adam": ("lr", "betas", "eps", "weight_decay"),
@@ -30,6 +42,8 @@ PARAMS: dict[str, tuple[str, ...]] = {
     "muadamw": ("lr", "betas", "eps", "weight_decay"),
     "musgd": ("lr", "momentum", "weight_decay"),
     "muon": ("lr", "momentum", "betas", "eps", "weight_decay"),
+    "adamw_torch": ("lr", "betas", "eps", "weight_decay"),
+    "adamw8bit": ("lr", "betas", "eps", "weight_decay"),
 }
 
 # DeepSpeed's `type` spelling for each name (its matching is case-insensitive; these read well).
@@ -92,6 +106,18 @@ def resolve(name: str) -> tuple[str | None, str | None]:
         new = SUBSTITUTES[key]
         return new, (f"optimizer.name={name} is not a DeepSpeed optimizer type; using {new} "
                      f"(DeepSpeed picks its CPU or fused kernel itself)")
+    if key in CLIENT:
+        return CLIENT[key], None
     if key in deepspeed_optimizers():
         return key, None
     return None, None
+
+
+def is_client(name: str | None) -> bool:
+    """An optimizer ds_trainer builds (torch's, bitsandbytes') rather than DeepSpeed from its JSON."""
+    return name in CLIENT_CLASS
+
+
+def known() -> tuple[str, ...]:
+    """Every optimizer name a user can give: DeepSpeed's and ds_trainer's own."""
+    return (*deepspeed_optimizers(), *CLIENT_CLASS)

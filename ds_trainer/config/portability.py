@@ -21,6 +21,9 @@ from ds_trainer.config.validation import Problem
 META = "portable/meta.json"
 # Optimizers whose state the portable format holds (DeepSpeed's Adam/AdamW map 1:1 onto torch's).
 MOMENT_OPTIMIZERS = ("adam", "adamw")
+# Optimizers whose state is another's, under its name: torch's AdamW built by ds_trainer is AdamW (its moments carry
+# to and from DeepSpeed's AdamW through the portable state).
+STATE_FAMILY = {"adamw_torch": "adamw"}
 
 
 def layout(cfg: DictConfig) -> dict[str, Any]:
@@ -33,7 +36,10 @@ def layout(cfg: DictConfig) -> dict[str, Any]:
             # torch's AdamW standing in for FusedAdam (no CUDA toolkit): another state format in DeepSpeed's
             # files, so a move between the two goes through the portable state. Absent otherwise, as in the
             # checkpoints written before it existed.
-            **({"optimizer_kernel": "torch"} if cfg.resolved.get("torch_adam") else {})}
+            **({"optimizer_kernel": "torch"} if cfg.resolved.get("torch_adam") else {}),
+            # torch's AdamW as ds_trainer builds it (optimizer=adamw_torch): the same moments as DeepSpeed's AdamW,
+            # in another optimizer's files.
+            **({"optimizer_kernel": "client"} if str(cfg.resolved.optimizer) == "adamw_torch" else {})}
 
 
 def identity(cfg: DictConfig) -> dict[str, Any]:
@@ -42,7 +48,8 @@ def identity(cfg: DictConfig) -> dict[str, Any]:
     method = str(getattr(adapter.method, "value", adapter.method)) if adapter is not None else "none"
     shape = None if method == "none" else {"method": method, "rank": int(adapter.rank),
                                             "targets": [str(t) for t in adapter.targets]}
-    return {"optimizer": str(cfg.resolved.optimizer), "architecture": Path(str(cfg.model.architecture)).name,
+    return {"optimizer": STATE_FAMILY.get(str(cfg.resolved.optimizer), str(cfg.resolved.optimizer)),
+            "architecture": Path(str(cfg.model.architecture)).name,
             "adapter": shape}
 
 

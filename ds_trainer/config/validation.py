@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import importlib.util
 import math
 import os
 import re
@@ -172,12 +173,15 @@ def _optimizer(cfg: DictConfig, info: hardware.PlatformInfo, out: list[Problem],
     if warning:
         warnings.append(warning)
     if name is None:
-        known = ", ".join(optimizers.deepspeed_optimizers())
-        out.append(Problem("optimizer.name", cfg.optimizer.name, "the installed DeepSpeed has no such optimizer "
-                           f"(it knows: {known}; the 1-bit optimizers of older docs are gone)",
+        known = ", ".join(optimizers.known())
+        out.append(Problem("optimizer.name", cfg.optimizer.name, "neither ds_trainer nor the installed DeepSpeed has "
+                           f"such an optimizer (known: {known}; the 1-bit optimizers of older docs are gone)",
                            "optimizer=adamw (or optimizer.name=<one of the above>)"))
         return None
     backend = cfg.zero.backend.value
+    if optimizers.is_client(name):
+        _client_optimizer(cfg, name, out)
+        return name
     if backend in ("ddp", "fsdp") and name not in ("adam", "adamw", "adagrad"):
         out.append(Problem("optimizer.name", name, f"zero={ds_config.zero_option(cfg)} runs torch.optim, which has "
                            "adam, adamw and adagrad", "optimizer=adamw, or a DeepSpeed stage such as zero=stage2"))
@@ -197,6 +201,22 @@ def _optimizer(cfg: DictConfig, info: hardware.PlatformInfo, out: list[Problem],
     return name
 
 
+def _client_optimizer(cfg: DictConfig, name: str, out: list[Problem]) -> None:
+    """An optimizer ds_trainer builds (torch's AdamW, bitsandbytes' AdamW8bit): it runs where its state lives, or
+    the run is refused; never replaced by another (Accelerate would put DeepSpeed's CPU Adam in under offload)."""
+    package = optimizers.CLIENT_PACKAGE.get(name)
+    if package is not None and importlib.util.find_spec(package[0]) is None:
+        out.append(Problem("optimizer.name", name, f"needs the {package[0]} package, which is not installed",
+                           f"{package[1]} (the README's setup installs it), or optimizer=adamw"))
+    optimizer_on, _ = ds_config.placement(cfg)
+    if optimizer_on == "nvme":
+        out.append(Problem("offload", "nvme", f"DeepSpeed swaps only its own optimizers' state to NVMe; {name} is "
+                           "built by ds_trainer", "offload=cpu, or optimizer=adamw (DeepSpeed's CPU Adam swaps)"))
+    if name == "adamw8bit" and cfg.zero.backend.value == "fsdp":
+        out.append(Problem("optimizer.name", name, "bitsandbytes' 8-bit state is not built for FSDP2's DTensor "
+                           "shards", "zero=stage3 (ZeRO shards it as flat partitions), or optimizer=adamw"))
+
+
 def _cuda_ops(cfg: DictConfig, info: hardware.PlatformInfo, optimizer: str | None, out: list[Problem],
               warnings: list[str]) -> None:
     """A GPU-resident DeepSpeed optimizer compiles its fused CUDA kernel at the first step: without a CUDA
@@ -214,7 +234,8 @@ def _cuda_ops(cfg: DictConfig, info: hardware.PlatformInfo, optimizer: str | Non
         cfg.resolved.torch_adam = True
         warnings.append(f"optimizer={optimizer}: DeepSpeed's FusedAdam cannot be compiled here ({kit.problem}); "
                         f"using torch's AdamW instead (ds_config `torch_adam: true`: the same update, unfused, a "
-                        f"little slower). For the fused kernel: {kit.fix()}")
+                        f"little slower; optimizer=adamw_torch chooses torch's AdamW yourself, fused on CUDA). For "
+                        f"DeepSpeed's fused kernel: {kit.fix()}")
         return
     fix = kit.fix() + ", or optimizer=adamw" + (" or offload=cpu (DeepSpeed's C++ CPU Lion)" if optimizer == "lion"
                                                   else "")

@@ -248,6 +248,11 @@ def estimate(cfg: DictConfig, zero: str, offload: str, world_size: int, activati
     else:
         params, grads, optimizer, host = plan_lora.model_states(zero, offload, stats.params, lora, stats.largest_layer,
                                                                 world_size, params_offload, precision)
+    saved = _moments_saved(cfg, zero, lora or stats.params, world_size)
+    if offload != "none" and zero not in ("ddp", "stage0"):
+        host = max(0, host - int(saved * 1.5))  # the state lives on the host (as counted above, with its margin)
+    else:
+        optimizer = max(0, optimizer - saved)
     if cfg.train.ema and cfg.train.ema_device == "gpu":
         params += 4 * (lora or stats.params) // world_size  # the fp32 shadow, a slice per rank (train/ema.py)
     if not cfg.data.cache:  # the VAE and text encoders stay on the GPU and encode every batch
@@ -278,7 +283,21 @@ def estimate(cfg: DictConfig, zero: str, offload: str, world_size: int, activati
 
 
 # fp32 tensors an optimizer keeps per trained parameter (Adam's two moments, Lion's and Adagrad's one).
-_MOMENTS = {"adam": 2, "adamw": 2, "lamb": 2, "muon": 2, "lion": 1, "adagrad": 1}
+_MOMENTS = {"adam": 2, "adamw": 2, "adamw_torch": 2, "lamb": 2, "muon": 2, "lion": 1, "adagrad": 1}
+# bitsandbytes' 8-bit AdamW: two uint8 moments and an fp32 absmax per block of 256 of each.
+_BYTES_8BIT = 2 + 2 * 4 / 256
+
+
+def _moments_saved(cfg: DictConfig, zero: str, trained: int, world_size: int) -> int:
+    """Bytes per rank the config's optimizer keeps fewer than Adam's moments (which the model states count: 8 bytes
+    a trained parameter, 4 under bf16_pure), sharded as the optimizer state is."""
+    from ds_trainer.config import optimizers
+
+    name = optimizers.resolve(cfg.optimizer.name)[0] or "adamw"
+    adam = 4 if cfg.precision.name.value == "bf16_pure" else 8
+    kept = _BYTES_8BIT if name == "adamw8bit" else adam * _MOMENTS.get(name, 2) / 2
+    ranks = 1 if zero in ("ddp", "stage0") else world_size
+    return int((adam - kept) * trained) // ranks
 
 
 def checkpoint_bytes(cfg: DictConfig) -> tuple[int, int]:
@@ -294,9 +313,11 @@ def checkpoint_bytes(cfg: DictConfig) -> tuple[int, int]:
     trained = plan_lora.trainable(cfg, architecture) or stats.params
     fp32 = cfg.precision.name.value == "fp32" or cfg.zero.backend.value == "ddp"
     pure = cfg.precision.name.value == "bf16_pure"  # bf16 masters and moments: no separate fp32 copy
-    moments = (2 if pure else 4) * _MOMENTS.get(optimizers.resolve(cfg.optimizer.name)[0] or "adamw", 2)
-    engine = (4 if fp32 else 2) * stats.params + ((0 if fp32 or pure else 4) + moments) * trained
-    portable = (4 + moments) * trained
+    name = optimizers.resolve(cfg.optimizer.name)[0] or "adamw"
+    moments = _BYTES_8BIT if name == "adamw8bit" else (2 if pure else 4) * _MOMENTS.get(name, 2)
+    engine = int((4 if fp32 else 2) * stats.params + ((0 if fp32 or pure else 4) + moments) * trained)
+    # The portable state: fp32 weights, and fp32 Adam moments for the optimizers whose moments it holds.
+    portable = (4 + (8 if name in optimizers.FP32_MOMENTS else 0)) * trained
     ema = 4 * trained if cfg.train.ema else 0
     export = 4 * stats.params * (2 if cfg.train.ema else 1)
     if cfg.model.name == "sdxl_tiny" or checkpoint_file.is_single_file(cfg.model.pretrained):

@@ -98,12 +98,12 @@ class Carry:
         if zero is not None and nvme_swap.swapping(zero):
             self._set_swapped(zero, base, dict(named), moments)
         else:
-            places = portable.flat_places(accelerator)
+            places, masters = portable.flat_places(accelerator), portable.unfused_masters(accelerator)
             for name, p in named:
                 if id(p) in places:
                     self._set_flat(p, name, base, moments, places[id(p)])
-                else:
-                    self._set(p, name, base, moments, t)
+                else:  # the 16-bit parameter holds the carried weight already; its fp32 master gets it too
+                    self._set(masters.get(id(p), p), name, base, moments, t)
         step = int(self.meta["step"])
         sched = _scheduler(accelerator, scheduler)
         if sched is not None and (self.path / "portable" / "scheduler.pt").exists():  # type: ignore[operator]
@@ -129,7 +129,7 @@ class Carry:
                     int(self.meta["samples"]))
         return step
 
-    def _set(self, p: torch.nn.Parameter, name: str, base: Any, moments: bool, t: int) -> None:
+    def _set(self, p: torch.Tensor, name: str, base: Any, moments: bool, t: int) -> None:
         from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
         assert self.reader is not None

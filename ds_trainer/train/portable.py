@@ -54,7 +54,7 @@ def _base_optimizer(accelerator: Any, optimizer: Any) -> Any:
     return getattr(outer, "optimizer", outer)
 
 
-def _mapped(p: torch.nn.Parameter) -> bool:
+def _mapped(p: torch.Tensor) -> bool:
     """Whether DeepSpeed keeps this parameter's fp32 master apart (ZeRO-1/2/3, BF16_Optimizer)."""
     return hasattr(p, "ds_id") or hasattr(p, "_hp_mapping")
 
@@ -74,6 +74,17 @@ def flat_places(accelerator: Any) -> dict[int, tuple[torch.Tensor, int, int]]:
             places[id(p)] = (flat, offset, p.numel())
             offset += p.numel()
     return places
+
+
+def unfused_masters(accelerator: Any) -> dict[int, torch.Tensor]:
+    """ZeRO-0 with bf16/fp16 and an optimizer ds_trainer built (DeepSpeed's FP16_UnfusedOptimizer keeps an fp32
+    master per parameter, and the optimizer's state on it): each 16-bit parameter's master, by its id."""
+    engine = _engine(accelerator)
+    outer: Any = engine.optimizer if engine is not None else None
+    if type(outer).__name__ != "FP16_UnfusedOptimizer":
+        return {}
+    return {id(p): master for group, masters in zip(outer.fp16_groups, outer.fp32_groups, strict=True)
+            for p, master in zip(group, masters, strict=True)}
 
 
 def _step_count(base: Any) -> int:
@@ -148,9 +159,12 @@ class Writer:
         engine = _engine(self.accelerator)
         zero = engine.optimizer if engine is not None else None
         if zero is None or not nvme_swap.swapping(zero):
-            places = flat_places(self.accelerator)
+            places, masters = flat_places(self.accelerator), unfused_masters(self.accelerator)
             for name, p in named:
-                yield name, p, self._read_flat(p, base, places[id(p)]) if id(p) in places else self._read(p, base)
+                if id(p) in places:
+                    yield name, p, self._read_flat(p, base, places[id(p)])
+                else:
+                    yield name, p, self._read(masters.get(id(p), p), base)
             return
         # ZeRO-3 with the optimizer state on NVMe: each subgroup swapped in once (see nvme_swap).
         names = {id(p): name for name, p in named}
@@ -169,7 +183,7 @@ class Writer:
         return tuple(t.narrow(0, offset, numel).view(p.shape) if t is not None else None
                      for t in (flat, state.get("exp_avg"), state.get("exp_avg_sq")))
 
-    def _read(self, p: torch.nn.Parameter, base: Any) -> tuple[torch.Tensor | None, ...]:
+    def _read(self, p: torch.Tensor, base: Any) -> tuple[torch.Tensor | None, ...]:
         from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
         if _mapped(p):
