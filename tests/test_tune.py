@@ -208,6 +208,10 @@ def test_sweep_report_labels_cells_by_every_axis_that_varies(tmp_path: Path) -> 
     assert out["png"].stat().st_size > 0
     text = out["md"].read_text()
     assert "| accum | ckpt | message |" in text and "oom" in text
+    # An optimizer sweep's cells read by their optimizer and precision (+sweep=optimizers, bf16_pure beside bf16).
+    cells = [{**common, "optimizer": o, "precision": p} for o, p in
+             (("adamw", "bf16"), ("adamw8bit", "bf16"), ("adamw", "bf16_pure"))]
+    assert report.labels(cells) == ["bf16 adamw", "bf16 adamw8bit", "bf16_pure adamw"]
 
 
 @pytest.mark.slow

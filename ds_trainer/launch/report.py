@@ -19,8 +19,8 @@ import yaml
 
 from ds_trainer.config.ds_config import option_name
 
-COLUMNS = ("cell", "zero", "offload", "resolution", "micro_batch_size", "world_size", "precision", "status",
-           "gpu_mem_peak_allocated_mib", "gpu_mem_peak_reserved_mib", "host_rss_peak_mib", "median_s_per_it",
+COLUMNS = ("cell", "zero", "offload", "resolution", "micro_batch_size", "world_size", "precision", "optimizer",
+           "status", "gpu_mem_peak_allocated_mib", "gpu_mem_peak_reserved_mib", "host_rss_peak_mib", "median_s_per_it",
            "images_per_s", "gradient_accumulation_steps", "gradient_checkpointing", "message")
 HEADERS = {"micro_batch_size": "micro batch", "gradient_accumulation_steps": "accum", "gradient_checkpointing": "ckpt",
            "world_size": "world", "gpu_mem_peak_allocated_mib": "peak VRAM MiB",
@@ -49,6 +49,7 @@ def _row(cell: Path, root: Path) -> dict[str, Any]:
         row["gradient_accumulation_steps"] = cfg.get("train", {}).get("gradient_accumulation_steps")
         row["gradient_checkpointing"] = cfg.get("train", {}).get("gradient_checkpointing")
         row["precision"] = cfg.get("precision", {}).get("name")
+        row["optimizer"] = (cfg.get("resolved") or {}).get("optimizer") or cfg.get("optimizer", {}).get("name")
         row["world_size"] = (cfg.get("resolved") or {}).get("world_size") or cfg.get("world_size")
     row["cell"] = str(cell.relative_to(root))
     return row
@@ -92,7 +93,7 @@ def csv_text(table: list[dict[str, Any]]) -> str:
 
 
 AXES = ("zero", "offload", "resolution", "micro_batch_size", "gradient_accumulation_steps", "gradient_checkpointing",
-        "precision", "world_size")
+        "precision", "optimizer", "world_size")
 _SHORT = {"micro_batch_size": "b", "gradient_accumulation_steps": "accum ", "world_size": "ranks ",
           "gradient_checkpointing": "ckpt "}
 

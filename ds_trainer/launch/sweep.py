@@ -43,6 +43,7 @@ def failed_cell(cfg: DictConfig, run_dir: Path, status: str, message: str) -> No
                "micro_batch_size": int(cfg.train.micro_batch_size),
                "gradient_accumulation_steps": int(cfg.train.gradient_accumulation_steps),
                "gradient_checkpointing": bool(cfg.train.gradient_checkpointing), "precision": cfg.precision.name.value,
+               "optimizer": str(cfg.optimizer.name),
                "world_size": world_size_of(cfg), "model": cfg.model.name}
     run_dir.mkdir(parents=True, exist_ok=True)
     if not (run_dir / "summary.json").exists():  # a cell that trained wrote a fuller one

@@ -225,7 +225,7 @@ def summarize(cfg: DictConfig, rows: list[dict[str, Any]], status: str, message:
         "resolution": f"{cfg.resolution.width}x{cfg.resolution.height}",
         "micro_batch_size": int(cfg.train.micro_batch_size),
         "gradient_accumulation_steps": int(cfg.train.gradient_accumulation_steps),
-        "precision": cfg.precision.name.value, "model": cfg.model.name,
+        "precision": cfg.precision.name.value, "model": cfg.model.name, "optimizer": cfg.resolved.optimizer,
         "gradient_checkpointing": bool(cfg.train.gradient_checkpointing), "platform": cfg.resolved.platform,
         "method": cfg.adapter.method.value, "trainable_params": cfg.resolved.trainable_params,
     }
