@@ -20,7 +20,8 @@ from ds_trainer.config.validation import Problem
 
 META = "portable/meta.json"
 # Optimizers whose state the portable format holds (DeepSpeed's Adam/AdamW map 1:1 onto torch's).
-MOMENT_OPTIMIZERS = ("adam", "adamw")
+# bitsandbytes' 8-bit AdamW's are written dequantized (train/quantized.py) and quantized again on a carry.
+MOMENT_OPTIMIZERS = ("adam", "adamw", "adamw8bit")
 # Optimizers whose state is another's, under its name: torch's AdamW built by ds_trainer is AdamW (its moments carry
 # to and from DeepSpeed's AdamW through the portable state).
 STATE_FAMILY = {"adamw_torch": "adamw"}

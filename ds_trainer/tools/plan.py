@@ -317,7 +317,7 @@ def checkpoint_bytes(cfg: DictConfig) -> tuple[int, int]:
     moments = _BYTES_8BIT if name == "adamw8bit" else (2 if pure else 4) * _MOMENTS.get(name, 2)
     engine = int((4 if fp32 else 2) * stats.params + ((0 if fp32 or pure else 4) + moments) * trained)
     # The portable state: fp32 weights, and fp32 Adam moments for the optimizers whose moments it holds.
-    portable = (4 + (8 if name in optimizers.FP32_MOMENTS else 0)) * trained
+    portable = (4 + (8 if name in (*optimizers.FP32_MOMENTS, "adamw8bit") else 0)) * trained  # 8-bit: dequantized
     ema = 4 * trained if cfg.train.ema else 0
     export = 4 * stats.params * (2 if cfg.train.ema else 1)
     if cfg.model.name == "sdxl_tiny" or checkpoint_file.is_single_file(cfg.model.pretrained):

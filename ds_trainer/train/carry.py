@@ -18,7 +18,7 @@ from omegaconf import DictConfig
 
 from ds_trainer.config import portability
 from ds_trainer.errors import TrainingError
-from ds_trainer.train import checkpoint, nvme_swap, portable, sharded
+from ds_trainer.train import checkpoint, nvme_swap, portable, quantized, sharded
 from ds_trainer.train.portable import KINDS, Reader, _base_optimizer, _engine, _mapped, _scheduler, trainable
 
 log = logging.getLogger("ds_trainer")
@@ -104,6 +104,8 @@ class Carry:
                     self._set_flat(p, name, base, moments, places[id(p)])
                 else:  # the 16-bit parameter holds the carried weight already; its fp32 master gets it too
                     self._set(masters.get(id(p), p), name, base, moments, t)
+        if moments:  # bitsandbytes' 8-bit AdamW: the carried fp32 moments quantized into its own state
+            quantized.absorb(engine, base, t)
         step = int(self.meta["step"])
         sched = _scheduler(accelerator, scheduler)
         if sched is not None and (self.path / "portable" / "scheduler.pt").exists():  # type: ignore[operator]
@@ -122,7 +124,8 @@ class Carry:
                         "the carried fp32 weights and Adam moments were rounded to bf16 (bf16_pure keeps them so)"
                         if into else "the bf16 weights and moments carry over exactly into fp32 masters")
         how = ("the WEIGHTS ONLY (resume_optimizer=reset: the optimizer starts fresh)" if not moments else
-               f"fp32 weights and Adam moments (optimizer step {t})")
+               f"fp32 weights and Adam moments (optimizer step {t}"
+               + ("; 8-bit moments quantized again in this layout's blocks)" if quantized.is_8bit(base) else ")"))
         log.warning("resumed from %s at step %d under another configuration (%s): carried %s of %d/%d trainable "
                     "parameters, the LR schedule, the EMA and the data position (sample %d)", self.path, step,
                     "; ".join(self.changes) or "same layout", how, len(self.carried), len(self.meta["params"]),

@@ -26,7 +26,7 @@ import torch
 from omegaconf import DictConfig
 
 from ds_trainer.config import portability
-from ds_trainer.train import nvme_swap, sharded
+from ds_trainer.train import nvme_swap, quantized, sharded
 
 log = logging.getLogger("ds_trainer")
 
@@ -126,16 +126,18 @@ class Writer:
         index: dict[str, str] = {}
         params: dict[str, list[int]] = {}
         written, without_moments = 0, 0
-        for name, p, values in self._values(base):  # collective under ZeRO
-            params[name] = _shape(p)
-            if not main:
-                continue
-            without_moments += values[1] is None
-            for kind, value in zip(KINDS, values, strict=True):
-                if value is not None:
-                    shard[f"{kind}/{name}"] = value.detach().to("cpu", torch.float32).reshape(params[name]).clone()
-            if sum(t.numel() * 4 for t in shard.values()) >= SHARD_BYTES:
-                written += self._flush(out, shard, index)
+        # 8-bit moments (bitsandbytes): read as the fp32 moments they encode.
+        with quantized.exposed(_engine(self.accelerator), base):
+            for name, p, values in self._values(base):  # collective under ZeRO
+                params[name] = _shape(p)
+                if not main:
+                    continue
+                without_moments += values[1] is None
+                for kind, value in zip(KINDS, values, strict=True):
+                    if value is not None:
+                        shard[f"{kind}/{name}"] = value.detach().to("cpu", torch.float32).reshape(params[name]).clone()
+                if sum(t.numel() * 4 for t in shard.values()) >= SHARD_BYTES:
+                    written += self._flush(out, shard, index)
         if main:
             written += self._flush(out, shard, index)
             sched = _scheduler(self.accelerator, self.scheduler)
