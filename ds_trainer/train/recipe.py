@@ -112,8 +112,11 @@ def _check_optimizer(cfg: DictConfig, accelerator: Any, optimizer: Any) -> None:
         raise TrainingError(f"optimizer={name}: {got} would step instead of {module}.{cls}; nothing was trained. "
                             "Please report this with the run's config.yaml")
     if accelerator.is_main_process:
-        log.info("optimizer %s.%s steps%s", module, cls, " (a DeepSpeed client optimizer: ZeRO hands it each rank's "
-                 "flat partition)" if accelerator.state.deepspeed_plugin is not None else "")
+        how = ""
+        if cfg.resolved.backend == "deepspeed":
+            how = " (a DeepSpeed client optimizer: " + ("ZeRO hands it each rank's flat partition)"
+                                                        if int(cfg.zero.stage) > 0 else "per parameter)")
+        log.info("optimizer %s.%s steps%s", module, cls, how)
 
 
 def _prepare_nvme(cfg: DictConfig, accelerator: Any) -> None:
