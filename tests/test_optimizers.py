@@ -2,20 +2,19 @@
 every backend and offload, or is refused; none runs as another.
 
 Engines are built in this process on a one-rank gloo group (DeepSpeed's CPU accelerator), as test_deepspeed_engines
-does; one two-rank run goes through Accelerate, where the swap to DeepSpeed's CPU Adam would happen, and resumes.
+does; one run goes through Accelerate, where the swap to DeepSpeed's CPU Adam would happen, and resumes.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import free_port, make_cfg, one_rank_process_group, run_dirs, torchrun
+from conftest import free_port, make_cfg, one_rank_process_group, run_cli, run_dirs
 from test_deepspeed_engines import SmallNet, written_config
 
 from ds_trainer.config import validation
@@ -31,8 +30,10 @@ def _bitsandbytes() -> Any:
     return pytest.importorskip("bitsandbytes")
 
 
-@pytest.fixture(scope="module", autouse=True)
+@pytest.fixture
 def one_rank_group() -> Iterator[None]:
+    """A one-rank gloo group for the engines built in this process (not for the runs it starts: they make their
+    own)."""
     with one_rank_process_group(free_port()):
         yield
 
@@ -78,8 +79,8 @@ def _state(engine: Any) -> dict[str, tuple[set[str], int]]:
 @pytest.mark.slow
 @pytest.mark.parametrize(("zero", "offload"), [("stage0", "none"), ("stage1", "cpu"), ("stage2", "none"),
                                                ("stage3", "cpu")])
-def test_8bit_adamw_steps_as_named_under_zero_and_offload_with_uint8_moments(tmp_path: Path, zero: str,
-                                                                              offload: str) -> None:
+def test_8bit_adamw_steps_as_named_under_zero_and_offload_with_uint8_moments(one_rank_group: None, tmp_path: Path,
+                                                                              zero: str, offload: str) -> None:
     bnb = _bitsandbytes()
     engine, losses, ds = _train(tmp_path, "optimizer=adamw8bit", f"zero={zero}", f"offload={offload}")
     assert "optimizer" not in ds and "scheduler" not in ds  # the real optimizer is handed over, not a JSON block
@@ -104,7 +105,8 @@ def test_8bit_adamw_steps_as_named_under_zero_and_offload_with_uint8_moments(tmp
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("zero", "offload"), [("stage2", "cpu"), ("stage3", "none")])
-def test_torch_adamw_is_handed_to_deepspeed_as_itself(tmp_path: Path, zero: str, offload: str) -> None:
+def test_torch_adamw_is_handed_to_deepspeed_as_itself(one_rank_group: None, tmp_path: Path, zero: str,
+                                                      offload: str) -> None:
     engine, losses, ds = _train(tmp_path, "optimizer=adamw_torch", f"zero={zero}", f"offload={offload}")
     assert "optimizer" not in ds and losses[-1] < losses[0] / 3, losses
     assert type(getattr(engine.optimizer, "optimizer", engine.optimizer)) is torch.optim.AdamW
@@ -133,32 +135,31 @@ def test_every_offload_and_backend_runs_the_client_optimizer_as_named_or_refuses
     assert got["fsdp_full_shard", "none"] == ("refused: optimizer.name" if optimizer == "adamw8bit" else "runs")
 
 
-def _two_ranks(cwd: Path, *overrides: str) -> tuple[Path, str]:
+def _offloaded_run(cwd: Path, *overrides: str) -> tuple[Path, str]:
+    """One rank (test_portable's 8-bit chain runs two): ZeRO-2 with the state offloaded, through Accelerate."""
     cwd.mkdir(parents=True, exist_ok=True)
-    args = ["optimizer=adamw8bit", "zero=stage2", "offload=cpu", "precision=fp32", "logger=none",
-            "data.num_samples=8", "train.max_steps=4", "train.checkpoint_every=2", "train.export=false", *overrides]
-    result = subprocess.run([*torchrun(2), "-m", "ds_trainer", *args], cwd=cwd, capture_output=True, text=True,
-                            timeout=900)
+    result = run_cli("optimizer=adamw8bit", "zero=stage2", "offload=cpu", "precision=fp32", "logger=none",
+                     "data.num_samples=8", "train.max_steps=4", "train.checkpoint_every=2", "train.export=false",
+                     *overrides, cwd=cwd, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     (run_dir,) = run_dirs(cwd)
     return run_dir, result.stderr
 
 
 @pytest.mark.slow
-@pytest.mark.multiproc
 def test_8bit_adamw_through_accelerate_with_offload_trains_and_resumes_bit_for_bit(tmp_path: Path) -> None:
     _bitsandbytes()
-    first, stderr = _two_ranks(tmp_path / "first")
+    first, stderr = _offloaded_run(tmp_path / "first")
     # Accelerate would have put DeepSpeed's CPU Adam in its place under offload; the run checks what steps.
     assert "optimizer bitsandbytes.optim.AdamW8bit steps (a DeepSpeed client optimizer" in stderr
     saved = first / "checkpoints" / "step_00000002"
-    (states,) = (saved / "pytorch_model").glob("zero_pp_rank_0_*optim_states.pt")
+    (states,) = (saved / "pytorch_model").glob("*zero_pp_rank_0_*optim_states.pt")
     base = torch.load(states, map_location="cpu", weights_only=False)["optimizer_state_dict"]["base_optimizer_state"]
     quantized = [s["__bnb_optimizer_quant_state__"] for s in base["state"].values()]  # bitsandbytes' own layout
     assert quantized and {str(q[k].dtype) for q in quantized for k in ("state1", "state2")} == {"torch.uint8"}
     rows = [json.loads(line) for line in (first / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["loss"] < rows[0]["loss"]
-    resumed, stderr = _two_ranks(tmp_path / "resumed", f"resume={saved}")
+    resumed, stderr = _offloaded_run(tmp_path / "resumed", f"resume={saved}")
     assert "another configuration" not in stderr
     again = {r["step"]: (r["loss"], r["lr"]) for r in map(json.loads, (resumed / "metrics.jsonl").read_text()
                                                            .splitlines())}
