@@ -311,7 +311,7 @@ def _cell(root: Path, num: int, summary: dict | None, zero: str = "stage2") -> N
 
 def test_report_on_ok_oom_error_and_running_cells(tmp_path: Path) -> None:
     base = {"zero": "stage2", "offload": "cpu", "resolution": "1024x1024", "micro_batch_size": 8, "world_size": 8,
-            "precision": "bf16"}
+            "precision": "bf16", "optimizer": "adamw8bit"}
     _cell(tmp_path, 0, {**base, "status": "ok", "message": None, "gpu_mem_peak_allocated_mib": 11012.5,
                         "gpu_mem_peak_reserved_mib": 12288.0, "median_s_per_it": 1.25, "images_per_s": 51.2})
     _cell(tmp_path, 1, {**base, "zero": "stage1", "status": "oom", "message": "CUDA out of memory with zero=stage1"})
@@ -326,7 +326,7 @@ def test_report_on_ok_oom_error_and_running_cells(tmp_path: Path) -> None:
     assert rows[1]["message"].startswith("CUDA out of memory")
     md = (tmp_path / "report.md").read_text()
     assert "4 cells: 1 ok, 2 failed, 1 running" in md
-    assert "| 0 | stage2 | cpu | 1024x1024 | 8 | 8 | bf16 | ok | 11012 | 12288 |" in md
+    assert "| 0 | stage2 | cpu | 1024x1024 | 8 | 8 | bf16 | adamw8bit | ok | 11012 | 12288 |" in md
     assert (tmp_path / "report.png").stat().st_size > 10_000
     assert result.stdout.startswith("| cell |")
 
