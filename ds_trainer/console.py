@@ -63,7 +63,8 @@ KNOWN = (
           "diffusers warns on every `.to(dtype)` of a model, also when its list of float32 modules is empty, as "
           "here: nothing is cast that should not be (a non-empty list still reaches the terminal)"),
     Known("DeepSpeed", r"^\*+ You are using ZeRO with an untested optimizer, proceed with caution \*+$",
-          "optimizer=adamw_torch and adamw8bit are handed to DeepSpeed as client optimizers on purpose; the run logs "
+          "optimizer=adamw_torch, adamw8bit, prodigy and schedule_free_adamw are handed to DeepSpeed as client "
+          "optimizers on purpose; the run logs "
           "the class that steps (`optimizer ... steps`) and refuses to start if it is another"),
     Known("bitsandbytes.backends.cpu.ops", r"^Failed to load CPU gemm_4bit_forward from kernels-community",
           "bitsandbytes looks for an optional 4-bit matmul kernel package when it loads; optimizer=adamw8bit uses "

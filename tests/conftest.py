@@ -113,7 +113,7 @@ def terminal_chatter(stderr: str) -> list[str]:
     chatter = []
     for line in (part for row in stderr.splitlines() for part in row.split("\r")):
         while bar := PROGRESS_BAR.match(line):
-            line = line[bar.end():]
+            line = line[bar.end():].lstrip(" ")  # tqdm pads a redraw with spaces over the longer one before
         if not OUR_LINE.match(line):
             chatter.append(line)
     return chatter

@@ -95,8 +95,8 @@ def test_zero_offload_precision_engine_trains(tmp_path: Path, zero: str, offload
 
 
 @pytest.mark.slow
-# DeepSpeed's own optimizers, built from the JSON; the ones ds_trainer builds itself (adamw_torch, adamw8bit) are
-# handed to the engine as client optimizers: tests/test_optimizers.py.
+# DeepSpeed's own optimizers, built from the JSON; the ones ds_trainer builds itself (adamw_torch, adamw8bit, prodigy,
+# schedule_free_adamw) are handed to the engine as client optimizers: tests/test_optimizers.py.
 @pytest.mark.parametrize("optimizer", sorted(p.stem for p in (Path(__file__).parent.parent / "conf" / "optimizer")
                                              .glob("*.yaml") if not optimizers.is_client(p.stem)))
 def test_every_optimizer_trains_or_is_refused(tmp_path: Path, optimizer: str) -> None:

@@ -62,7 +62,10 @@ def optimizer_block(cfg: DictConfig) -> dict[str, Any]:
     params: dict[str, Any] = {}
     for key in optimizers.PARAMS.get(name, ("lr", "weight_decay")):
         value = cfg.optimizer[key]
-        params[key] = [float(v) for v in value] if key == "betas" else float(value)
+        if key == "betas":
+            params[key] = [float(v) for v in value]
+        else:
+            params[key] = value if isinstance(value, bool) else int(value) if key == "slice_p" else float(value)
     return {"type": optimizers.DEEPSPEED_TYPE.get(name, name), "params": params}
 
 

@@ -22,11 +22,19 @@ SUBSTITUTES = {
 # Optimizers ds_trainer builds itself and hands to `accelerator.prepare` (DeepSpeed: a client optimizer, no
 # `optimizer` block in its JSON; the LR schedule is built over it too). Normalized name -> the name runs record.
 CLIENT = {"adamwtorch": "adamw_torch", "torchadamw": "adamw_torch", "adamw8bit": "adamw8bit",
-          "bnbadamw8bit": "adamw8bit"}
+          "bnbadamw8bit": "adamw8bit", "prodigy": "prodigy", "schedulefreeadamw": "schedule_free_adamw",
+          "adamwschedulefree": "schedule_free_adamw"}
 # What each client optimizer is, as the log and config.yaml name it: (module, class).
-CLIENT_CLASS = {"adamw_torch": ("torch.optim", "AdamW"), "adamw8bit": ("bitsandbytes.optim", "AdamW8bit")}
+CLIENT_CLASS = {"adamw_torch": ("torch.optim", "AdamW"), "adamw8bit": ("bitsandbytes.optim", "AdamW8bit"),
+                "prodigy": ("prodigyopt", "Prodigy"), "schedule_free_adamw": ("schedulefree", "AdamWScheduleFree")}
 # The Python package a client optimizer needs, and what installs it.
-CLIENT_PACKAGE = {"adamw8bit": ("bitsandbytes", "pip install -c constraints.txt bitsandbytes")}
+CLIENT_PACKAGE = {"adamw8bit": ("bitsandbytes", "pip install -c constraints.txt bitsandbytes"),
+                  "prodigy": ("prodigyopt", "pip install -c constraints.txt prodigyopt"),
+                  "schedule_free_adamw": ("schedulefree", "pip install -c constraints.txt schedulefree")}
+# Optimizers with state kept per step in their param groups, not per element (Prodigy's step size d from sums over
+# every parameter, schedule-free's step count k and average weights): each `step()` call must see every trained
+# parameter once. ZeRO-3 calls `step()` once per sub-group, so they need one sub-group (see validation).
+GLOBAL_STATE = frozenset({"prodigy", "schedule_free_adamw"})
 # Optimizers whose state is kept elementwise in fp32 (what DeepSpeed's NVMe swapper and the portable state's Adam
 # moments assume): the Adam family, DeepSpeed's and torch's.
 FP32_MOMENTS = frozenset({"adam", "adamw", "adamw_torch"})
@@ -44,6 +52,8 @@ PARAMS: dict[str, tuple[str, ...]] = {
     "muon": ("lr", "momentum", "betas", "eps", "weight_decay"),
     "adamw_torch": ("lr", "betas", "eps", "weight_decay"),
     "adamw8bit": ("lr", "betas", "eps", "weight_decay"),
+    "prodigy": ("lr", "betas", "eps", "weight_decay", "d_coef", "use_bias_correction", "safeguard_warmup", "slice_p"),
+    "schedule_free_adamw": ("lr", "betas", "eps", "weight_decay"),
 }
 
 # DeepSpeed's `type` spelling for each name (its matching is case-insensitive; these read well).

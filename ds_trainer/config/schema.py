@@ -139,6 +139,12 @@ class OptimizerConfig:
     eps: float = 1e-8
     weight_decay: float = 1e-2
     momentum: float = 0.95
+    # Prodigy only (prodigyopt's names): d_coef scales its estimated step size, slice_p > 1 estimates it from
+    # every slice_p-th element (less memory), the two flags are its authors' advice for diffusion models.
+    d_coef: float = 1.0
+    use_bias_correction: bool = True
+    safeguard_warmup: bool = True
+    slice_p: int = 1
 
 
 @dataclass
@@ -330,6 +336,9 @@ class TuneConfig:
     offload: list[str] = field(default_factory=lambda: ["none", "cpu"])
     micro_batch_size: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
     gradient_checkpointing: list[bool] = field(default_factory=lambda: [False, True])
+    # Optimizers to search too (e.g. [adamw,adamw8bit]: 8-bit moments may let a larger micro batch or a lower ZeRO
+    # stage fit); empty: the training's optimizer only.
+    optimizer: list[str] = field(default_factory=list)
     warmup_steps: int = 2
     timed_steps: int = 5
     # Seconds per cell, start-up included: a cell still running then is stopped and counts as a hang.

@@ -180,7 +180,7 @@ def _optimizer(cfg: DictConfig, info: hardware.PlatformInfo, out: list[Problem],
         return None
     backend = cfg.zero.backend.value
     if optimizers.is_client(name):
-        _client_optimizer(cfg, name, out)
+        _client_optimizer(cfg, name, info, out, warnings)
         return name
     if backend in ("ddp", "fsdp") and name not in ("adam", "adamw", "adagrad"):
         out.append(Problem("optimizer.name", name, f"zero={ds_config.zero_option(cfg)} runs torch.optim, which has "
@@ -201,9 +201,11 @@ def _optimizer(cfg: DictConfig, info: hardware.PlatformInfo, out: list[Problem],
     return name
 
 
-def _client_optimizer(cfg: DictConfig, name: str, out: list[Problem]) -> None:
-    """An optimizer ds_trainer builds (torch's AdamW, bitsandbytes' AdamW8bit): it runs where its state lives, or
-    the run is refused; never replaced by another (Accelerate would put DeepSpeed's CPU Adam in under offload)."""
+def _client_optimizer(cfg: DictConfig, name: str, info: hardware.PlatformInfo, out: list[Problem],
+                      warnings: list[str]) -> None:
+    """An optimizer ds_trainer builds (torch's AdamW, bitsandbytes' AdamW8bit, Prodigy, schedule-free AdamW): it
+    runs where its state lives and as its maths needs, or the run is refused; never replaced by another (Accelerate
+    would put DeepSpeed's CPU Adam in under offload)."""
     package = optimizers.CLIENT_PACKAGE.get(name)
     if package is not None and importlib.util.find_spec(package[0]) is None:
         out.append(Problem("optimizer.name", name, f"needs the {package[0]} package, which is not installed",
@@ -215,6 +217,53 @@ def _client_optimizer(cfg: DictConfig, name: str, out: list[Problem]) -> None:
     if name == "adamw8bit" and cfg.zero.backend.value == "fsdp":
         out.append(Problem("optimizer.name", name, "bitsandbytes' 8-bit state is not built for FSDP2's DTensor "
                            "shards", "zero=stage3 (ZeRO shards it as flat partitions), or optimizer=adamw"))
+    if name in optimizers.GLOBAL_STATE:
+        _global_state_optimizer(cfg, name, info, out, warnings)
+
+
+# Schedules that lower the LR over the run: schedule-free's average is what they would buy, and its weighting assumes
+# the LR stays at its peak after warm-up.
+DECAYING_SCHEDULES = ("warmup_decay", "warmup_cosine", "one_cycle")
+
+
+def _global_state_optimizer(cfg: DictConfig, name: str, info: hardware.PlatformInfo, out: list[Problem],
+                            warnings: list[str]) -> None:
+    """Prodigy and schedule-free keep state per step, not per element (see `optimizers.GLOBAL_STATE`)."""
+    backend, stage, world = cfg.zero.backend.value, int(cfg.zero.stage), world_size_of(cfg)
+    if backend == "fsdp":
+        out.append(Problem("optimizer.name", name, "ds_trainer reads its state and (schedule-free) computes its "
+                           "evaluation weights from ZeRO's partitions or whole torch parameters; FSDP2's DTensor "
+                           "shards are not among them", f"zero=stage2 or zero=stage3 with optimizer={name}, or "
+                           "optimizer=adamw with FSDP"))
+        return
+    if name == "prodigy" and backend == "deepspeed" and stage > 0 and world > 1:
+        if info.kind != "cuda":
+            out.append(Problem("optimizer.name", name, f"Prodigy's step size d sums over every trained parameter; "
+                               f"under ZeRO-{stage} each of the {world} ranks holds only its partition, and "
+                               "prodigyopt's all-reduce that joins the sums (fsdp_in_use) runs on CUDA only; this "
+                               f"machine is {info.kind}", "zero=stage0 or zero=ddp (every rank holds every "
+                               "parameter), one rank, or optimizer=adamw"))
+        else:
+            warnings.append(f"optimizer=prodigy on {world} ranks under ZeRO-{stage}: prodigyopt's fsdp_in_use path "
+                            "all-reduces the sums behind d, so every rank steps with the same d (not run on a GPU by "
+                            "ds_trainer's tests)")
+    if name == "prodigy" and float(cfg.optimizer.lr) < 0.1:
+        warnings.append(f"optimizer=prodigy with optimizer.lr={float(cfg.optimizer.lr):g}: Prodigy's lr multiplies "
+                        "the step size it estimates (1.0 takes the estimate as it is), so this trains about "
+                        f"{1 / float(cfg.optimizer.lr):.0f} times slower than Prodigy would")
+    if name == "schedule_free_adamw" and cfg.scheduler.name.value in DECAYING_SCHEDULES:
+        out.append(Problem("scheduler", cfg.scheduler.name.value, "schedule-free AdamW replaces a decaying schedule "
+                           "(its averaged weights are what the decay would buy) and weights its average by the peak "
+                           "LR, which a decay below it breaks", "scheduler=warmup (warm-up, then constant) or "
+                           "scheduler=constant"))
+    one_call = 10**12
+    if backend == "deepspeed" and stage == 3 and int(cfg.zero.sub_group_size) < one_call:
+        warnings.append(f"zero.sub_group_size raised from {int(cfg.zero.sub_group_size)} to {one_call} for "
+                        f"optimizer={name}: ZeRO-3 calls step() once per sub-group, and {name}'s per-step state must "
+                        "see every trained parameter in one call. DeepSpeed then makes the fp32 gradient of each "
+                        "rank's whole partition at once at the step (4 bytes per trained parameter, divided by the "
+                        "ranks)")
+        cfg.zero.sub_group_size = one_call
 
 
 def _cuda_ops(cfg: DictConfig, info: hardware.PlatformInfo, optimizer: str | None, out: list[Problem],

@@ -283,7 +283,16 @@ def estimate(cfg: DictConfig, zero: str, offload: str, world_size: int, activati
 
 
 # fp32 tensors an optimizer keeps per trained parameter (Adam's two moments, Lion's and Adagrad's one).
-_MOMENTS = {"adam": 2, "adamw": 2, "adamw_torch": 2, "lamb": 2, "muon": 2, "lion": 1, "adagrad": 1}
+_MOMENTS = {"adam": 2, "adamw": 2, "adamw_torch": 2, "lamb": 2, "muon": 2, "lion": 1, "adagrad": 1,
+            "schedule_free_adamw": 2}  # schedule-free: z and the second moment
+
+
+def _moment_tensors(cfg: DictConfig, name: str) -> float:
+    """fp32 tensors of a parameter's size the optimizer keeps per trained parameter (Prodigy: Adam's two, and its
+    starting weights and sum on every slice_p-th element)."""
+    if name == "prodigy":
+        return 2 + 2 / max(1, int(cfg.optimizer.slice_p))
+    return _MOMENTS.get(name, 2)
 # bitsandbytes' 8-bit AdamW: two uint8 moments and an fp32 absmax per block of 256 of each.
 _BYTES_8BIT = 2 + 2 * 4 / 256
 
@@ -295,7 +304,7 @@ def _moments_saved(cfg: DictConfig, zero: str, trained: int, world_size: int) ->
 
     name = optimizers.resolve(cfg.optimizer.name)[0] or "adamw"
     adam = 4 if cfg.precision.name.value == "bf16_pure" else 8
-    kept = _BYTES_8BIT if name == "adamw8bit" else adam * _MOMENTS.get(name, 2) / 2
+    kept = _BYTES_8BIT if name == "adamw8bit" else adam * _moment_tensors(cfg, name) / 2
     ranks = 1 if zero in ("ddp", "stage0") else world_size
     return int((adam - kept) * trained) // ranks
 
@@ -314,7 +323,7 @@ def checkpoint_bytes(cfg: DictConfig) -> tuple[int, int]:
     fp32 = cfg.precision.name.value == "fp32" or cfg.zero.backend.value == "ddp"
     pure = cfg.precision.name.value == "bf16_pure"  # bf16 masters and moments: no separate fp32 copy
     name = optimizers.resolve(cfg.optimizer.name)[0] or "adamw"
-    moments = _BYTES_8BIT if name == "adamw8bit" else (2 if pure else 4) * _MOMENTS.get(name, 2)
+    moments = _BYTES_8BIT if name == "adamw8bit" else (2 if pure else 4) * _moment_tensors(cfg, name)
     engine = int((4 if fp32 else 2) * stats.params + ((0 if fp32 or pure else 4) + moments) * trained)
     # The portable state: fp32 weights, and fp32 Adam moments for the optimizers whose moments it holds.
     portable = (4 + (8 if name in (*optimizers.FP32_MOMENTS, "adamw8bit") else 0)) * trained  # 8-bit: dequantized

@@ -79,7 +79,11 @@ def flat_places(accelerator: Any) -> dict[int, tuple[torch.Tensor, int, int]]:
 def unfused_masters(accelerator: Any) -> dict[int, torch.Tensor]:
     """ZeRO-0 with bf16/fp16 and an optimizer ds_trainer built (DeepSpeed's FP16_UnfusedOptimizer keeps an fp32
     master per parameter, and the optimizer's state on it): each 16-bit parameter's master, by its id."""
-    engine = _engine(accelerator)
+    return unfused_masters_of(_engine(accelerator))
+
+
+def unfused_masters_of(engine: Any) -> dict[int, torch.Tensor]:
+    """`unfused_masters` of a DeepSpeed engine (None: no DeepSpeed, no such masters)."""
     outer: Any = engine.optimizer if engine is not None else None
     if type(outer).__name__ != "FP16_UnfusedOptimizer":
         return {}

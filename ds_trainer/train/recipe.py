@@ -8,6 +8,8 @@ signal, metrics); checkpoints and the export come after it at named points.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
 import os
 import socket
@@ -35,6 +37,7 @@ from ds_trainer.train import (
     op_builds,
     portable,
     rendezvous,
+    schedule_free,
     startup,
     stop,
 )
@@ -67,13 +70,18 @@ def _optimizer_and_scheduler(cfg: DictConfig, ds: dict[str, Any] | None, params:
     LR schedule classes from the same blocks, so one config owns every backend."""
     from accelerate.utils import DummyOptim, DummyScheduler
 
+    params = list(params)
+    if not params:  # DeepSpeed and torch would fail later, on an empty flat buffer or an empty parameter group
+        raise TrainingError(f"optimizer={cfg.optimizer.name}: the UNet has no parameter left to train "
+                            f"(adapter={cfg.adapter.method.value} froze them all); nothing was trained. Check "
+                            "adapter.targets, or adapter=none for a full fine-tune")
     if ds is not None and "optimizer" in ds:
         optimizer = DummyOptim(params, lr=ds["optimizer"]["params"]["lr"])
         scheduler = DummyScheduler(optimizer) if "scheduler" in ds else None
         return optimizer, scheduler
     from deepspeed.runtime import lr_schedules
 
-    optimizer = _torch_optimizer(cfg, list(params))
+    optimizer = _torch_optimizer(cfg, params)
     schedule = ds_config.scheduler_block(cfg)
     scheduler = getattr(lr_schedules, schedule["type"])(optimizer, **schedule["params"]) if schedule else None
     return optimizer, scheduler
@@ -82,13 +90,31 @@ def _optimizer_and_scheduler(cfg: DictConfig, ds: dict[str, Any] | None, params:
 def _torch_optimizer(cfg: DictConfig, params: list[Any]) -> Any:
     """The optimizer the config names, built here: torch.optim's (fused where the device has the kernel: one kernel
     over all tensors instead of a per-tensor loop, 5 ms instead of 18 ms a step for the tiny UNet on this CPU; not
-    for FSDP's DTensor shards), or bitsandbytes' AdamW8bit."""
+    for FSDP's DTensor shards), bitsandbytes' AdamW8bit, prodigyopt's Prodigy or schedulefree's AdamW."""
     block = ds_config.optimizer_block(cfg)
     name = str(cfg.resolved.optimizer)
     if name == "adamw8bit":
         import bitsandbytes
 
         return bitsandbytes.optim.AdamW8bit(params, **block["params"])
+    if name == "prodigy":
+        from prodigyopt import Prodigy
+
+        # Sharded over several ranks each sees a part of the sums behind d: its all-reduce joins them (on CUDA
+        # only; validation refuses the case elsewhere).
+        sharded = cfg.resolved.backend == "deepspeed" and int(cfg.zero.stage) > 0 and int(cfg.resolved.world_size) > 1
+        with contextlib.redirect_stdout(io.StringIO()):  # its print() of "Using decoupled weight decay" on every rank
+            return Prodigy(params, **block["params"], fsdp_in_use=sharded)
+    if name == "schedule_free_adamw":
+        import schedulefree
+
+        optimizer = schedulefree.AdamWScheduleFree(params, **block["params"])
+        optimizer.train()  # it refuses to step otherwise; nothing moves yet (no z before the first step)
+        # train() looked each parameter up in its state, a defaultdict: empty entries for tensors DeepSpeed then
+        # replaces by its flat partitions, which would break DeepSpeed's state_dict (a KeyError at the checkpoint).
+        for key in [key for key, state in optimizer.state.items() if not state]:
+            del optimizer.state[key]
+        return optimizer
     torch_class = {"Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW, "Adagrad": torch.optim.Adagrad,
                    "adamw_torch": torch.optim.AdamW}[block["type"]]
     fused = {"fused": True} if cfg.resolved.backend != "fsdp" else {}
@@ -302,13 +328,19 @@ def _train(cfg: DictConfig, ds: dict[str, Any] | None, run_dir: Path, accelerato
     loader = data.Loader(cfg, dataset, cache, frozen, accelerator.process_index, accelerator.num_processes,
                          accelerator.device, start)
     max_steps = int(cfg.train.max_steps)
+    # Samples and exports use schedule-free AdamW's evaluation weights (checkpoints keep its training state).
+    eval_weights = schedule_free.context(cfg, accelerator, unet, optimizer)
+
+    def on_save() -> None:
+        with eval_weights():
+            trained.on_save(accelerator, unet, ema, run_dir)
+
     saver = checkpoint.Saver(cfg, accelerator, run_dir, ema, wandb_id=tracker.wandb_id, last=resume_from,
-                             save_kwargs=trained.save_kwargs(ds is not None),
-                             on_save=lambda: trained.on_save(accelerator, unet, ema, run_dir),
+                             save_kwargs=trained.save_kwargs(ds is not None), on_save=on_save,
                              also=portable.Writer(cfg, accelerator, unet, optimizer, scheduler, start)
                              if cfg.train.portable_state else None)
     progress = _progress_bar(accelerator, max_steps, start_step)
-    sampler = Sampler(cfg, accelerator, unet, ema, frozen, run_dir, tracker, progress)
+    sampler = Sampler(cfg, accelerator, unet, ema, frozen, run_dir, tracker, progress, eval_weights)
     if info.kind == "cuda":  # peaks from here on are training's (not the cache build's or DeepSpeed's setup)
         torch.cuda.reset_peak_memory_stats(accelerator.device)
     tracker.loop_start()  # the host's counterpart: the loop's own peak RSS (the tuner's CPU measure)
@@ -334,10 +366,12 @@ def _train(cfg: DictConfig, ds: dict[str, Any] | None, run_dir: Path, accelerato
 
     # --- the end: the model in diffusers format
     if cfg.train.export and trained.lora:
-        trained.export(accelerator, unet, ema, run_dir)
+        with eval_weights():
+            trained.export(accelerator, unet, ema, run_dir)
         export.base_pipeline(cfg, accelerator, frozen, run_dir)
     elif cfg.train.export:
-        export.diffusers(cfg, accelerator, unet, ema, frozen, run_dir)
+        with eval_weights():
+            export.diffusers(cfg, accelerator, unet, ema, frozen, run_dir)
 
 
 def _load_frozen(cfg: DictConfig, accelerator: Any, kind: str) -> models.Frozen:

@@ -22,7 +22,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -149,8 +149,10 @@ class Sampler:
     """Samples at the steps `config.samples.due` names. Collective: every rank calls `after_step`."""
 
     def __init__(self, cfg: DictConfig, accelerator: Any, unet: Any, ema: EMA | None, frozen: models.Frozen,
-                 run_dir: Path, tracker: metrics.Tracker, progress: Any) -> None:
+                 run_dir: Path, tracker: metrics.Tracker, progress: Any,
+                 weights: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> None:
         self.cfg, self.accelerator, self.unet, self.frozen = cfg, accelerator, unet, frozen
+        self.weights = weights  # the weights to sample with (schedule-free AdamW's evaluation weights), collective
         self.tracker, self.progress = tracker, progress
         self.enabled = bool(cfg.samples.enabled)
         self.ema = ema if cfg.samples.ema else None
@@ -192,10 +194,11 @@ class Sampler:
             self.progress.refresh()
         start = time.perf_counter()
         mine, error = [], None
-        try:
-            mine = self._generate_share()
-        except Exception as exc:  # noqa: BLE001 - every rank must learn of it before the gather
-            error = exc
+        with self.weights():
+            try:
+                mine = self._generate_share()
+            except Exception as exc:  # noqa: BLE001 - every rank must learn of it before the gather
+                error = exc
         if accel.any_rank(self.accelerator, error is not None):
             raise TrainingError(f"sampling at step {step} failed on "
                                 f"{'this' if error else 'another'} rank: {error or 'see its log'}") from error
