@@ -1,6 +1,7 @@
 """The fastest configuration that fits, measured: `python -m ds_trainer.tune [training overrides] [tune.*]`.
 
-1. The space: tune.zero x tune.offload x tune.micro_batch_size x tune.gradient_checkpointing, the
+1. The space: tune.zero x tune.offload x tune.micro_batch_size x tune.gradient_checkpointing (x tune.optimizer
+   when given), the
    accumulation derived from tune.global_batch (images per optimizer step) or, when that is null, the
    training's own. An axis set on the command line (e.g. `zero=stage3`) is held at that value.
 2. Cells the configuration check rejects are dropped (`invalid`); the planner (tools/plan.py, calibrated
@@ -24,7 +25,7 @@ from ds_trainer.config.validation import Problem
 
 GIB = 2**30
 AXES = {"zero": "zero", "offload": "offload", "train.micro_batch_size": "micro_batch_size",
-        "train.gradient_checkpointing": "gradient_checkpointing"}
+        "train.gradient_checkpointing": "gradient_checkpointing", "optimizer": "optimizer"}
 # Set for measuring only; the winning line leaves them out.
 MEASURE_KEYS = ("train.max_steps", "train.export", "train.final_checkpoint", "train.checkpoint_every",
                 "train.log_every", "resume", "dry_run", "hydra.")
@@ -39,6 +40,7 @@ class Cell:
     micro: int
     accum: int
     ckpt: bool
+    optimizer: str | None = None  # None: the training's own (tune.optimizer empty)
     status: str = "planned"  # invalid | pruned | planned | ok | oom | error | timeout | over budget
     message: str | None = None
     predicted_gib: float | None = None
@@ -47,16 +49,19 @@ class Cell:
 
     @property
     def label(self) -> str:
-        return f"{self.zero}/{self.offload} b{self.micro}x{self.accum}" + (" ckpt" if self.ckpt else "")
+        return (f"{self.zero}/{self.offload} b{self.micro}x{self.accum}" + (" ckpt" if self.ckpt else "")
+                + (f" {self.optimizer}" if self.optimizer else ""))
 
     @property
     def name(self) -> str:
-        return f"{self.zero}-{self.offload}-b{self.micro}-a{self.accum}-{'ckpt' if self.ckpt else 'nockpt'}"
+        return (f"{self.zero}-{self.offload}-b{self.micro}-a{self.accum}-{'ckpt' if self.ckpt else 'nockpt'}"
+                + (f"-{self.optimizer}" if self.optimizer else ""))
 
     def overrides(self) -> list[str]:
         return [f"zero={self.zero}", f"offload={self.offload}", f"train.micro_batch_size={self.micro}",
                 f"train.gradient_accumulation_steps={self.accum}",
-                f"train.gradient_checkpointing={str(self.ckpt).lower()}"]
+                f"train.gradient_checkpointing={str(self.ckpt).lower()}",
+                *([f"optimizer={self.optimizer}"] if self.optimizer else [])]
 
 
 class BadInput(Exception):
@@ -88,6 +93,8 @@ def space(t: DictConfig, fixed: dict[str, str], ranks: int, accumulation: int) -
     micros = [int(fixed["micro_batch_size"])] if "micro_batch_size" in fixed else [int(m) for m in t.micro_batch_size]
     ckpts = ([fixed["gradient_checkpointing"].lower() == "true"] if "gradient_checkpointing" in fixed
              else [bool(c) for c in t.gradient_checkpointing])
+    optimizers: list[str | None] = [fixed["optimizer"]] if "optimizer" in fixed else (
+        [str(o) for o in t.optimizer] or [None])
     if t.global_batch is not None and int(t.global_batch) < 1:
         raise BadInput([Problem("tune.global_batch", t.global_batch, "must be at least 1 image per optimizer step",
                                 "tune.global_batch=16, or tune.global_batch=null (free)")])
@@ -104,7 +111,8 @@ def space(t: DictConfig, fixed: dict[str, str], ranks: int, accumulation: int) -
                                 f"no micro batch of {micros} x accumulation x {ranks} rank(s) makes it (each "
                                 f"micro batch x {ranks} must divide it)",
                                 f"tune.global_batch={nearest} (or one of {makeable}), or tune.global_batch=null")])
-    cells = [Cell(z, o, m, a, c) for z in zeros for o in offloads for m, a in pairs for c in ckpts]
+    cells = [Cell(z, o, m, a, c, opt) for z in zeros for o in offloads for m, a in pairs for c in ckpts
+             for opt in optimizers]
     from ds_trainer.tools.plan import CELLS, FSDP_CELLS
 
     order = CELLS + FSDP_CELLS  # fastest first; FSDP's cells after DeepSpeed's

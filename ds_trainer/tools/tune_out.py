@@ -16,7 +16,7 @@ from ds_trainer.tools.calibration import Calibration
 from ds_trainer.tools.tune import GIB, Cell, override_key
 
 COLUMNS = ("cell", "zero", "offload", "micro_batch_size", "gradient_accumulation_steps", "gradient_checkpointing",
-           "status", "predicted_peak_gib", "measured_peak_gib", "measure", "s_per_it", "images_per_s",
+           "optimizer", "status", "predicted_peak_gib", "measured_peak_gib", "measure", "s_per_it", "images_per_s",
            "load_before", "load_after", "others", "message")
 
 
@@ -45,7 +45,8 @@ def row(cell: Cell) -> dict[str, Any]:
     peak, measure = measured_gib(cell)
     r = cell.result
     return {"cell": cell.label, "zero": cell.zero, "offload": cell.offload, "micro_batch_size": cell.micro,
-            "gradient_accumulation_steps": cell.accum, "gradient_checkpointing": cell.ckpt, "status": cell.status,
+            "gradient_accumulation_steps": cell.accum, "gradient_checkpointing": cell.ckpt,
+            "optimizer": cell.optimizer or "", "status": cell.status,
             "predicted_peak_gib": cell.predicted_gib, "measured_peak_gib": peak, "measure": measure,
             "s_per_it": r.get("s_per_it"), "images_per_s": r.get("images_per_s"),
             "load_before": r.get("load_before"), "load_after": r.get("load_after"),

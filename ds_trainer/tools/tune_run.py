@@ -62,7 +62,8 @@ def _record(cfg: DictConfig, cell: Cell, device: str) -> dict[str, Any] | None:
         return None
     return {**calibration.key(cfg, device), "cell": cell.name, "resolution": f"{cfg.resolution.width}x"
             f"{cfg.resolution.height}", "micro_batch_size": cell.micro, "gradient_checkpointing": cell.ckpt,
-            "zero": cell.zero, "offload": cell.offload, "measure": measure,
+            "zero": cell.zero, "offload": cell.offload, "optimizer": cell.optimizer or str(cfg.optimizer.name),
+            "measure": measure,
             "predicted_activation_bytes": int(estimate.activations / max(cell.result.get("factor", 1.0), 1e-9)),
             "measured_activation_bytes": measured, "predicted_peak_bytes": estimate.gpu, "time": time.time()}
 
