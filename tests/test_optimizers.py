@@ -344,3 +344,16 @@ def test_schedule_free_lora_on_two_zero3_ranks_samples_and_exports_its_evaluatio
     pairs = [(exported[key], y[key]) for key in y]
     moved = max((x.float() - w).abs().max().item() for x, w in pairs)
     assert moved > 1e-4, moved  # x = y + (1 - 1/beta1)(z - y), z ahead of y by lr-sized steps
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "adamw_torch"])
+def test_nothing_to_train_is_one_message_before_any_optimizer_is_built(optimizer: str) -> None:
+    """An empty parameter list would fail deep in DeepSpeed (an empty flat buffer) or torch (an empty group)."""
+    from ds_trainer.errors import TrainingError
+    from ds_trainer.train import recipe
+
+    cfg = validation.check(make_cfg(f"optimizer={optimizer}", "adapter=lora")).cfg
+    ds = {"optimizer": {"params": {"lr": 1e-4}}} if optimizer == "adamw" else None
+    with pytest.raises(TrainingError, match="no parameter left to train") as caught:
+        recipe._optimizer_and_scheduler(cfg, ds, iter([]))
+    assert "adapter.targets" in str(caught.value)
