@@ -35,7 +35,7 @@ from typing import Any
 from ds_trainer.tools.bench_cells import Cell, raw_loop, run_cell, run_raw
 
 COMBOS = (("ddp", "none"), ("stage2", "none"), ("stage2", "cpu"), ("stage3", "none"), ("stage3", "cpu"),
-          ("stage3", "nvme"))
+          ("stage3", "nvme"), ("fsdp_shard_grad_op", "none"), ("fsdp_full_shard", "none"), ("fsdp_full_shard", "cpu"))
 FIELDS = ("cell", "zero", "offload", "resolution", "micro_batch", "grad_ckpt", "accum", "status",
           "gpu_alloc_peak_gib", "gpu_reserved_peak_gib", "host_rss_peak_gib", "first_step_s", "median_s_per_it",
           "images_per_s",

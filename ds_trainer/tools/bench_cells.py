@@ -118,7 +118,8 @@ def _steps(cell: Cell, args: argparse.Namespace) -> int:
 
 def raw_loop(folder: Path, steps: int, warmup: int = 2) -> tuple[float, float]:
     """A minimal loop with the cell's model, batch and optimizer, run in its own process: DeepSpeed's engine
-    from the cell's JSON, or (zero=ddp, one rank) torch's AdamW under the same autocast Accelerate uses.
+    from the cell's JSON, FSDP2 as the cell configures it, or (zero=ddp, one rank) torch's AdamW under the same
+    autocast Accelerate uses.
     Returns (when its first step ended as a time.time() value, median s/it after `warmup` steps)."""
     import torch
     from omegaconf import DictConfig, OmegaConf
@@ -149,6 +150,8 @@ def raw_loop(folder: Path, steps: int, warmup: int = 2) -> tuple[float, float]:
         def update(loss: Any) -> None:
             engine.backward(loss)
             engine.step()
+    elif cfg.zero.backend == "fsdp":
+        model, device, dtype, autocast, update = _raw_fsdp(cfg, unet)
     else:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         model, dtype = unet.to(device), torch.float32
@@ -178,6 +181,44 @@ def raw_loop(folder: Path, steps: int, warmup: int = 2) -> tuple[float, float]:
         times.append(time.perf_counter() - start)
         first = first or time.time()
     return first, statistics.median(times[warmup:])
+
+
+def _raw_fsdp(cfg: Any, unet: Any) -> tuple[Any, Any, Any, Any, Any]:
+    """The cell's FSDP2 with nothing around it: `fully_shard` on the same units and the root, the same resharding,
+    mixed precision and offload, torch's AdamW over the DTensor shards (unfused, as the run's), the same clipping."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    meaning = cfg.resolved.fsdp
+    cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if cuda else "gloo")
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    compute = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(meaning.compute_dtype, torch.float32)
+    policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype={"bf16": torch.bfloat16}.get(
+        meaning.reduce_dtype, torch.float32), output_dtype=compute, cast_forward_inputs=True)
+    offload = CPUOffloadPolicy(pin_memory=cuda) if cfg.offload.device == "cpu" else OffloadPolicy()
+    unet = unet.to(torch.bfloat16 if cfg.precision.name == "bf16_pure" else torch.float32)
+    if not (cfg.offload.device == "cpu"):
+        unet = unet.to(device)
+    units = set(meaning.units)
+    for module in unet.modules():
+        if type(module).__name__ in units:
+            fully_shard(module, reshard_after_forward=bool(meaning.reshard_after_forward), mp_policy=policy,
+                        offload_policy=offload)
+    fully_shard(unet, reshard_after_forward=bool(meaning.reshard_after_forward), mp_policy=policy,
+                offload_policy=offload)
+    o, clip = cfg.optimizer, float(cfg.train.gradient_clipping)
+    optimizer = torch.optim.AdamW(unet.parameters(), lr=float(o.lr), betas=tuple(o.betas), eps=float(o.eps),
+                                  weight_decay=float(o.weight_decay))
+
+    def update(loss: Any) -> None:
+        loss.backward()
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_(unet.parameters(), clip)
+        optimizer.step()
+        optimizer.zero_grad()
+    return unet, device, compute, contextlib.nullcontext, update
 
 
 def run_raw(cell: Cell, args: argparse.Namespace, out: Path, folder: Path | None = None,
