@@ -11,6 +11,10 @@ The whole shadow is put together only when it is needed whole, and that is colle
 `full()` for sampling and the export. Under ZeRO-3 the trained parameters are empty placeholders outside a
 gather, so the update reads them inside `GatheredParameters`, a chunk at a time, on every rank (collective);
 each rank keeps only its own slice of what was gathered.
+
+Under FSDP2 the parameters are DTensors, each rank holding a dim-0 shard of every one: after `prepare` the shadow is
+laid out the same way (`follow_shards`), so an update is a lerp of each rank's own shards with no communication at all
+(by owner it would all-gather the whole UNet every step). `full()` gathers the shards, `load_state_dict` cuts them.
 """
 
 from __future__ import annotations
@@ -66,13 +70,41 @@ class EMA:
         self.shapes = {n: tuple(getattr(p, "ds_shape", p.shape)) for n, p in named}
         self.owner = owners({n: int(torch.Size(s).numel()) for n, s in self.shapes.items()}, world)
         self.shadow: dict[str, torch.Tensor] = {}  # this rank's slice
+        # FSDP2 (after `follow_shards`): each name's DTensor layout; the shadow holds this rank's shard of every name.
+        self.layouts: dict[str, tuple[Any, Any, torch.Size, tuple[int, ...]]] = {}
         self._read(unet, init=True)
+
+    def follow_shards(self, unet: torch.nn.Module) -> None:
+        """Collective, once after `prepare` under FSDP2: from slices by owner to this rank's shard of every name, as
+        the parameters are sharded. A no-op for parameters that are not DTensors."""
+        named = dict(unet.named_parameters())
+        if self.layouts or not any(sharded.is_sharded(named[n]) for n in self.names):
+            return
+        whole = self.full()  # every rank gets every tensor, one at a time from its owner
+        dtensors: dict[str, Any] = {n: named[n] for n in self.names}
+        self.layouts = {n: (p.device_mesh, p.placements, p.shape, p.stride()) for n, p in dtensors.items()}
+        self.shadow = {n: self._shard(n, whole.pop(n)) for n in self.names}
+
+    def _shard(self, name: str, value: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of a whole value of `name` (no communication: each rank cuts its own)."""
+        from torch.distributed.tensor import distribute_tensor
+
+        mesh, placements, shape, _ = self.layouts[name]
+        local = distribute_tensor(value.to(mesh.device_type, torch.float32).reshape(shape), mesh, placements,
+                                  src_data_rank=None).to_local()
+        return local.to(self.device, torch.float32, copy=True)
 
     def mine(self, name: str) -> bool:
         return self.owner[name] == self.rank
 
     def _read(self, unet: torch.nn.Module, init: bool, weight: float = 1.0) -> None:
         named = dict(unet.named_parameters())
+        if self.layouts:  # FSDP2: this rank's shards, read where they are
+            with torch.no_grad():
+                for n in self.names:
+                    shard: Any = named[n].detach()
+                    self.shadow[n].lerp_(shard.to_local().to(self.device, torch.float32), weight)
+            return
         zero3 = any(hasattr(named[n], "ds_id") for n in self.names)
         fsdp = any(sharded.is_sharded(named[n]) for n in self.names)
         # Without ZeRO-3 or FSDP every rank has every parameter: each reads its own. Under them the gather is
@@ -107,6 +139,8 @@ class EMA:
     def full(self, dst: int | None = None) -> dict[str, torch.Tensor]:
         """Collective: the whole shadow (float32), on rank `dst` (None: on every rank; an empty dict on the
         others), each tensor sent by its owner. One rank: the shadow itself."""
+        if self.layouts:
+            return self._gather_shards(dst)
         if self.world == 1:
             return self.shadow
         import torch.distributed as dist
@@ -123,6 +157,18 @@ class EMA:
                 out[name] = self.shadow[name] if self.rank == owner else buffer.to(self.device)
         return out
 
+    def _gather_shards(self, dst: int | None) -> dict[str, torch.Tensor]:
+        from torch.distributed.tensor import DTensor
+
+        out: dict[str, torch.Tensor] = {}
+        for n in self.names:
+            mesh, placements, shape, stride = self.layouts[n]
+            local = self.shadow[n].to(mesh.device_type)
+            value = DTensor.from_local(local, mesh, placements, shape=shape, stride=stride).full_tensor()
+            if dst is None or self.rank == dst:
+                out[n] = value.to(self.device)
+        return out
+
     def state_dict(self) -> dict[str, Any]:
         """Collective: what `ema.pt` holds, the whole shadow, on rank 0 (the other ranks get theirs empty)."""
         return {"step": self.step, "decay": self.decay, "shadow": self.full(dst=0)}
@@ -130,5 +176,8 @@ class EMA:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """From a whole shadow (`ema.pt`, written under any number of ranks): this rank keeps its slice."""
         self.step = int(state["step"])
+        if self.layouts:
+            self.shadow = {k: self._shard(k, v) for k, v in state["shadow"].items()}
+            return
         self.shadow = {k: v.to(self.device, torch.float32, copy=True) for k, v in state["shadow"].items()
                        if self.mine(k)}

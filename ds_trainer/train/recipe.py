@@ -318,6 +318,8 @@ def _train(cfg: DictConfig, ds: dict[str, Any] | None, run_dir: Path, accelerato
     startup.mark("DeepSpeed init")
     _check_optimizer(cfg, accelerator, optimizer)
     trained.after_prepare(accelerator, unet)
+    if ema is not None:  # FSDP2: the shadow as the parameters are sharded, updated from each rank's own shards
+        ema.follow_shards(accelerator.unwrap_model(unet))
     after_native_load = _checkpoint_schedule(accelerator, ds, scheduler, None if resumed.changed else resume_from)
     start_step = resumed.after_prepare(accelerator, unet, optimizer, scheduler, ema) if resumed.changed \
         else _resume(accelerator, ds, ema, resume_from, trained.load_kwargs(ds is not None))
