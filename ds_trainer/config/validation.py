@@ -226,6 +226,12 @@ def _client_optimizer(cfg: DictConfig, name: str, info: hardware.PlatformInfo, o
 DECAYING_SCHEDULES = ("warmup_decay", "warmup_cosine", "one_cycle")
 
 
+def partitioned_over_ranks(cfg: DictConfig) -> bool:
+    """Whether each rank's optimizer sees only its partition of the trained parameters (DeepSpeed ZeRO 1-3 on more
+    than one rank): what Prodigy's all-reduce of its sums is for."""
+    return cfg.zero.backend.value == "deepspeed" and int(cfg.zero.stage) > 0 and world_size_of(cfg) > 1
+
+
 def _global_state_optimizer(cfg: DictConfig, name: str, info: hardware.PlatformInfo, out: list[Problem],
                             warnings: list[str]) -> None:
     """Prodigy and schedule-free keep state per step, not per element (see `optimizers.GLOBAL_STATE`)."""
@@ -236,7 +242,7 @@ def _global_state_optimizer(cfg: DictConfig, name: str, info: hardware.PlatformI
                            "shards are not among them", f"zero=stage2 or zero=stage3 with optimizer={name}, or "
                            "optimizer=adamw with FSDP"))
         return
-    if name == "prodigy" and backend == "deepspeed" and stage > 0 and world > 1:
+    if name == "prodigy" and partitioned_over_ranks(cfg):
         if info.kind != "cuda":
             out.append(Problem("optimizer.name", name, f"Prodigy's step size d sums over every trained parameter; "
                                f"under ZeRO-{stage} each of the {world} ranks holds only its partition, and "

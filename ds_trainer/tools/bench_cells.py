@@ -155,18 +155,9 @@ def raw_loop(folder: Path, steps: int, warmup: int = 2) -> tuple[float, float]:
     else:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         model, dtype = unet.to(device), torch.float32
-        o, clip = cfg.optimizer, float(cfg.train.gradient_clipping)
         # The run's own optimizer (torch's fused AdamW) and clipping: the ratio is then the run's overhead alone.
-        optimizer = torch.optim.AdamW(unet.parameters(), lr=float(o.lr), betas=tuple(o.betas), eps=float(o.eps),
-                                      weight_decay=float(o.weight_decay), fused=True)
+        update = _torch_update(cfg, unet, fused=True)
         autocast = functools.partial(torch.autocast, device.type, dtype=torch.bfloat16, enabled=bf16)
-
-        def update(loss: Any) -> None:
-            loss.backward()
-            if clip > 0:
-                torch.nn.utils.clip_grad_norm_(unet.parameters(), clip)
-            optimizer.step()
-            optimizer.zero_grad()
     latents, t, embeds, cond = plan.unet_inputs(unet.config, micro, int(cfg.resolution.height),
                                                 int(cfg.resolution.width), dtype, device)
     noise = torch.randn_like(latents)
@@ -199,7 +190,7 @@ def _raw_fsdp(cfg: Any, unet: Any) -> tuple[Any, Any, Any, Any, Any]:
         meaning.reduce_dtype, torch.float32), output_dtype=compute, cast_forward_inputs=True)
     offload = CPUOffloadPolicy(pin_memory=cuda) if cfg.offload.device == "cpu" else OffloadPolicy()
     unet = unet.to(torch.bfloat16 if cfg.precision.name == "bf16_pure" else torch.float32)
-    if not (cfg.offload.device == "cpu"):
+    if cfg.offload.device != "cpu":
         unet = unet.to(device)
     units = set(meaning.units)
     for module in unet.modules():
@@ -208,9 +199,17 @@ def _raw_fsdp(cfg: Any, unet: Any) -> tuple[Any, Any, Any, Any, Any]:
                         offload_policy=offload)
     fully_shard(unet, reshard_after_forward=bool(meaning.reshard_after_forward), mp_policy=policy,
                 offload_policy=offload)
+    return unet, device, compute, contextlib.nullcontext, _torch_update(cfg, unet)
+
+
+def _torch_update(cfg: Any, unet: Any, **kwargs: Any) -> Any:
+    """One backward and optimizer step as the run takes it without DeepSpeed: torch's AdamW with the config's
+    hyperparameters (`kwargs`: e.g. fused=True) and its gradient clipping."""
+    import torch
+
     o, clip = cfg.optimizer, float(cfg.train.gradient_clipping)
     optimizer = torch.optim.AdamW(unet.parameters(), lr=float(o.lr), betas=tuple(o.betas), eps=float(o.eps),
-                                  weight_decay=float(o.weight_decay))
+                                  weight_decay=float(o.weight_decay), **kwargs)
 
     def update(loss: Any) -> None:
         loss.backward()
@@ -218,7 +217,7 @@ def _raw_fsdp(cfg: Any, unet: Any) -> tuple[Any, Any, Any, Any, Any]:
             torch.nn.utils.clip_grad_norm_(unet.parameters(), clip)
         optimizer.step()
         optimizer.zero_grad()
-    return unet, device, compute, contextlib.nullcontext, update
+    return update
 
 
 def run_raw(cell: Cell, args: argparse.Namespace, out: Path, folder: Path | None = None,

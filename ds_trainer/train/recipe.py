@@ -102,9 +102,8 @@ def _torch_optimizer(cfg: DictConfig, params: list[Any]) -> Any:
 
         # Sharded over several ranks each sees a part of the sums behind d: its all-reduce joins them (on CUDA
         # only; validation refuses the case elsewhere).
-        sharded = cfg.resolved.backend == "deepspeed" and int(cfg.zero.stage) > 0 and int(cfg.resolved.world_size) > 1
         with contextlib.redirect_stdout(io.StringIO()):  # its print() of "Using decoupled weight decay" on every rank
-            return Prodigy(params, **block["params"], fsdp_in_use=sharded)
+            return Prodigy(params, **block["params"], fsdp_in_use=validation.partitioned_over_ranks(cfg))
     if name == "schedule_free_adamw":
         import schedulefree
 
