@@ -298,6 +298,32 @@ def test_a_slurm_job_at_its_time_limit_is_requeued_and_resumes(workdir: Path, sl
     assert json.loads((cell / "summary.json").read_text())["status"] == "ok"
 
 
+@pytest.mark.multiproc
+def test_a_slurm_cluster_whose_daemons_died_mid_job_starts_again_idle_without_rerunning_that_job(
+        workdir: Path, slurm_cluster: dict[str, str]) -> None:
+    # A controller killed, or a machine rebooted or copied, with a job running leaves that job in the state
+    # folder; Slurm would requeue it on the next start and run it again: the node stays allocated to someone's
+    # old run and `start` times out waiting for it to turn idle (it once failed CI so).
+    from ds_trainer.launch import slurm_local
+
+    folder = slurm_local.DEFAULT_DIR
+    marker = workdir / "started"
+    subprocess.run(["sbatch", "-D", str(workdir), "-o", "/dev/null", "--wrap", f"echo x >> {marker}; sleep 300"],
+                   env=slurm_cluster, check=True, capture_output=True)
+    wait_until(marker.exists, "the job did not start", deadline=time.time() + 60)
+    (job,) = slurm_jobs(slurm_cluster, workdir)
+    pids = subprocess.run(["scontrol", "listpids", job], env=slurm_cluster, capture_output=True, text=True).stdout
+    job_pids = [line.split()[0] for line in pids.splitlines()[1:] if line.split()[0].isdigit()]
+    daemons = [str(slurm_local._alive(folder / f"{name}.pid", name)) for name in ("slurmctld", "slurmd")]
+    subprocess.run(["kill", "-9", *job_pids, *daemons], check=True)
+    subprocess.run(["pkill", "-9", "slurmstepd"], check=False)
+    slurm_local.start(folder)
+    time.sleep(3)  # the scheduler runs every second: a requeued job would be running again by now
+    assert slurm_local.node_states(folder) == ["idle"]
+    assert slurm_jobs(slurm_cluster, workdir) == []
+    assert marker.read_text() == "x\n"  # ran once
+
+
 def _cell(root: Path, num: int, summary: dict | None, zero: str = "stage2") -> None:
     cell = root / str(num)
     (cell / ".hydra").mkdir(parents=True)

@@ -164,7 +164,8 @@ def _start_munge(folder: Path) -> None:
 
 
 def start(folder: Path = DEFAULT_DIR, timeout: float = 30, nodes: int = 1) -> Path:
-    """Start munged, slurmctld and a slurmd per node (if not running); returns the slurm.conf path."""
+    """Start munged, slurmctld and a slurmd per node (if not running); returns the slurm.conf path. A controller
+    started here starts with an empty queue."""
     if os.geteuid() != 0:
         raise ClusterError("the local SLURM cluster runs its daemons as root; run this as root")
     if missing():
@@ -197,7 +198,10 @@ def start(folder: Path = DEFAULT_DIR, timeout: float = 30, nodes: int = 1) -> Pa
     else:
         (folder / "nodes").unlink(missing_ok=True)
     if not _alive(folder / "slurmctld.pid", "slurmctld"):
-        _run("slurmctld", "-f", str(conf_path(folder)))
+        # `-c`: no jobs from the controller's last life. stop() cancels every job, so only a controller that died
+        # (a killed process, a rebooted or snapshotted machine) leaves some in its state folder, and Slurm would
+        # requeue and run them again here: someone's old training run taking the node, which then never turns idle.
+        _run("slurmctld", "-c", "-f", str(conf_path(folder)))
     for node in cluster:
         (folder / f"spool-{node.name}").mkdir(exist_ok=True)
         if not _alive(folder / f"slurmd-{node.name}.pid", "slurmd"):
