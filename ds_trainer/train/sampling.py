@@ -115,7 +115,7 @@ def _vae_decode_in_its_dtype(vae: Any) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _plain_linear() -> Iterator[None]:
+def plain_linear() -> Iterator[None]:
     """torch's own F.linear while sampling. ZeRO-3 replaces it process-wide with a memory-efficient
     version (matmul, then the bias added in 16 bits) for the backward; inference needs none of that,
     and with torch's kernel a sample equals what the exported pipeline makes."""
@@ -143,6 +143,23 @@ def _grid(images: list[Any], columns: int) -> Any:
     for k, image in enumerate(images):
         grid.paste(image, ((k % columns) * w, (k // columns) * h))
     return grid
+
+
+def ema_unet(accelerator: Any, unet: Any, ema: EMA, key: str) -> Any:
+    """A UNet on the EMA shadow (its tensors, not a copy, when the shadow is on the device): the same weights the
+    export writes to `unet_ema` and the exported pipeline uses. Collective (the shadow is gathered from its
+    shards on every rank); `key` names the setting that asked for it in the error."""
+    from diffusers import UNet2DConditionModel
+
+    config = accelerator.unwrap_model(unet).config
+    with torch.device("meta"):
+        model = UNet2DConditionModel.from_config(config)
+    missing = set(model.state_dict()) - set(ema.names)
+    if missing:
+        raise TrainingError(f"{key}=true: the EMA holds only the trained parameters, not {len(missing)} "
+                            f"others of the UNet; use {key}=false")
+    model.load_state_dict(ema.full(), assign=True)
+    return model.to(accelerator.device).eval()
 
 
 class Sampler:
@@ -217,7 +234,7 @@ class Sampler:
         rank, world = self.accelerator.process_index, self.accelerator.num_processes
         calls = math.ceil(len(self.units) / world)
         device = self.accelerator.device
-        with self._sampling_unet() as unet, self._frozen_on(device), _plain_linear(), torch.random.fork_rng(
+        with self._sampling_unet() as unet, self._frozen_on(device), plain_linear(), torch.random.fork_rng(
                 devices=[device.index or 0] if device.type == "cuda" else []):
             pipe = self._pipeline(unet)
             out = []
@@ -233,7 +250,8 @@ class Sampler:
     def _sampling_unet(self) -> Iterator[Any]:
         """The UNet to sample with, in eval mode (its mode is restored afterwards). The casts are no-ops
         where dtypes already agree (a float32 UNet on the CPU); on a GPU the text encoders are bf16."""
-        unet = self._ema_unet() if self.ema is not None else self.accelerator.unwrap_model(self.unet)
+        unet = ema_unet(self.accelerator, self.unet, self.ema, "samples.ema") if self.ema is not None \
+            else self.accelerator.unwrap_model(self.unet)
         was_training = unet.training
         unet.eval()
         try:
@@ -241,22 +259,6 @@ class Sampler:
                 yield unet
         finally:
             unet.train(was_training)
-
-    def _ema_unet(self) -> Any:
-        """A UNet on the EMA shadow (its tensors, not a copy, when the shadow is on the device): the same
-        weights the export writes to `unet_ema` and the exported pipeline uses."""
-        from diffusers import UNet2DConditionModel
-
-        assert self.ema is not None
-        config = self.accelerator.unwrap_model(self.unet).config
-        with torch.device("meta"):
-            model = UNet2DConditionModel.from_config(config)
-        missing = set(model.state_dict()) - set(self.ema.names)
-        if missing:
-            raise TrainingError(f"samples.ema=true: the EMA holds only the trained parameters, not {len(missing)} "
-                                "others of the UNet; use samples.ema=false")
-        model.load_state_dict(self.ema.full(), assign=True)  # collective: every rank samples a share
-        return model.to(self.accelerator.device).eval()
 
     @contextlib.contextmanager
     def _frozen_on(self, device: torch.device) -> Iterator[None]:

@@ -25,7 +25,7 @@ from ds_trainer.train.stop import StopRequest
 def diffusion_loss(cfg: DictConfig, unet: Any, noise_sched: Any, batch: dict[str, torch.Tensor],
                    gens: list[torch.Generator], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """The denoising loss of one micro-batch (epsilon or v-prediction, optional min-SNR weighting);
-    `gens` holds one generator per sample."""
+    `gens` holds one generator per sample, which draws its noise and timestep."""
     latents = batch["latents"]
     noise = torch.stack([torch.randn(latents.shape[1:], generator=g) for g in gens])
     if cfg.train.noise_offset:
@@ -33,6 +33,22 @@ def diffusion_loss(cfg: DictConfig, unet: Any, noise_sched: Any, batch: dict[str
                                                        for g in gens])
     steps = noise_sched.config.num_train_timesteps
     t = torch.cat([torch.randint(0, steps, (1,), generator=g) for g in gens])
+    per_sample = denoising_losses(unet, noise_sched, batch, noise, t, device, dtype)
+    if cfg.train.min_snr_gamma:
+        from diffusers.training_utils import compute_snr
+
+        snr = compute_snr(noise_sched, t).to(device)
+        clipped = snr.clamp(max=float(cfg.train.min_snr_gamma))
+        prediction_type = noise_sched.config.prediction_type
+        per_sample = per_sample * (clipped / snr if prediction_type == "epsilon" else clipped / (snr + 1))
+    return per_sample.mean()
+
+
+def denoising_losses(unet: Any, noise_sched: Any, batch: dict[str, torch.Tensor], noise: torch.Tensor,
+                     t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """Each sample's mean squared error (fp32) between the UNet's prediction for its latents noised with `noise` at
+    timestep `t` and the target of the scheduler's prediction type (the noise, or the velocity)."""
+    latents = batch["latents"]
     noisy = noise_sched.add_noise(latents, noise, t)
     prediction_type = noise_sched.config.prediction_type
     target = noise if prediction_type == "epsilon" else noise_sched.get_velocity(latents, noise, t)
@@ -40,14 +56,7 @@ def diffusion_loss(cfg: DictConfig, unet: Any, noise_sched: Any, batch: dict[str
     pred = unet(noisy.to(device, dtype), t.to(device), batch["prompt_embeds"].to(device, dtype),
                 added_cond_kwargs=cond).sample
     per_sample = torch.nn.functional.mse_loss(pred.float(), target.to(device).float(), reduction="none")
-    per_sample = per_sample.mean(dim=list(range(1, per_sample.ndim)))
-    if cfg.train.min_snr_gamma:
-        from diffusers.training_utils import compute_snr
-
-        snr = compute_snr(noise_sched, t).to(device)
-        clipped = snr.clamp(max=float(cfg.train.min_snr_gamma))
-        per_sample = per_sample * (clipped / snr if prediction_type == "epsilon" else clipped / (snr + 1))
-    return per_sample.mean()
+    return per_sample.mean(dim=list(range(1, per_sample.ndim)))
 
 
 @dataclass(frozen=True)
@@ -152,7 +161,7 @@ class TrainStep:
         self.tracker.log(step, values)
         if self.progress is not None:
             self.progress.set_postfix(loss=f"{mean_loss:.4f}", s_it=f"{elapsed:.2f}", mem=_mem_text(values),
-                                      refresh=False)
+                                      **self.tracker.postfix, refresh=False)
 
 
 def learning_rate(optimizer: Any, scheduler: Any) -> float:
