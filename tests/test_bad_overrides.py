@@ -41,6 +41,8 @@ BAD = [
     (["precision=fp8"], ["precision", "fp8"]),
     (["world_size=0"], ["world_size=0"]),
     (["+sweep=zero_ofload"], ["zero_ofload", "zero_offload"]),
+    (["validation=on", "validation.timesteps=0", "validation.path=/nonexistent/val"],
+     ["validation.timesteps=0", "validation.timesteps=4", "validation.path=/nonexistent/val", "not a folder"]),
 ]
 
 

@@ -34,7 +34,8 @@ torch = pytest.importorskip("torch")
 
 M = 6
 COMMON = ["precision=fp32", "logger=none", "data.num_samples=8", "train.export=false", "train.checkpoint_every=1",
-          f"train.checkpoints_to_keep={M}", f"scheduler.warmup_steps={M}", "train.ema=true", f"train.max_steps={M}"]
+          f"train.checkpoints_to_keep={M}", f"scheduler.warmup_steps={M}", "train.ema=true", f"train.max_steps={M}",
+          "validation=on", "validation.at_start=true"]  # a run that starts at step 0 scores it too
 LORA = ("adapter=lora",)
 BF16 = ("precision=bf16",)
 # torch's AdamW built by ds_trainer (a DeepSpeed client optimizer; on ZeRO-0 with bf16 DeepSpeed's
@@ -118,7 +119,13 @@ def chain(tmp_path_factory: pytest.TempPathFactory) -> Chain:
 
 
 def metrics(run_dir: Path) -> dict[int, dict]:
-    return {row["step"]: row for row in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+    return {row["step"]: row for row in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+            if "loss" in row}
+
+
+def validations(run_dir: Path) -> dict[int, dict]:
+    return {row["step"]: row for row in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+            if "val_loss" in row}
 
 
 def portable_state(folder: Path) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -183,6 +190,29 @@ def test_resume_under_another_configuration_continues_the_run(chain: Chain, name
     # The EMA follows the module's weights (under bf16 a few of those round one bf16 ulp apart: 771 of 5.4M
     # elements, up to 7e-5 by step 5); its mean difference is as small as the weights'.
     numerics.assert_same_weights(ema["shadow"], ref_ema["shadow"], f"{source} -> {name} EMA")
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_the_validation_loss_is_the_same_number_under_every_layout(chain: Chain) -> None:
+    # The chain's runs hold the same weights at the same step up to summation order, whatever their layout:
+    # their validation losses must agree as closely. At step 0 the weights are the very same: one rank of
+    # ZeRO-0 against two ranks of ZeRO-2, each rank scoring its share of the pairs.
+    reference = validations(chain[REFERENCE][0])
+    two_ranks = validations(chain["adamw8bit_stage2_x2"][0])
+    assert sorted(reference) == [0, M]
+    assert two_ranks[0]["val_loss"] == pytest.approx(reference[0]["val_loss"], rel=1e-6)
+    # Two evaluations of the same weights on one layout agree exactly: at step 0 the EMA is the weights.
+    assert reference[0]["val_loss_ema"] == reference[0]["val_loss"]
+    assert reference[M]["val_loss"] < reference[0]["val_loss"]  # it falls as the model learns
+    assert reference[M]["val_loss_ema"] != reference[M]["val_loss"]
+    for name in ("stage2_x2", "ddp", "stage3_cpu", "stage3_x2", "fsdp_full_shard_x2", "stage3_after_fsdp"):
+        got = validations(chain[name][0])
+        assert sorted(got) == [M], name  # a resumed run continues the schedule: no step-0 score
+        for key in ("val_loss", "val_loss_ema"):
+            assert got[M][key] == pytest.approx(reference[M][key], rel=1e-5), f"{name} {key}"
+        summary = json.loads((chain[name][0] / "summary.json").read_text())
+        assert summary["val_loss"] == got[M]["val_loss"] and summary["val_loss_step"] == M
 
 
 # Measured one step after the move (fp32 weights, 8-bit AdamW, 2 ranks ZeRO-2 -> 1 rank ZeRO-3 with offload): m

@@ -13,7 +13,9 @@ from conftest import run_cli, run_dirs
 from test_train import metrics
 
 pytest.importorskip("torch")
-ARGS = ["train.max_steps=4", "train.checkpoint_every=2", "data.num_samples=8", "train.export=false"]
+# A validation every 2 steps: at 2 and 4, again at 4 after the resume.
+ARGS = ["train.max_steps=4", "train.checkpoint_every=2", "data.num_samples=8", "train.export=false", "validation=on",
+        "validation.every=2"]
 
 
 @pytest.mark.slow
@@ -25,13 +27,25 @@ def test_steps_after_the_checkpoint_are_recorded_once_after_a_requeue(workdir: P
     shutil.rmtree(run / "checkpoints" / "step_00000004")
     with (run / "metrics.jsonl").open("a") as f:
         f.write('{"step": 5, "loss": 0.')  # and a line cut short by the kill
-    logged_before = {r["step"]: r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()[:4])}
+    before = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()[:-1]]
+    logged_before = {r["step"]: r for r in before if "loss" in r}
+    assert [(r["step"], r["val_loss"] < 10) for r in before if "val_loss" in r] == [(2, True), (4, True)]
+    # Mark the step-2 validation the first life recorded: the resumed run's summary must read it from there.
+    (run / "metrics.jsonl").write_text("".join(json.dumps({**r, "val_loss": 0.001} if "val_loss" in r and r["step"] == 2
+                                                          else r) + "\n" for r in before))
     # Slurm's requeue runs the job again in its own run directory.
     again = run_cli(*ARGS, f"hydra.run.dir={run}", cwd=workdir)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "continuing from" in again.stderr
-    rows = metrics(run)
+    rows = [r for r in metrics(run) if "loss" in r]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    # The validation schedule goes on from the checkpoint: step 4 scored again, step 2's score kept.
+    scores = [r for r in metrics(run) if "val_loss" in r]
+    assert [(r["step"], r["val_loss"]) for r in scores][0] == (2, 0.001) and [r["step"] for r in scores] == [2, 4]
+    summary = json.loads((run / "summary.json").read_text())
+    assert (summary["val_loss_best"], summary["val_loss_best_step"]) == (0.001, 2)
+    assert (summary["val_loss"], summary["val_loss_step"], summary["validations"]) == (scores[1]["val_loss"], 4, 2)
+    assert "validation loss" in again.stderr and "not in s/it" in again.stderr
     assert rows[2]["s_per_it"] != logged_before[3]["s_per_it"]  # the resumed values stand
     files = sorted(run.glob("wandb/offline-run-*/run-*.wandb"))
     assert len(files) == 2
@@ -40,3 +54,7 @@ def test_steps_after_the_checkpoint_are_recorded_once_after_a_requeue(workdir: P
     merged = wandb_log.rewound_history(files)
     assert [h["_step"] for h in merged] == [1, 2, 3, 4]
     assert [h["loss"] for h in merged] == pytest.approx([r["loss"] for r in rows], rel=1e-6)
+    # W&B: the validation in its own panel (`val/`), in the row of its step.
+    val = {h["_step"]: h["val/loss"] for h in merged if "val/loss" in h}
+    assert sorted(val) == [2, 4] and val[4] == pytest.approx(scores[1]["val_loss"], rel=1e-6)
+    assert all("val/seconds" in h for h in merged if "val/loss" in h)

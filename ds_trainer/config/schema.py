@@ -313,6 +313,28 @@ class SamplesConfig:
 
 
 @dataclass
+class ValidationConfig:
+    """`validation` group: a validation loss comparable across layouts (config/holdout.py, train/validate.py)."""
+
+    enabled: bool = False
+    # Every N optimizer steps (0: only at the end); always at the last step, and before the first when at_start.
+    every: int = 0
+    at_start: bool = False
+    # Held out of data.path by a fixed rule (the same images whatever the ranks): a fraction (< 1) or a count
+    # (>= 1). Synthetic data: that many extra images, never trained. Ignored when `path` names a folder.
+    split: float = 0.05
+    path: str | None = None
+    # Evenly spaced diffusion timesteps each image is scored at.
+    timesteps: int = 4
+    # (image, timestep) pairs per forward; 0: train.micro_batch_size.
+    batch_size: int = 0
+    # Seeds the noise of every (image, timestep) pair; not train.seed, so runs of different seeds compare.
+    seed: int = 0
+    # With train.ema=true (a full fine-tune): also val_loss_ema, from the EMA weights.
+    ema: bool = True
+
+
+@dataclass
 class PlanConfig:
     """`python -m ds_trainer.plan`: the VRAM budget per GPU (None: the detected GPU's memory minus `margin`)."""
 
@@ -396,6 +418,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     adapter: AdapterConfig = field(default_factory=AdapterConfig)
     samples: SamplesConfig = field(default_factory=SamplesConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
     paths: PathsConfig = field(default_factory=PathsConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
     tune: TuneConfig = field(default_factory=TuneConfig)

@@ -24,6 +24,7 @@ from ds_trainer.config import (
     checkpoint_file,
     ds_config,
     hardware,
+    holdout,
     nvme,
     optimizers,
     samples,
@@ -565,6 +566,7 @@ def check(cfg: DictConfig, info: hardware.PlatformInfo | None = None) -> Report:
     _paths(cfg, problems)
     problems.extend(Problem(*rule) for rule in adapter_rules.check(cfg))
     problems.extend(Problem(*issue) for issue in samples.issues(cfg))
+    problems.extend(Problem(*issue) for issue in holdout.issues(cfg))
     optimizer_on, params_on = ds_config.placement(cfg)
     cfg.resolved.platform = info.kind
     cfg.resolved.backend = cfg.zero.backend.value

@@ -60,7 +60,8 @@ class Estimate:
     host: int
     nvme: int
     notes: list[str] = field(default_factory=list)
-    # With samples=on: the peak while sampling (plan_samples), which may exceed training's.
+    # With samples=on or validation=on: the peak while sampling or validating (plan_samples), which may exceed
+    # training's.
     sampling: int | None = None
 
     @property
@@ -395,8 +396,9 @@ def log_for_run(cfg: DictConfig, info: Any, world: int) -> None:
                     "`python -m ds_trainer.plan` with the same overrides shows what fits",
                     result.gpu / 2**30, total / 2**30)
     elif info.kind == "cuda" and total and (result.sampling or 0) > total:
-        log.warning("training fits this GPU's %.1f GiB but sampling (samples=on) needs about %.1f GiB per rank: "
-                    "expect out of memory at the first sample step", total / 2**30, (result.sampling or 0) / 2**30)
+        log.warning("training fits this GPU's %.1f GiB but sampling or validating (samples=on, validation=on) "
+                    "needs about %.1f GiB per rank: expect out of memory at the first sample or validation step",
+                    total / 2**30, (result.sampling or 0) / 2**30)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -423,7 +425,7 @@ def main(argv: list[str] | None = None) -> int:
     print(table(estimates, budget))
     print(calibrated.describe())
     if estimates[0].sampling is not None:
-        print("samples=on, GiB per rank while sampling: " + ", ".join(
+        print("samples/validation=on, GiB per rank while sampling or validating: " + ", ".join(
             f"{e.zero}/{e.offload} {(e.sampling or 0) / GIB:.2f}"
             + (" (does not fit)" if budget is not None and (e.sampling or 0) > budget >= e.gpu else "")
             for e in estimates))
@@ -432,8 +434,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     best = recommend(estimates, budget)
     if best is None and any(e.gpu <= budget for e in estimates):
-        print(f"training fits {budget_gib:.0f} GiB but sampling fits in no cell: samples.ema=false, smaller "
-              "samples.width/height, or samples=none")
+        print(f"training fits {budget_gib:.0f} GiB but sampling or validating fits in no cell: samples.ema=false "
+              "or validation.ema=false, smaller samples.width/height or validation.batch_size, or samples=none")
         return 1
     if best is None:
         print(f"nothing fits {budget_gib:.0f} GiB: lower train.micro_batch_size or the resolution, or turn on "

@@ -1,4 +1,6 @@
-"""The planner's part for `samples=on`: the peak GPU memory per rank while sampling, beside training's.
+"""The planner's part for `samples=on` and `validation=on`: the peak GPU memory per rank while sampling or
+validating (the larger), beside training's. Validating holds what training holds between steps, with the EMA
+scored its float32 UNet, and a forward's working set over `validation.batch_size` pairs (no encoders, no VAE).
 
 Sampling holds what training holds between steps (parameters, gradients, optimizer state, DeepSpeed's
 buffers), plus:
@@ -91,8 +93,29 @@ def frozen_bytes(architecture: str, kind: str, precision: str = "bf16") -> int:
 
 
 def peak(cfg: DictConfig, resident: int, unet_params: int, architecture: str, kind: str = "cuda") -> int | None:
-    """Peak GPU bytes per rank while sampling (None with samples=none); `resident` is what training
-    keeps between steps (parameters, gradients, optimizer state, buffers)."""
+    """Peak GPU bytes per rank while sampling or validating, the larger (None with samples=none and
+    validation=none); `resident` is what training keeps between steps (parameters, gradients, optimizer state,
+    buffers)."""
+    peaks = [p for p in (_sampling(cfg, resident, unet_params, architecture, kind),
+                         _validation(cfg, resident, unet_params, architecture)) if p is not None]
+    return max(peaks) if peaks else None
+
+
+def _validation(cfg: DictConfig, resident: int, unet_params: int, architecture: str) -> int | None:
+    """validation=on: a forward without gradients over `validation.batch_size` pairs at the training size, and with
+    the EMA scored, its float32 UNet (the encoders are not needed: the set was encoded at the start)."""
+    if not cfg.validation.enabled:
+        return None
+    from ds_trainer.config import buckets
+
+    width, height = buckets.largest(cfg)
+    batch = int(cfg.validation.batch_size) or int(cfg.train.micro_batch_size)
+    ema = 4 * unet_params if cfg.train.ema and cfg.validation.ema and cfg.adapter.method.value == "none" else 0
+    dtype_bytes = 4 if cfg.precision.name.value == "fp32" or ema else 2
+    return resident + ema + _activations(architecture, width, height, batch, dtype_bytes)
+
+
+def _sampling(cfg: DictConfig, resident: int, unet_params: int, architecture: str, kind: str) -> int | None:
     if not cfg.samples.enabled:
         return None
     from ds_trainer.config import samples
@@ -108,8 +131,8 @@ def peak(cfg: DictConfig, resident: int, unet_params: int, architecture: str, ki
 
 
 def describe(sampling: int, training: int) -> str:
-    """One line: the sampling peak, and whether it is above training's."""
+    """One line: the sampling or validation peak, and whether it is above training's."""
     above = sampling > training
-    return (f"sampling peaks at about {sampling / GIB:.2f} GiB per rank, "
+    return (f"sampling/validation peaks at about {sampling / GIB:.2f} GiB per rank, "
             + (f"{(sampling - training) / GIB:.2f} GiB above training's {training / GIB:.2f} GiB" if above
                else f"within training's {training / GIB:.2f} GiB"))

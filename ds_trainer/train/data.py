@@ -20,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from ds_trainer.config import buckets as bucket_geometry
+from ds_trainer.config import holdout
 from ds_trainer.errors import DataError
 from ds_trainer.train import buckets, models
 
@@ -74,17 +75,23 @@ def _pixels(image: Image.Image) -> torch.Tensor:
 class SyntheticImages:
     """Deterministic images (a colored shape on a colored background, with noise) and matching captions."""
 
-    def __init__(self, cfg: DictConfig) -> None:
-        self.n, self.seed = int(cfg.data.num_samples), int(cfg.train.seed)
+    def __init__(self, cfg: DictConfig, n: int | None = None, first: int = 0) -> None:
+        """`n` images from image number `first` on (the validation set: images after the training ones)."""
+        self.n, self.seed = int(cfg.data.num_samples) if n is None else n, int(cfg.train.seed)
+        self.first = first
         self.width, self.height = int(cfg.resolution.width), int(cfg.resolution.height)
 
     def __len__(self) -> int:
         return self.n
 
     def identity(self) -> dict[str, Any]:
-        return {"source": "synthetic", "n": self.n, "seed": self.seed}
+        return {"source": "synthetic", "n": self.n, "seed": self.seed, **({"first": self.first} if self.first else {})}
+
+    def names(self) -> list[str]:
+        return [f"synthetic #{self.first + i}" for i in range(self.n)]
 
     def __getitem__(self, index: int) -> Example:
+        index += self.first
         rng = random.Random(self.seed * 1_000_003 + index)
         bg, fg = rng.sample(sorted(_COLORS), 2)
         shape = rng.choice(_SHAPES)
@@ -106,8 +113,11 @@ class FolderImages:
     Unreadable files are skipped with a count in the log; a folder with no usable image is a DataError.
     """
 
-    def __init__(self, cfg: DictConfig, accelerator: Any = None) -> None:
-        self.root = Path(cfg.data.path)
+    def __init__(self, cfg: DictConfig, accelerator: Any = None, part: str = "all", root: str | None = None) -> None:
+        """`part`: `all` images of the folder, or those `validation.split` leaves to `train` or holds out for
+        `validation` (config/holdout.py); `root`: another folder than data.path (validation.path)."""
+        key = "validation.path" if root is not None else "data.path"
+        self.root = Path(root if root is not None else cfg.data.path)
         self.width, self.height = int(cfg.resolution.width), int(cfg.resolution.height)
         self.center, self.flip, self.seed = bool(cfg.data.center_crop), bool(cfg.data.random_flip), int(cfg.train.seed)
         self.caption_ext = str(cfg.data.caption_ext)
@@ -118,27 +128,47 @@ class FolderImages:
         self.files = [self.root / rel for rel, (_, _, problem) in sorted(checks.items()) if problem is None]
         self.stats = {rel: (size, mtime) for rel, (size, mtime, _) in checks.items()}
         self.skipped = Counter(problem for _, _, problem in checks.values() if problem is not None)
-        log.info("data.path=%s: %d image file(s); %d decoded now to check them, %d known from %s", self.root,
-                 len(checks), checked_now, len(checks) - checked_now, record)
-        for reason, count in sorted(self.skipped.items()):
-            log.warning("data.path=%s: skipped %d file(s): %s", self.root, count, reason)
+        if part == "all" or part == "train":  # the held-out part says nothing new about the folder
+            log.info("%s=%s: %d image file(s); %d decoded now to check them, %d known from %s", key, self.root,
+                     len(checks), checked_now, len(checks) - checked_now, record)
+            for reason, count in sorted(self.skipped.items()):
+                log.warning("%s=%s: skipped %d file(s): %s", key, self.root, count, reason)
         if not self.files:
             found = f"{len(checks)} image file(s), none readable" if checks else "no jpg/png/webp files"
-            raise DataError(f"data.path={self.root}: {found}; nothing to train on")
+            raise DataError(f"{key}={self.root}: {found}; nothing to {'score' if root else 'train on'}")
+        if part != "all":
+            self.files = self._split(cfg, part)
         missing = sum(1 for f in self.files if not self._caption(f))
-        if missing:
-            log.warning("data.path=%s: %d image(s) have no caption; training them with an empty prompt", self.root,
-                        missing)
+        if missing and part != "validation":
+            log.warning("%s=%s: %d image(s) have no caption; %s them with an empty prompt", key, self.root, missing,
+                        "scoring" if root else "training")
         self.layout: buckets.Layout | None = None
         self.plan: buckets.Plan | None = None
         if bucket_geometry.enabled(cfg):
             self.layout, self.files = buckets.layout(cfg, self.root, self.files)
+            if part == "validation" or root is not None:
+                return  # scored image by image at its bucket's size: no epochs to plan
             world = accelerator.num_processes if accelerator else 1
             batch = int(cfg.train.micro_batch_size) * int(cfg.train.gradient_accumulation_steps) * world
             self.plan = buckets.Plan(self.layout, batch, self.seed, cfg.data.bucket_remainder.value == "repeat")
             if accelerator is None or accelerator.is_main_process:
                 for line in self.plan.report():
                     log.info("bucket %s", line)
+
+    def _split(self, cfg: DictConfig, part: str) -> list[Path]:
+        """The files `validation.split` leaves to training (`train`) or holds out (`validation`)."""
+        relative = [str(f.relative_to(self.root)) for f in self.files]
+        split = float(cfg.validation.split)
+        if holdout.count(split, len(relative)) >= len(relative):
+            raise DataError(f"validation.split={cfg.validation.split}: holds out {holdout.count(split, len(relative))} "
+                            f"of the {len(relative)} usable images of data.path={self.root}, leaving none to train on; "
+                            "hold out fewer (validation.split=0.05 or a count below the images), or score a folder "
+                            "of other images with validation.path=")
+        trained, held = holdout.split_files(relative, split)
+        return [self.root / rel for rel in (held if part == "validation" else trained)]
+
+    def names(self) -> list[str]:
+        return [str(f.relative_to(self.root)) for f in self.files]
 
     def _metadata(self) -> dict[str, str]:
         path = self.root / "metadata.jsonl"
@@ -251,8 +281,23 @@ def _check_images(root: Path, record: Path, accelerator: Any) -> tuple[dict[str,
 
 
 def dataset(cfg: DictConfig, accelerator: Any = None) -> SyntheticImages | FolderImages:
-    """The configured dataset; `accelerator` (optional) lets the ranks share the work of checking a folder."""
-    return SyntheticImages(cfg) if cfg.data.source.value == "synthetic" else FolderImages(cfg, accelerator)
+    """The images to train on (with validation on, without those it holds out); `accelerator` (optional) lets
+    the ranks share the work of checking a folder."""
+    if cfg.data.source.value == "synthetic":
+        return SyntheticImages(cfg)
+    held_out = cfg.validation.enabled and cfg.validation.path is None
+    return FolderImages(cfg, accelerator, "train" if held_out else "all")
+
+
+def validation_set(cfg: DictConfig, accelerator: Any = None) -> SyntheticImages | FolderImages:
+    """The images the validation loss scores: validation.path's folder, the part of data.path that
+    validation.split holds out, or for synthetic data as many images again after the training ones."""
+    if cfg.validation.path is not None:
+        return FolderImages(cfg, accelerator, "all", root=str(cfg.validation.path))
+    if cfg.data.source.value == "synthetic":
+        n = int(cfg.data.num_samples)
+        return SyntheticImages(cfg, holdout.count(float(cfg.validation.split), n), first=n)
+    return FolderImages(cfg, accelerator, "validation")
 
 
 def batch_indices(batch: int, rank: int, world: int, micro: int, n: int, seed: int) -> list[int]:

@@ -92,10 +92,14 @@ class Tracker:
         self.loop_rss_mib: float | None = None
         self.wandb_id: str | None = None
         self.wandb_broken = False
+        # Validation rows (`val_loss`...), kept apart from the step rows; those of the run's earlier lives too.
+        self.validations: list[dict[str, Any]] = []
+        self.postfix: dict[str, str] = {}  # shown on the progress bar beside the step's values
         if not self.main:
             return
         if resume_step is not None:
             drop_after(run_dir / "metrics.jsonl", resume_step)  # the resumed steps' values replace them
+            self.validations = [row for row in read_rows(run_dir / "metrics.jsonl") if "val_loss" in row]
         self.file = (run_dir / "metrics.jsonl").open("a")
         if cfg.logger.name.value == "wandb" and cfg.logger.mode.value != "disabled":
             self.wandb_id = wandb_id or _read_id(run_dir) or _new_id()
@@ -129,6 +133,23 @@ class Tracker:
         if self.wandb_id and not self.wandb_broken:
             try:
                 self.accelerator.log(values, step=step)
+            except Exception as exc:  # noqa: BLE001 - W&B going away must not stop training
+                self.wandb_broken = True
+                log.warning("W&B logging failed (%s); metrics continue in metrics.jsonl only", exc)
+
+    def log_validation(self, step: int, values: dict[str, Any]) -> None:
+        """A validation's values: a row of their own in metrics.jsonl, W&B's `val/` panel (at the step's row)."""
+        if not self.main:
+            return
+        row = {"step": step, **values}
+        self.validations.append(row)
+        self.postfix["val"] = f"{values['val_loss']:.4f}"
+        self.file.write(json.dumps(row) + "\n")
+        self.file.flush()
+        if self.wandb_id and not self.wandb_broken:
+            try:
+                self.accelerator.log({"val/" + ("seconds" if key == "val_s" else key.removeprefix("val_")): value
+                                      for key, value in values.items()}, step=step)
             except Exception as exc:  # noqa: BLE001 - W&B going away must not stop training
                 self.wandb_broken = True
                 log.warning("W&B logging failed (%s); metrics continue in metrics.jsonl only", exc)
@@ -177,6 +198,33 @@ def drop_after(path: Path, step: int) -> None:
     os.replace(tmp, path)
 
 
+def read_rows(path: Path) -> list[dict[str, Any]]:
+    """The rows of a metrics.jsonl (a line cut short by a kill is left out)."""
+    rows = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            continue
+    return rows
+
+
+def validation_summary(validations: list[dict[str, Any]]) -> dict[str, Any]:
+    """summary.json's validation fields: the last and the best value of each loss with their steps, and the time
+    all evaluations took (apart from s/it)."""
+    out: dict[str, Any] = {}
+    for key in ("val_loss", "val_loss_ema"):
+        rows = [row for row in validations if key in row]
+        if rows:
+            best = min(rows, key=lambda row: row[key])
+            out.update({key: rows[-1][key], f"{key}_step": rows[-1]["step"], f"{key}_best": best[key],
+                        f"{key}_best_step": best["step"]})
+    if validations:
+        out["validation_s"] = sum(float(row.get("val_s", 0.0)) for row in validations)
+        out["validations"] = len(validations)
+    return out
+
+
 def _step_of(line: str) -> int | None:
     try:
         return int(json.loads(line)["step"])
@@ -203,8 +251,10 @@ def _new_id() -> str:
 
 
 def summarize(cfg: DictConfig, rows: list[dict[str, Any]], status: str, message: str | None,
-              world_size: int, nodes: list[str] | None = None, warmup: int = 2) -> dict[str, Any]:
-    """The run's `summary.json`: status, speed and memory, what defines the run, and the node of each rank."""
+              world_size: int, nodes: list[str] | None = None, warmup: int = 2,
+              validations: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The run's `summary.json`: status, speed and memory, quality (the validation loss), what defines the run,
+    and the node of each rank."""
     timed = [r for r in rows if r.get("step", 0) > warmup] or rows
     def peak(key: str) -> float | None:
         values = [r[key] for r in rows if key in r]
@@ -219,6 +269,7 @@ def summarize(cfg: DictConfig, rows: list[dict[str, Any]], status: str, message:
         "host_rss_loop_start_mib": peak("host_rss_loop_start_mib"),
         "host_rss_loop_peak_mib": peak("host_rss_loop_peak_mib"),
         "final_loss": rows[-1]["loss"] if rows else None,
+        **validation_summary(validations or []),
         "world_size": world_size, "nodes": nodes, "num_nodes": len(set(nodes)) if nodes else None,
         "zero": ds_config.zero_option(cfg),
         "offload": cfg.offload.device.value,
@@ -251,6 +302,11 @@ def print_summary(summary: dict[str, Any], run_dir: Path) -> None:
                      f"{summary['gpu_mem_peak_reserved_mib']:.0f} MiB reserved")
     if "host_rss_peak_mib" in summary:
         lines.append(f"  peak host RSS {summary['host_rss_peak_mib']:.0f} MiB")
+    if "val_loss" in summary:
+        ema = f", EMA {summary['val_loss_ema']:.6f}" if "val_loss_ema" in summary else ""
+        lines.append(f"  validation loss {summary['val_loss']:.6f}{ema} at step {summary['val_loss_step']} (best "
+                     f"{summary['val_loss_best']:.6f} at step {summary['val_loss_best_step']}; "
+                     f"{summary['validation_s']:.1f}s in {summary['validations']} evaluations, not in s/it)")
     if summary.get("message"):
         lines.append(f"  {summary['message']}")
     lines.append(f"  outputs: {run_dir}")

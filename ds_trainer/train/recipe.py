@@ -40,6 +40,7 @@ from ds_trainer.train import (
     schedule_free,
     startup,
     stop,
+    validate,
 )
 from ds_trainer.train.ema import EMA
 from ds_trainer.train.sampling import Sampler
@@ -254,7 +255,8 @@ def _run(cfg: DictConfig, ds: dict[str, Any] | None, run_dir: Path, name: str,
         if tracker is not None:
             tracker.close()
     world = accelerator.num_processes if accelerator is not None else int(cfg.resolved.world_size)
-    summary = {**metrics.summarize(cfg, tracker.rows if tracker else [], status, message, world, nodes),
+    summary = {**metrics.summarize(cfg, tracker.rows if tracker else [], status, message, world, nodes,
+                                   validations=tracker.validations if tracker else None),
                **(tracker.facts if tracker else {})}
     if (accelerator.is_main_process if accelerator is not None else distributed.is_main()):
         metrics.write_summary(run_dir, summary)
@@ -285,6 +287,12 @@ def _train(cfg: DictConfig, ds: dict[str, Any] | None, run_dir: Path, accelerato
     torch.manual_seed(int(cfg.train.seed))
     frozen = _load_frozen(cfg, accelerator, info.kind)
     cache = _build_cache(cfg, accelerator, dataset, frozen)
+    vset = validate.ValidationSet(cfg, accelerator, frozen,
+                                  lambda images: _build_cache(cfg, accelerator, images, frozen)) \
+        if cfg.validation.enabled else None
+    if vset is not None and accelerator.is_main_process:
+        vset.write(run_dir)
+        tracker.add_facts({"validation": vset.description})
     startup.mark("data, frozen encoders, cache check")
     if cache is not None and info.kind == "cuda":
         # Training reads the cache: the frozen encoders need no GPU memory from here on.
@@ -350,11 +358,17 @@ def _train(cfg: DictConfig, ds: dict[str, Any] | None, run_dir: Path, accelerato
     with StopRequest(terminal=accelerator.is_main_process) as request:
         train_step = TrainStep(cfg, accelerator, unet, optimizer, scheduler, ema, models.noise_scheduler(cfg),
                                loader, request, tracker, progress, deepspeed=ds is not None, save_due=saver.due)
+        validator = validate.Validator(cfg, accelerator, unet, ema, vset, tracker, train_step.dtype, eval_weights) \
+            if vset is not None else None
         step = start_step
         try:
+            if validator is not None and start_step == 0:
+                validator.after_step(0)  # validation.at_start: the starting weights' value
             for step in range(start_step + 1, max_steps + 1):
                 outcome = train_step(step)
                 sampler.after_step(step, outcome.stop)
+                if validator is not None:
+                    validator.after_step(step, outcome.stop)
                 saver.after_step(step, outcome.stop, outcome.save)
                 if outcome.stop and step < max_steps:
                     raise Interrupted(request.signum, step, saver.last, request)
