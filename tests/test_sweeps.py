@@ -355,6 +355,32 @@ def test_report_on_ok_oom_error_and_running_cells(tmp_path: Path) -> None:
     assert "| 0 | stage2 | cpu | 1024x1024 | 8 | 8 | bf16 | adamw8bit | ok | 11012 | 12288 |" in md
     assert (tmp_path / "report.png").stat().st_size > 10_000
     assert result.stdout.startswith("| cell |")
+    assert "val loss" not in md  # no cell was validated: no quality column
+
+
+def test_report_puts_each_finished_cell_s_validation_loss_beside_memory_and_speed(tmp_path: Path) -> None:
+    from PIL import Image
+
+    base = {"zero": "stage2", "offload": "none", "resolution": "128x128", "micro_batch_size": 1, "world_size": 1,
+            "optimizer": "adamw", "host_rss_peak_mib": 900.0, "median_s_per_it": 0.2, "images_per_s": 5.0}
+    _cell(tmp_path, 0, {**base, "precision": "bf16", "status": "ok", "message": None, "val_loss": 0.123456})
+    _cell(tmp_path, 1, {**base, "precision": "fp32", "status": "ok", "message": None, "val_loss": 0.120001,
+                        "median_s_per_it": 0.3})
+    # Failed after a validation: the value it logged scores weights that never finished training.
+    _cell(tmp_path, 2, {**base, "precision": "bf16_pure", "status": "error", "message": "RuntimeError: x",
+                        "val_loss": 0.5})
+    result = subprocess.run([sys.executable, "-m", "ds_trainer.report", "--no-wandb", str(tmp_path)],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    rows = report_rows(tmp_path)
+    assert [(r["precision"], r["val_loss"]) for r in rows] == [("bf16", "0.123456"), ("fp32", "0.120001"),
+                                                               ("bf16_pure", "")]
+    md = (tmp_path / "report.md").read_text()
+    assert "| val loss |" in md and "| 0.12346 |" in md and "| 0.12000 |" in md
+    header, _, *lines = [[c.strip() for c in line.split("|")[1:-1]] for line in md.splitlines() if line.startswith("|")]
+    assert [line[header.index("val loss")] for line in lines] == ["0.12346", "0.12000", ""]  # no value, not zero
+    with Image.open(tmp_path / "report.png") as chart:  # a second row of panels: quality against s/it and memory
+        assert chart.size[1] > 1000
 
 
 

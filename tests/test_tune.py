@@ -33,7 +33,7 @@ SPACE = ["tune.zero=[stage0,stage2]", "tune.offload=[none,cpu]", "tune.micro_bat
 def base(root: Path) -> list[str]:
     """What a user's training overrides would be (train.max_steps is the training's own, not the tune's)."""
     return ["model=sdxl_tiny", "resolution=px128", "logger=none", "data.num_samples=4", "train.max_steps=2",
-            f"paths.outputs={root / 'outputs'}"]
+            "validation=on", f"paths.outputs={root / 'outputs'}"]
 
 
 def tune_cmd(root: Path, *extra: str) -> list[str]:
@@ -84,6 +84,9 @@ def test_planner_prunes_and_the_winner_is_the_fastest_measured_cell_that_fits(tu
     for r in table.values():  # each measured cell says what else ran on the machine meanwhile
         if r["status"] == "ok":
             assert r["load_before"] and r["load_after"] and r["measure"] == "host RSS of the loop"
+    # validation=on in the training overrides: each cell that ran to its end scored, the others show nothing.
+    assert {cell: bool(r["val_loss"]) for cell, r in table.items()} == {cell: s == "ok" for cell, s in status.items()}
+    assert all(0 < float(r["val_loss"]) < 10 for r in table.values() if r["val_loss"])
 
 
 @pytest.mark.slow

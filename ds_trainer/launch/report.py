@@ -21,11 +21,16 @@ from ds_trainer.config.ds_config import option_name
 
 COLUMNS = ("cell", "zero", "offload", "resolution", "micro_batch_size", "world_size", "precision", "optimizer",
            "status", "gpu_mem_peak_allocated_mib", "gpu_mem_peak_reserved_mib", "host_rss_peak_mib", "median_s_per_it",
-           "images_per_s", "gradient_accumulation_steps", "gradient_checkpointing", "message")
+           "images_per_s", "val_loss", "val_loss_ema", "gradient_accumulation_steps", "gradient_checkpointing",
+           "message")
 HEADERS = {"micro_batch_size": "micro batch", "gradient_accumulation_steps": "accum", "gradient_checkpointing": "ckpt",
            "world_size": "world", "gpu_mem_peak_allocated_mib": "peak VRAM MiB",
            "gpu_mem_peak_reserved_mib": "reserved MiB", "host_rss_peak_mib": "host RSS MiB",
-           "median_s_per_it": "median s/it", "images_per_s": "images/s"}
+           "median_s_per_it": "median s/it", "images_per_s": "images/s", "val_loss": "val loss",
+           "val_loss_ema": "val loss EMA"}
+# Quality is compared between cells that finished: a cell that failed or is still running shows no value (its last
+# validation scored weights that did not train to the end), never a zero.
+QUALITY = ("val_loss", "val_loss_ema")
 
 
 def _cell_config(cell: Path) -> dict[str, Any]:
@@ -52,6 +57,9 @@ def _row(cell: Path, root: Path) -> dict[str, Any]:
         row["optimizer"] = (cfg.get("resolved") or {}).get("optimizer") or cfg.get("optimizer", {}).get("name")
         row["world_size"] = (cfg.get("resolved") or {}).get("world_size") or cfg.get("world_size")
     row["cell"] = str(cell.relative_to(root))
+    if row.get("status") != "ok":
+        for key in QUALITY:
+            row.pop(key, None)
     return row
 
 
@@ -74,10 +82,22 @@ def _fmt(value: Any) -> str:
     return str(value).replace("|", "/").replace("\n", " ")
 
 
+def columns(table: list[dict[str, Any]]) -> tuple[str, ...]:
+    """The table's columns: the quality ones only when some cell was validated (`validation=on`)."""
+    return tuple(c for c in COLUMNS if c not in QUALITY or any(r.get(c) is not None for r in table))
+
+
+def _fmt_cell(column: str, value: Any) -> str:
+    if column in QUALITY and isinstance(value, float):
+        return f"{value:.5f}"  # the differences between cells are in the third and fourth decimals
+    return _fmt(value)
+
+
 def markdown(table: list[dict[str, Any]]) -> str:
-    head = [HEADERS.get(c, c) for c in COLUMNS]
+    shown = columns(table)
+    head = [HEADERS.get(c, c) for c in shown]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    lines += ["| " + " | ".join(_fmt(r.get(c)) for c in COLUMNS) + " |" for r in table]
+    lines += ["| " + " | ".join(_fmt_cell(c, r.get(c)) for c in shown) + " |" for r in table]
     failed = sum(1 for r in table if r.get("status") not in ("ok", "running"))
     lines.append(f"\n{len(table)} cells: {sum(1 for r in table if r.get('status') == 'ok')} ok, {failed} failed, "
                  f"{sum(1 for r in table if r.get('status') == 'running')} running")
@@ -86,7 +106,7 @@ def markdown(table: list[dict[str, Any]]) -> str:
 
 def csv_text(table: list[dict[str, Any]]) -> str:
     out = io.StringIO()
-    writer = csv.DictWriter(out, fieldnames=COLUMNS, extrasaction="ignore")
+    writer = csv.DictWriter(out, fieldnames=columns(table), extrasaction="ignore")
     writer.writeheader()
     writer.writerows(table)
     return out.getvalue()
@@ -152,9 +172,25 @@ def _memory_speed_axes(ax: Any, points: list[dict[str, Any]], xlabel: str, budge
     ax.set_title(title)
 
 
+def _quality_axes(ax: Any, table: list[dict[str, Any]], names: list[str], x_key: str, xlabel: str) -> None:
+    """Validation loss (y) against a cost (x), one point per finished cell; lower left is better."""
+    shown = 0
+    for name, r in zip(names, table, strict=True):
+        if r.get("val_loss") is None or r.get(x_key) is None:
+            continue
+        ax.scatter([r[x_key]], [r["val_loss"]], color="tab:green", zorder=2)
+        ax.annotate(name, (r[x_key], r["val_loss"]), fontsize=7, xytext=(4, 4), textcoords="offset points")
+        shown += 1
+    left_out = len(table) - shown
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("validation loss (lower is better)")
+    ax.set_title(f"quality against {xlabel.split(' (')[0]}" + (f" ({left_out} cells without a value)" if left_out
+                                                                 else ""))
+
+
 def chart(table: list[dict[str, Any]], path: Path) -> None:
-    """Peak memory, s/it and images/s per cell (failed cells show their status instead of a bar), and
-    memory against images/s."""
+    """Peak memory, s/it and images/s per cell (failed cells show their status instead of a bar), memory against
+    images/s, and when the cells were validated, the validation loss against s/it and against memory."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -164,7 +200,15 @@ def chart(table: list[dict[str, Any]], path: Path) -> None:
     mem_key, mem_label = (("gpu_mem_peak_allocated_mib", "peak VRAM allocated (MiB)") if gpu
                           else ("host_rss_peak_mib", "peak host RSS (MiB), no GPU"))
     names = labels(table)
-    fig, axes = plt.subplots(1, 4, figsize=(max(16, 2.4 * len(table) + 8), 5.5))
+    quality = "val_loss" in columns(table)
+    fig, grid = plt.subplots(2 if quality else 1, 4, figsize=(max(16, 2.4 * len(table) + 8), 11 if quality else 5.5),
+                             squeeze=False)
+    axes = grid[0]
+    if quality:
+        _quality_axes(grid[1][0], table, names, "median_s_per_it", "median s/it")
+        _quality_axes(grid[1][1], table, names, mem_key, mem_label)
+        for ax in grid[1][2:]:
+            ax.axis("off")
     panels = ((mem_key, mem_label), ("median_s_per_it", "median s/it"), ("images_per_s", "images/s"))
     for ax, (key, title) in zip(axes[:3], panels, strict=True):
         values = [float(r.get(key) or 0) for r in table]
@@ -195,8 +239,8 @@ def to_wandb(sweep_dir: Path, table: list[dict[str, Any]]) -> bool:
     run = wandb.init(project=logger.get("project"), entity=logger.get("entity"), mode=logger.get("mode"),
                      group=logger.get("group") or sweep_dir.name, name=f"report {sweep_dir.name}",
                      job_type="sweep_report", dir=str(sweep_dir))
-    run.log({"sweep_report": wandb.Table(columns=list(COLUMNS),
-                                         data=[[r.get(c) for c in COLUMNS] for r in table])})
+    shown = columns(table)
+    run.log({"sweep_report": wandb.Table(columns=list(shown), data=[[r.get(c) for c in shown] for r in table])})
     run.finish()
     return True
 
@@ -205,7 +249,8 @@ def write(sweep_dir: Path, use_wandb: bool = True) -> dict[str, Path]:
     """Write report.md, report.csv and report.png into the sweep folder."""
     table = rows(sweep_dir)
     out = {"md": sweep_dir / "report.md", "csv": sweep_dir / "report.csv", "png": sweep_dir / "report.png"}
-    out["md"].write_text(f"# Sweep {sweep_dir}\n\n" + markdown(table) + "\n![peak memory and s/it](report.png)\n")
+    out["md"].write_text(f"# Sweep {sweep_dir}\n\n" + markdown(table)
+                         + "\n![peak memory, s/it and quality](report.png)\n")
     out["csv"].write_text(csv_text(table))
     if table:
         chart(table, out["png"])

@@ -17,7 +17,14 @@ from ds_trainer.tools.tune import GIB, Cell, override_key
 
 COLUMNS = ("cell", "zero", "offload", "micro_batch_size", "gradient_accumulation_steps", "gradient_checkpointing",
            "optimizer", "status", "predicted_peak_gib", "measured_peak_gib", "measure", "s_per_it", "images_per_s",
-           "load_before", "load_after", "others", "message")
+           "val_loss", "load_before", "load_after", "others", "message")
+
+
+def columns(cells: list[Cell]) -> tuple[str, ...]:
+    """The table's columns: `val_loss` only when cells ran to the end with `validation=on` (a tune's cells are
+    short; with validation off, or cells stopped at their time limit, there is no value to show, and none is made
+    up)."""
+    return tuple(c for c in COLUMNS if c != "val_loss" or any(row(cell)["val_loss"] is not None for cell in cells))
 
 
 @dataclass
@@ -49,6 +56,7 @@ def row(cell: Cell) -> dict[str, Any]:
             "optimizer": cell.optimizer or "", "status": cell.status,
             "predicted_peak_gib": cell.predicted_gib, "measured_peak_gib": peak, "measure": measure,
             "s_per_it": r.get("s_per_it"), "images_per_s": r.get("images_per_s"),
+            "val_loss": r.get("summary", {}).get("val_loss") if cell.status == "ok" else None,
             "load_before": r.get("load_before"), "load_after": r.get("load_after"),
             "others": "; ".join(r.get("others") or []), "message": cell.message}
 
@@ -126,9 +134,9 @@ def markdown(ctx: Context, cells: list[Cell], best: Cell | None) -> str:
         lines += [f"**Winner: {best.label}**, {best.result['images_per_s']:.2f} images/s, "
                   f"{best.result['s_per_it']:.3f} s/it.", "", "```", "python -m ds_trainer "
                   + " ".join(winning_line(ctx, best)), "```", ""]
-    table = [row(c) for c in cells]
-    lines += ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(_fmt(r[k]) for k in COLUMNS) + " |" for r in table]
+    table, shown = [row(c) for c in cells], columns(cells)
+    lines += ["| " + " | ".join(shown) + " |", "|" + "---|" * len(shown)]
+    lines += ["| " + " | ".join(_fmt(r[k]) for k in shown) + " |" for r in table]
     lines += ["", "![memory against images/s](tune.png)", ""]
     return "\n".join(lines)
 
@@ -142,7 +150,8 @@ def to_wandb(ctx: Context, cells: list[Cell]) -> None:
     run = wandb.init(project=logger.project, entity=logger.entity, mode=logger.mode.value,
                      group=f"tune-{ctx.cfg.tune.name}", name=f"tune {ctx.cfg.tune.name}", job_type="tune",
                      dir=str(ctx.tune_dir))
-    run.log({"tune": wandb.Table(columns=list(COLUMNS), data=[[row(c)[k] for k in COLUMNS] for c in cells])})
+    shown = columns(cells)
+    run.log({"tune": wandb.Table(columns=list(shown), data=[[row(c)[k] for k in shown] for c in cells])})
     run.finish()
 
 
@@ -151,7 +160,7 @@ def write(ctx: Context, cells: list[Cell], best: Cell | None, final: bool = Fals
     d = ctx.tune_dir
     out = {"md": d / "tune.md", "csv": d / "tune.csv", "png": d / "tune.png", "winner": d / "winner.txt"}
     buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=COLUMNS)
+    writer = csv.DictWriter(buf, fieldnames=columns(cells), extrasaction="ignore")
     writer.writeheader()
     writer.writerows(row(c) for c in cells)
     out["csv"].write_text(buf.getvalue())
