@@ -35,7 +35,9 @@ torch = pytest.importorskip("torch")
 M = 6
 COMMON = ["precision=fp32", "logger=none", "data.num_samples=8", "train.export=false", "train.checkpoint_every=1",
           f"train.checkpoints_to_keep={M}", f"scheduler.warmup_steps={M}", "train.ema=true", f"train.max_steps={M}",
-          "validation=on", "validation.at_start=true"]  # a run that starts at step 0 scores it too
+          # Validation at 0 (a run that starts there), 3 and M; after step 3's checkpoint, so a run resumed from it
+          # continues what the run that validated trained: a validation that did not put the weights back fails it.
+          "validation=on", "validation.at_start=true", "validation.every=3"]
 LORA = ("adapter=lora",)
 BF16 = ("precision=bf16",)
 # torch's AdamW built by ds_trainer (a DeepSpeed client optimizer; on ZeRO-0 with bf16 DeepSpeed's
@@ -64,7 +66,7 @@ CHAIN: dict[str, tuple[str, str, int, int, int, tuple[str, int] | None, tuple[st
     "stage3_after_fsdp": ("stage3", "none", 1, 2, 1, ("fsdp_full_shard_x2", 4), ()),
     # LoRA: only the adapters train; their weights and moments carry the same way.
     "lora_stage0": ("stage0", "none", 1, 2, 1, None, LORA),
-    "lora_stage3_x2": ("stage3", "none", 2, 1, 1, ("lora_stage0", 3), LORA),
+    "lora_stage3_x2": ("stage3", "none", 2, 1, 1, ("lora_stage0", 2), LORA),
     "lora_fsdp_shard_grad_op_x2": ("fsdp_shard_grad_op", "none", 2, 1, 1, ("lora_stage0", 2), LORA),
     # bf16: ZeRO-0 keeps the fp32 masters and Adam state in one flat tensor per group (FP16_Optimizer).
     "bf16_stage2": ("stage2", "none", 1, 2, 1, None, BF16),
@@ -200,17 +202,23 @@ def test_the_validation_loss_is_the_same_number_under_every_layout(chain: Chain)
     # ZeRO-0 against two ranks of ZeRO-2, each rank scoring its share of the pairs.
     reference = validations(chain[REFERENCE][0])
     two_ranks = validations(chain["adamw8bit_stage2_x2"][0])
-    assert sorted(reference) == [0, M]
+    assert sorted(reference) == [0, 3, M]
     assert two_ranks[0]["val_loss"] == pytest.approx(reference[0]["val_loss"], rel=1e-6)
-    # Two evaluations of the same weights on one layout agree exactly: at step 0 the EMA is the weights.
-    assert reference[0]["val_loss_ema"] == reference[0]["val_loss"]
+    # Two evaluations of the same weights on one layout agree exactly: at step 0 the EMA is the weights (a float32
+    # UNet on the EMA for the full UNet; the EMA adapters put into the live UNet for a LoRA).
+    for name in (REFERENCE, "lora_stage0"):
+        at_start = validations(chain[name][0])[0]
+        assert at_start["val_loss_ema"] == at_start["val_loss"], name
     assert reference[M]["val_loss"] < reference[0]["val_loss"]  # it falls as the model learns
     assert reference[M]["val_loss_ema"] != reference[M]["val_loss"]
-    for name in ("stage2_x2", "ddp", "stage3_cpu", "stage3_x2", "fsdp_full_shard_x2", "stage3_after_fsdp"):
-        got = validations(chain[name][0])
-        assert sorted(got) == [M], name  # a resumed run continues the schedule: no step-0 score
-        for key in ("val_loss", "val_loss_ema"):
-            assert got[M][key] == pytest.approx(reference[M][key], rel=1e-5), f"{name} {key}"
+    for name in ("stage2_x2", "ddp", "stage3_cpu", "stage3_x2", "fsdp_full_shard_x2", "stage3_after_fsdp",
+                 "lora_stage3_x2", "lora_fsdp_shard_grad_op_x2"):
+        _, _, _, _, _, (_, start), kind = CHAIN[name]  # type: ignore[misc]
+        expected, got = validations(chain[REFERENCES[kind]][0]), validations(chain[name][0])
+        assert sorted(got) == [s for s in (3, M) if s > start], name  # a resumed run continues the schedule
+        for s in got:
+            for key in ("val_loss", "val_loss_ema"):
+                assert got[s][key] == pytest.approx(expected[s][key], rel=1e-5), f"{name} {key} at step {s}"
         summary = json.loads((chain[name][0] / "summary.json").read_text())
         assert summary["val_loss"] == got[M]["val_loss"] and summary["val_loss_step"] == M
 

@@ -19,6 +19,7 @@ laid out the same way (`follow_shards`), so an update is a lerp of each rank's o
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -53,6 +54,26 @@ def owners(sizes: dict[str, int], world: int) -> dict[str, int]:
         owner[name] = rank
         load[rank] += sizes[name]
     return owner
+
+
+def _partition(whole: torch.Tensor, part: torch.Tensor, rank: int) -> torch.Tensor:
+    """This rank's ZeRO-3 partition of a whole value: its contiguous share of the flattened tensor, zero-padded."""
+    n = part.numel()
+    flat = whole.reshape(-1)[rank * n:(rank + 1) * n]
+    out = torch.zeros(n, dtype=part.dtype, device=part.device)
+    out[:flat.numel()] = flat
+    return out
+
+
+def _regather(params: list[Any]) -> None:
+    """ZeRO-3 keeps small parameters whole on every rank (and may keep others gathered): those are released and
+    gathered again from the partitions just written (collective)."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    gathered = [p for p in params if p.ds_status == ZeroParamStatus.AVAILABLE]
+    if gathered:
+        gathered[0].partition(gathered)
+        gathered[0].all_gather(gathered)
 
 
 class EMA:
@@ -168,6 +189,38 @@ class EMA:
             if dst is None or self.rank == dst:
                 out[n] = value.to(self.device)
         return out
+
+    @contextlib.contextmanager
+    def applied(self, module: torch.nn.Module) -> Iterator[None]:
+        """Collective: inside, the module's trained parameters hold the EMA's values (cast to their dtype), as its
+        forward reads them under every layout; afterwards their own values, exactly. For a LoRA, whose EMA holds
+        the adapters alone (the frozen base stays where it is). The optimizer's fp32 masters are not touched."""
+        if self.layouts:
+            sharded.reshard(module)  # the DTensors back in place of whole parameters a forward may have left
+        named = dict(module.named_parameters())
+        params = [named[n] for n in self.names]
+        zero3 = any(hasattr(p, "ds_id") for p in params)
+        whole = {} if self.layouts else self.full()
+        saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+        with torch.no_grad():
+            for n, p in zip(self.names, params, strict=True):
+                target: Any = p.ds_tensor if zero3 else p.detach().to_local() if self.layouts else p.data
+                value = self.shadow[n] if self.layouts else _partition(whole[n], target, self.rank) if zero3 \
+                    else whole[n]
+                saved.append((target, target.detach().clone()))
+                target.copy_(value.reshape(target.shape))
+            if zero3:
+                _regather(params)
+        try:
+            yield
+        finally:
+            if self.layouts:
+                sharded.reshard(module)  # no whole copy of the EMA's values may outlive this
+            with torch.no_grad():
+                for target, value in saved:
+                    target.copy_(value)
+                if zero3:
+                    _regather(params)
 
     def state_dict(self) -> dict[str, Any]:
         """Collective: what `ema.pt` holds, the whole shadow, on rank 0 (the other ranks get theirs empty)."""

@@ -367,9 +367,9 @@ def _train(cfg: DictConfig, ds: dict[str, Any] | None, run_dir: Path, accelerato
             for step in range(start_step + 1, max_steps + 1):
                 outcome = train_step(step)
                 sampler.after_step(step, outcome.stop)
-                if validator is not None:
-                    validator.after_step(step, outcome.stop)
                 saver.after_step(step, outcome.stop, outcome.save)
+                if validator is not None:  # after the checkpoint: a resume from it continues the weights trained
+                    validator.after_step(step, outcome.stop)
                 if outcome.stop and step < max_steps:
                     raise Interrupted(request.signum, step, saver.last, request)
         except stop.StopNow:  # a second Ctrl-C: the step in flight (or its checkpoint) is given up

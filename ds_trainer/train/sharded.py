@@ -1,6 +1,6 @@
 """FSDP2's parameters and optimizer state are DTensors: each rank holds a dim-0 shard (possibly empty) of every
 tensor. The code that reads or writes whole values (EMA, portable state, LoRA file, resume) goes through these
-three functions, which leave plain tensors (DDP, DeepSpeed) as they are."""
+functions, which leave plain tensors (DDP, DeepSpeed) as they are."""
 
 from __future__ import annotations
 
@@ -30,3 +30,15 @@ def like(value: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     mesh = p.device_mesh  # type: ignore[attr-defined]
     return distribute_tensor(value.to(mesh.device_type, p.dtype).reshape(p.shape), mesh,
                              p.placements, src_data_rank=None)  # type: ignore[attr-defined]
+
+
+def reshard(module: torch.nn.Module) -> None:
+    """Every FSDP2 unit of `module` back to its shards: under shard-grad-op (no reshard after forward) a forward
+    leaves the unit's parameters whole, plain tensors standing in for the DTensors; whoever writes the shards must
+    call this first, and again after forwards that ran on values it put there (the whole copies would outlive them).
+    A no-op outside FSDP2."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for unit in module.modules():
+        if isinstance(unit, FSDPModule):
+            unit.reshard()

@@ -105,11 +105,7 @@ class Validator:
         self.cfg, self.accelerator, self.unet, self.vset = cfg, accelerator, unet, vset
         self.tracker, self.dtype, self.weights = tracker, dtype, weights
         self.ema = ema if cfg.validation.ema else None
-        if self.ema is not None and cfg.adapter.method.value != "none":
-            # A LoRA's EMA holds the adapters only: scoring it would need the frozen base gathered beside them.
-            log.warning("validation: adapter=%s has no val_loss_ema (the EMA holds the adapters alone; it is "
-                        "exported to <run>/lora_ema); val_loss scores the trained adapters", cfg.adapter.method.value)
-            self.ema = None
+        self.adapter = cfg.adapter.method.value != "none"
 
     def after_step(self, step: int, stopping: bool = False) -> None:
         """Validate if `step` is due (every rank decides the same); not when a stop request cut the run short."""
@@ -118,7 +114,11 @@ class Validator:
         start = time.perf_counter()
         with self.weights():
             values = {"val_loss": self.score(self.accelerator.unwrap_model(self.unet), self.dtype)}
-        if self.ema is not None:
+        if self.ema is not None and self.adapter:  # the EMA adapters in the live UNet, on its frozen base
+            module = self.accelerator.unwrap_model(self.unet)
+            with self.ema.applied(module):
+                values["val_loss_ema"] = self.score(module, self.dtype)
+        elif self.ema is not None:  # a float32 UNet on the EMA shadow, as samples and the export use
             model = ema_unet(self.accelerator, self.unet, self.ema, "validation.ema")
             values["val_loss_ema"] = self.score(model, torch.float32)
             del model
