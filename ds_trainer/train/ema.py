@@ -203,7 +203,8 @@ class EMA:
         whole = {} if self.layouts else self.full()
         saved: list[tuple[torch.Tensor, torch.Tensor]] = []
         with torch.no_grad():
-            for n, p in zip(self.names, params, strict=True):
+            for n, param in zip(self.names, params, strict=True):
+                p: Any = param  # a ZeRO-3 parameter (its partition in ds_tensor), an FSDP2 DTensor, or a plain one
                 target: Any = p.ds_tensor if zero3 else p.detach().to_local() if self.layouts else p.data
                 value = self.shadow[n] if self.layouts else _partition(whole[n], target, self.rank) if zero3 \
                     else whole[n]
