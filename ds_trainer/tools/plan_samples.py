@@ -56,6 +56,7 @@ def _working_set(module: Any, run: Any, held_in: list[Any]) -> int:
 
 
 @cache
+@cache  # a function of its arguments (a meta-device forward): the tuner and the plan table ask again and again
 def _activations(architecture: str, width: int, height: int, batch: int, dtype_bytes: int) -> int:
     import torch
     from diffusers import AutoencoderKL
