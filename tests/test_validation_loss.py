@@ -58,6 +58,18 @@ def test_a_fraction_holds_out_at_least_one_image_and_synthetic_data_gets_images_
     assert holdout.timesteps(cfg, 1000) == [125, 375, 625, 875]
 
 
+def test_a_validation_folder_of_its_own_is_scored_whole_and_the_training_folder_kept_whole(tmp_path: Path) -> None:
+    from ds_trainer.train import data
+
+    folder = make_folder(tmp_path / "images")
+    other = make_folder(tmp_path / "val", {k: IMAGES[k] for k in ("portrait", "square", "wide")})
+    cfg = _cfg(folder, f"validation.path={other}", "validation.split=2")  # the split applies to data.path only
+    trained, held = data.dataset(cfg), data.validation_set(cfg)
+    assert len(trained) == len(IMAGES)
+    assert sorted(held.names()) == ["portrait.png", "square.png", "wide.png"] and held.root == other
+    assert held[0].caption == "a portrait picture" and held.layout is not None  # each at its bucket's size
+
+
 def test_bad_validation_data_gets_the_key_the_value_and_the_fix(tmp_path: Path) -> None:
     from ds_trainer.train import data
 
