@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -148,6 +149,26 @@ def one_rank_process_group(port: int) -> Iterator[None]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+@pytest.fixture(scope="module")
+def module_tmp(request: pytest.FixtureRequest,
+               tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[str], Path]]:
+    """`module_tmp(name)`: a folder for a run that a module's tests share, removed when the module is done unless one
+    of its tests failed (then kept to look at, as pytest keeps a failed test's `tmp_path`). With pyproject's
+    retention policy ("failed": a passed test's `tmp_path` goes at once), what the suite holds on disk at a time
+    stays a few GiB: it kept every run, 35 GiB a CI run, and a CI machine's disk ran full mid-suite."""
+    made: list[Path] = []
+    failed_before = request.session.testsfailed
+
+    def mktemp(name: str) -> Path:
+        made.append(tmp_path_factory.mktemp(name))
+        return made[-1]
+
+    yield mktemp
+    if request.session.testsfailed == failed_before:
+        for folder in made:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

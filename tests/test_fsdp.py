@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import numerics
@@ -40,9 +41,9 @@ def _two_ranks(cwd: Path, *overrides: str) -> tuple[Path, str]:
 
 
 @pytest.fixture(scope="module")
-def fsdp_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+def fsdp_run(module_tmp: Callable[[str], Path]) -> tuple[Path, str]:
     # A checkpoint every step: the bf16_pure test compares the step after its move with this run's.
-    return _two_ranks(tmp_path_factory.mktemp("fsdp"), *SAMPLES, "train.checkpoint_every=1",
+    return _two_ranks(module_tmp("fsdp"), *SAMPLES, "train.checkpoint_every=1",
                       "train.checkpoints_to_keep=4")
 
 

@@ -7,7 +7,7 @@ import json
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -49,8 +49,8 @@ def assert_full_lora_file(run_dir: Path) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def shared_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    cwd = tmp_path_factory.mktemp("lora_shared")
+def shared_run(module_tmp: Callable[[str], Path]) -> Path:
+    cwd = module_tmp("lora_shared")
     result = run_cli(*SHARED, cwd=cwd)
     assert result.returncode == 0, result.stderr[-3000:]
     (run_dir,) = run_dirs(cwd)

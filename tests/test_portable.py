@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numerics
@@ -117,8 +118,8 @@ class Chain:
 
 
 @pytest.fixture(scope="module")
-def chain(tmp_path_factory: pytest.TempPathFactory) -> Chain:
-    return Chain(tmp_path_factory.mktemp("chain"))
+def chain(module_tmp: Callable[[str], Path]) -> Chain:
+    return Chain(module_tmp("chain"))
 
 
 def metrics(run_dir: Path) -> dict[int, dict]:

@@ -8,7 +8,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -213,8 +213,8 @@ class References:
 
 
 @pytest.fixture(scope="module")
-def references(tmp_path_factory: pytest.TempPathFactory) -> References:
-    return References(tmp_path_factory.mktemp("references"))
+def references(module_tmp: Callable[[str], Path]) -> References:
+    return References(module_tmp("references"))
 
 
 @pytest.mark.slow

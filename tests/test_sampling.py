@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -41,9 +42,9 @@ def _two_ranks(cwd: Path, *overrides: str) -> Path:
 
 
 @pytest.fixture(scope="module")
-def zero3_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def zero3_run(module_tmp: Callable[[str], Path]) -> Path:
     """Two ranks, ZeRO-3, sampling 3 prompts at steps 2 and 4, W&B offline."""
-    return _two_ranks(tmp_path_factory.mktemp("zero3"), *SAMPLES, "logger=wandb")
+    return _two_ranks(module_tmp("zero3"), *SAMPLES, "logger=wandb")
 
 
 def _weights(folder: Path) -> dict:

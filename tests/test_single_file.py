@@ -4,6 +4,8 @@ layout, written here from sdxl_tiny's weights, loads to the same UNet; `model.va
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -78,12 +80,12 @@ def original_layout(unet: Any, te1: Any, te2: Any) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def files(module_tmp: Callable[[str], Path]) -> dict[str, Any]:
     from safetensors.torch import save_file
 
     from ds_trainer.train import models
 
-    root = tmp_path_factory.mktemp("single_file")
+    root = module_tmp("single_file")
     cfg = make_cfg("train.seed=3")
     unet, frozen = models.load_unet(cfg), models.load_frozen(cfg)
     checkpoint = root / "sdxl_tiny_original.safetensors"

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -45,9 +46,9 @@ def rows(tune_dir: Path) -> dict[str, dict[str, str]]:
 
 
 @pytest.fixture(scope="module")
-def tuned(tmp_path_factory: pytest.TempPathFactory) -> dict:
+def tuned(module_tmp: Callable[[str], Path]) -> dict:
     """A tune killed (SIGTERM) once its first cell has a result, then run again to the end."""
-    root = tmp_path_factory.mktemp("tune")
+    root = module_tmp("tune")
     tune_dir = root / "outputs" / "tune" / "tuned"
     first = tune_dir / "cells" / "stage0-none-b2-a1-nockpt" / "tune_cell.json"
     proc = subprocess.Popen(tune_cmd(root), cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
