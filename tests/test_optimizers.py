@@ -392,3 +392,12 @@ def test_8bit_adamw_trains_lora_on_two_zero3_ranks_and_torch_adamw_lora_under_dd
     (run_dir,) = run_dirs(ddp)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["loss"] < rows[0]["loss"], rows
+
+
+@pytest.mark.parametrize("name", ["adafactor", "CAME"])
+def test_a_factored_optimizer_is_refused_with_why_its_factorisation_is_lost_under_zero(name: str) -> None:
+    report = validation.check(make_cfg(f"optimizer.name={name}", "zero=stage2"))
+    assert [(p.key, p.value) for p in report.problems] == [("optimizer.name", name)]
+    problem = report.problems[0]
+    assert "factored" in problem.why and "flat 1-D partitions" in problem.why
+    assert "optimizer=adamw8bit" in problem.fix

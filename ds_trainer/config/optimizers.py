@@ -39,6 +39,12 @@ GLOBAL_STATE = frozenset({"prodigy", "schedule_free_adamw"})
 # moments assume): the Adam family, DeepSpeed's and torch's.
 FP32_MOMENTS = frozenset({"adam", "adamw", "adamw_torch"})
 
+# Factored optimizers people bring from other SDXL trainers, not offered: they keep a row and a column statistic per
+# 2-D weight, and ZeRO >= 1 hands an optimizer 1-D flat partitions, so the factorisation is gone (the full second
+# moment comes back) and per-tensor RMS scaling and clipping become per-partition, without an error
+# (notes/optimizers-text-encoders-models.md, A). Their memory saving has other routes here.
+FACTORED = {"adafactor": "Adafactor", "came": "CAME"}
+
 # Which fields of the `optimizer` group each DeepSpeed optimizer takes.
 PARAMS: dict[str, tuple[str, ...]] = {
     "adam": ("lr", "betas", "eps", "weight_decay"),

@@ -173,6 +173,15 @@ def _optimizer(cfg: DictConfig, info: hardware.PlatformInfo, out: list[Problem],
     name, warning = optimizers.resolve(cfg.optimizer.name)
     if warning:
         warnings.append(warning)
+    if name is None and optimizers.normalize(cfg.optimizer.name) in optimizers.FACTORED:
+        label = optimizers.FACTORED[optimizers.normalize(cfg.optimizer.name)]
+        why = (f"{label} is a factored optimizer (row and column statistics per weight): ZeRO >= 1 hands an "
+               "optimizer flat 1-D partitions, where the factorisation is lost (the full second moment comes back) and "
+               "per-tensor scaling becomes per-partition, and FSDP splits each weight's rows over the ranks; "
+               "ds_trainer does not offer it")
+        out.append(Problem("optimizer.name", cfg.optimizer.name, why, "optimizer=adamw8bit (2 bytes a parameter of "
+                           "state), or precision=bf16_pure (bf16 Adam state), or offload=cpu"))
+        return None
     if name is None:
         known = ", ".join(optimizers.known())
         out.append(Problem("optimizer.name", cfg.optimizer.name, "neither ds_trainer nor the installed DeepSpeed has "
