@@ -264,8 +264,9 @@ def test_kill_9_then_resume_matches_an_uninterrupted_run(tmp_path: Path, referen
 @pytest.mark.slow
 def test_sigterm_stops_after_a_step_with_a_checkpoint_and_resume_continues(tmp_path: Path) -> None:
     """What scancel, a scheduler's preemption or `docker stop` sends: the run finishes its step, saves,
-    and says so; nothing trained is lost (no periodic checkpoints here: only the one SIGTERM asks for)."""
-    args = ["zero=stage2", "offload=cpu", "logger=none", "train.max_steps=40", "data.num_samples=8"]
+    and says so; nothing trained is lost (no periodic checkpoints here: only the one SIGTERM asks for). Under FSDP2
+    with its CPU offload: DeepSpeed's runs stop by the same path in the Ctrl-C and Slurm requeue tests."""
+    args = ["zero=fsdp_full_shard", "offload=cpu", "logger=none", "train.max_steps=40", "data.num_samples=8"]
     proc = subprocess.Popen([sys.executable, "-m", "ds_trainer", *args], cwd=tmp_path,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
