@@ -273,20 +273,20 @@ def test_a_cell_out_of_memory_is_a_result_and_the_search_goes_on(tmp_path: Path)
 def test_the_optimizer_is_an_axis_each_cell_checked_and_planned_with_its_own_state() -> None:
     """tune.optimizer multiplies the space; each cell is validated and planned with its optimizer (8-bit moments
     predict less memory), and a combination the optimizer cannot run is invalid, not run as another."""
-    from ds_trainer.tools import tune
+    from ds_trainer.tools import tune_space
 
     cfg = make_cfg("model=sdxl_tiny", "world_size=2", "tune.zero=[stage0,stage2]", "tune.offload=[none]",
                    "tune.micro_batch_size=[1]", "tune.gradient_checkpointing=[false]",
                    "tune.optimizer=[adamw,adamw8bit,prodigy]")
-    cells = tune.space(cfg.tune, {}, 2, 1)
+    cells = tune_space.space(cfg.tune, {}, 2, 1)
     assert sorted(c.label for c in cells) == sorted(f"{z}/none b1x1 {o}" for z in ("stage0", "stage2")
                                                     for o in ("adamw", "adamw8bit", "prodigy"))
     assert all(f"optimizer={c.optimizer}" in c.overrides() for c in cells)
-    tune.plan_cells(cells, lambda overrides: make_cfg(*overrides), ["model=sdxl_tiny", "world_size=2"], None, None,
-                    1.0)
+    tune_space.plan_cells(cells, lambda overrides: make_cfg(*overrides), ["model=sdxl_tiny", "world_size=2"], None,
+                          None, 1.0)
     by = {(c.zero, c.optimizer): c for c in cells}
     assert by["stage2", "prodigy"].status == "invalid" and "prodigy" in (by["stage2", "prodigy"].message or "")
     assert by["stage0", "prodigy"].status == by["stage2", "adamw8bit"].status == "planned"
     assert by["stage2", "adamw8bit"].predicted_gib < by["stage2", "adamw"].predicted_gib
     # A user's optimizer=... holds the axis, like zero=...
-    assert {c.optimizer for c in tune.space(cfg.tune, {"optimizer": "adamw8bit"}, 2, 1)} == {"adamw8bit"}
+    assert {c.optimizer for c in tune_space.space(cfg.tune, {"optimizer": "adamw8bit"}, 2, 1)} == {"adamw8bit"}

@@ -52,10 +52,10 @@ def tflop_per_image(model: str, res: int) -> float:
     from torch.utils.flop_counter import FlopCounterMode
 
     from ds_trainer import ASSETS_DIR
-    from ds_trainer.tools import plan
+    from ds_trainer.tools import plan_unet
 
-    unet = plan._meta_unet(str(ASSETS_DIR / model))  # shared and cached: the planner may have cast it to bf16
-    latents, t, embeds, cond = plan.unet_inputs(unet.config, 1, res, res, unet.dtype, "meta")
+    unet = plan_unet.meta_unet(str(ASSETS_DIR / model))  # shared and cached: the planner may have cast it to bf16
+    latents, t, embeds, cond = plan_unet.unet_inputs(unet.config, 1, res, res, unet.dtype, "meta")
     with FlopCounterMode(display=False) as counter:
         unet(latents, t, embeds, added_cond_kwargs=cond).sample.sum().backward()
     unet.zero_grad(set_to_none=True)
@@ -124,7 +124,7 @@ def raw_loop(folder: Path, steps: int, warmup: int = 2) -> tuple[float, float]:
     import torch
     from omegaconf import DictConfig, OmegaConf
 
-    from ds_trainer.tools import plan
+    from ds_trainer.tools import plan_unet
     from ds_trainer.train import models
     from ds_trainer.train import recipe as train
 
@@ -158,7 +158,7 @@ def raw_loop(folder: Path, steps: int, warmup: int = 2) -> tuple[float, float]:
         # The run's own optimizer (torch's fused AdamW) and clipping: the ratio is then the run's overhead alone.
         update = _torch_update(cfg, unet, fused=True)
         autocast = functools.partial(torch.autocast, device.type, dtype=torch.bfloat16, enabled=bf16)
-    latents, t, embeds, cond = plan.unet_inputs(unet.config, micro, int(cfg.resolution.height),
+    latents, t, embeds, cond = plan_unet.unet_inputs(unet.config, micro, int(cfg.resolution.height),
                                                 int(cfg.resolution.width), dtype, device)
     noise = torch.randn_like(latents)
     times, first = [], 0.0

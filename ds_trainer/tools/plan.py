@@ -38,6 +38,7 @@ from omegaconf import DictConfig
 
 from ds_trainer.config import buckets, nvme
 from ds_trainer.tools import plan_cache, plan_lora, plan_samples
+from ds_trainer.tools.plan_unet import UNetStats, meta_unet, unet_inputs, unet_stats
 
 GIB = 2**30
 CELLS = [("ddp", "none"), ("stage0", "none"), ("stage1", "none"), ("stage2", "none"), ("stage3", "none"),
@@ -67,44 +68,6 @@ class Estimate:
     @property
     def gpu(self) -> int:
         return self.params + self.grads + self.optimizer + self.activations + self.buffers
-
-
-@dataclass(frozen=True)
-class UNetStats:
-    params: int
-    largest_layer: int
-
-
-@cache
-def unet_stats(architecture: str) -> UNetStats:
-    """Parameter count and largest layer (a module's own parameters) of the UNet, built on meta."""
-    unet = _meta_unet(architecture)
-    params = sum(p.numel() for p in unet.parameters())
-    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in unet.modules())
-    return UNetStats(params, largest)
-
-
-@cache
-def _meta_unet(architecture: str) -> Any:
-    import torch
-    from diffusers import UNet2DConditionModel
-
-    with torch.device("meta"):
-        return UNet2DConditionModel.from_config(UNet2DConditionModel.load_config(architecture, subfolder="unet"))
-
-
-def unet_inputs(config: Any, batch: int, height: int, width: int, dtype: Any = None, device: Any = None,
-                tokens: int = 77) -> tuple[Any, Any, Any, dict[str, Any]]:
-    """Random SDXL UNet inputs for images of height x width pixels: latents, timesteps, prompt embeddings
-    and the added conditions (pooled text embedding, time ids)."""
-    import torch
-
-    pooled = int(config.projection_class_embeddings_input_dim) - 6 * int(config.addition_time_embed_dim)
-    kw = {"dtype": dtype, "device": device}
-    latents = torch.randn(batch, int(config.in_channels), height // 8, width // 8, **kw)
-    embeds = torch.randn(batch, tokens, int(config.cross_attention_dim), **kw)
-    cond = {"text_embeds": torch.randn(batch, pooled, **kw), "time_ids": torch.randn(batch, 6, **kw)}
-    return latents, torch.randint(0, 1000, (batch,), device=device), embeds, cond
 
 
 @contextlib.contextmanager
@@ -144,7 +107,7 @@ def activation_bytes(architecture: str, batch: int, width: int, height: int, dty
     verbosity = diffusers_logging.get_verbosity()
     diffusers_logging.set_verbosity_error()  # its note on casting with .to() concerns real weights, not meta
     try:
-        unet = _meta_unet(architecture).to(dtype)
+        unet = meta_unet(architecture).to(dtype)
     finally:
         diffusers_logging.set_verbosity(verbosity)
     unet.train()

@@ -61,12 +61,12 @@ def _activations(architecture: str, width: int, height: int, batch: int, dtype_b
     import torch
     from diffusers import AutoencoderKL
 
-    from ds_trainer.tools import plan
+    from ds_trainer.tools import plan_unet
 
     dtype = {2: torch.bfloat16, 4: torch.float32}[dtype_bytes]
-    unet = plan._meta_unet(architecture).to(dtype)
+    unet = plan_unet.meta_unet(architecture).to(dtype)
     with torch.device("meta"), torch.no_grad():
-        x, t, enc, cond = plan.unet_inputs(unet.config, batch, height, width, dtype)
+        x, t, enc, cond = plan_unet.unet_inputs(unet.config, batch, height, width, dtype)
         unet_peak = _working_set(unet, lambda: unet(x, t, enc, added_cond_kwargs=cond),
                                  [unet.conv_in, *unet.down_blocks])
         vae = AutoencoderKL.from_config(AutoencoderKL.load_config(architecture, subfolder="vae"))

@@ -13,7 +13,7 @@ import yaml
 from omegaconf import DictConfig
 
 from ds_trainer.tools.calibration import Calibration
-from ds_trainer.tools.tune import GIB, Cell, override_key
+from ds_trainer.tools.tune_space import GIB, Cell, override_key
 
 COLUMNS = ("cell", "zero", "offload", "micro_batch_size", "gradient_accumulation_steps", "gradient_checkpointing",
            "optimizer", "status", "predicted_peak_gib", "measured_peak_gib", "measure", "s_per_it", "images_per_s",

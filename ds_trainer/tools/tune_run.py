@@ -14,7 +14,7 @@ from omegaconf import DictConfig
 
 from ds_trainer.config.validation import Problem
 from ds_trainer.tools import calibration, tune_cell, tune_out
-from ds_trainer.tools.tune import GIB, MEASURE_KEYS, BadInput, Cell, override_key
+from ds_trainer.tools.tune_space import GIB, MEASURE_KEYS, BadInput, Cell, override_key
 
 
 def _compose(overrides: list[str]) -> DictConfig:
@@ -112,7 +112,7 @@ def tune(argv: list[str]) -> int:
 
 def _tune(argv: list[str]) -> int:
     from ds_trainer.config import hardware, validation
-    from ds_trainer.tools import tune as tn
+    from ds_trainer.tools import tune_space as tn
 
     base, fixed = tn.split_overrides(argv)
     compose = _compose
