@@ -56,15 +56,17 @@ def _unet(cell: Path) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.multiproc
-def test_zero2_and_zero3_across_two_nodes_equal_a_single_node_two_rank_run(tmp_path: Path,
-                                                                           two_nodes: dict[str, str]) -> None:
+def test_zero3_and_fsdp_across_two_nodes_equal_a_single_node_two_rank_run(tmp_path: Path,
+                                                                          two_nodes: dict[str, str]) -> None:
+    """ZeRO-3 and FSDP2's full shard, each one job across the two nodes (ZeRO-2 crosses them in the tests below)."""
     multi, single = tmp_path / "multi", tmp_path / "single"
     multi.mkdir(), single.mkdir()
+    cells = "zero=stage3,fsdp_full_shard"
     # The single-node reference (two ranks on this machine, submitit-local) runs meanwhile.
-    reference = subprocess.Popen([sys.executable, "-m", "ds_trainer", "-m", "zero=stage2,stage3",
+    reference = subprocess.Popen([sys.executable, "-m", "ds_trainer", "-m", cells,
                                   "hydra/launcher=local_2proc", *FAST], cwd=single, stdout=subprocess.DEVNULL,
                                  stderr=subprocess.PIPE, text=True)
-    result = run_cli("-m", "zero=stage2,stage3", TWO_NODES, *FAST, cwd=multi, env=two_nodes, timeout=900)
+    result = run_cli("-m", cells, TWO_NODES, *FAST, cwd=multi, env=two_nodes, timeout=900)
     _, err = reference.communicate(timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     assert reference.returncode == 0, err[-3000:]
@@ -80,7 +82,7 @@ def test_zero2_and_zero3_across_two_nodes_equal_a_single_node_two_rank_run(tmp_p
         assert abs(summary["final_loss"] - json.loads((ref / "summary.json").read_text())["final_loss"]) < 1e-4
         ours, theirs = _unet(cell), _unet(ref)
         assert ours.keys() == theirs.keys()
-        # One node all-reduces through DeepSpeed's shared-memory op, two nodes through gloo over TCP: the same
+        # One node all-reduces through shared memory (DeepSpeed's op) or gloo, two nodes through gloo over TCP: the same
         # gradients summed in another order (measured at most 2.5e-6 apart after 3 steps here). The export holds the
         # bf16 weights, where such noise can flip an element by one bf16 ulp (1e-4 at these magnitudes) on another
         # CPU: the mean difference is the measure (tests/numerics.py); a wrong step, LR or rank moves it by ~1e-4.

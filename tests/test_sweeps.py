@@ -90,13 +90,14 @@ def test_a_named_sweep_runs_without_dash_m(workdir: Path) -> None:
     assert cell["logger"]["group"] == "batch_size" and cell["train"]["export"] is False
 
 
-def _two_cell_sweep(workdir: Path, launcher: str, env: dict[str, str] | None = None) -> Path:
-    result = run_cli("-m", "zero=stage2,stage3", f"hydra/launcher={launcher}", *FAST, cwd=workdir, env=env,
+def _two_cell_sweep(workdir: Path, launcher: str, env: dict[str, str] | None = None,
+                    second: str = "stage3") -> Path:
+    result = run_cli("-m", f"zero=stage2,{second}", f"hydra/launcher={launcher}", *FAST, cwd=workdir, env=env,
                      timeout=900)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     (sweep_dir,) = sweep_dirs(workdir)
     rows = report_rows(sweep_dir)
-    assert [(r["zero"], r["status"], r["world_size"]) for r in rows] == [("stage2", "ok", "2"), ("stage3", "ok", "2")]
+    assert [(r["zero"], r["status"], r["world_size"]) for r in rows] == [("stage2", "ok", "2"), (second, "ok", "2")]
     for cell in ("0", "1"):
         lines = (sweep_dir / cell / "metrics.jsonl").read_text().splitlines()
         assert [json.loads(line)["step"] for line in lines] == [1, 2, 3]  # rank 0 alone wrote them
@@ -113,12 +114,13 @@ def test_two_cell_sweep_on_submitit_local_with_two_ranks_per_job(workdir: Path) 
 @pytest.mark.slow
 @pytest.mark.multiproc
 def test_two_cell_sweep_on_a_real_slurm_cluster(workdir: Path, slurm_cluster: dict[str, str]) -> None:
-    sweep_dir = _two_cell_sweep(workdir, "slurm_localtest", env=slurm_cluster)
+    """DeepSpeed and FSDP2 side by side in one sweep, each cell a two-task Slurm job."""
+    sweep_dir = _two_cell_sweep(workdir, "slurm_localtest", env=slurm_cluster, second="fsdp_full_shard")
     assert list((sweep_dir / ".submitit").glob("*/*.out"))  # submitted through sbatch
 
 
-def _start_sweep(workdir: Path, env: dict[str, str], *args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "ds_trainer", "-m", "zero=stage2", "hydra/launcher=slurm_localtest",
+def _start_sweep(workdir: Path, env: dict[str, str], *args: str, zero: str = "stage2") -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "ds_trainer", "-m", f"zero={zero}", "hydra/launcher=slurm_localtest",
                              "data.num_samples=8", *args], cwd=workdir, env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True, preexec_fn=sigint_at_default)
 
@@ -146,8 +148,10 @@ def _wait_for_steps(workdir: Path, proc: subprocess.Popen, steps: int, message: 
 def test_a_preempted_slurm_job_is_requeued_and_resumes_into_the_same_wandb_run(
         workdir: Path, slurm_cluster: dict[str, str]) -> None:
     # SIGUSR2 is what Slurm sends ahead of a time limit (submitit asks for it): the run saves after its
-    # step, then submitit requeues the job with scontrol and exits; the requeued job runs the cell again.
-    proc = _start_sweep(workdir, slurm_cluster, "train.max_steps=40", "train.checkpoint_every=5")
+    # step, then submitit requeues the job with scontrol and exits; the requeued job runs the cell again. Under
+    # FSDP2 (its native sharded checkpoint); DeepSpeed's runs come back the same way in the scancel and kill tests.
+    proc = _start_sweep(workdir, slurm_cluster, "train.max_steps=40", "train.checkpoint_every=5",
+                        zero="fsdp_full_shard")
     _wait_for_step_10_checkpoint(workdir, proc)
     jobs = slurm_jobs(slurm_cluster, workdir)
     assert jobs
