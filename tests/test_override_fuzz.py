@@ -172,7 +172,7 @@ def test_many_more_generated_overrides_run_or_fail_with_one_screen(tmp_path_fact
     _one_set(tmp_path_factory, overrides)
 
 
-# The classes of the issue, as real processes: python -m ds_trainer and python -m ds_trainer.plan.
+# The classes of the issue, as real processes: python -m ds_trainer, python -m ds_trainer.plan and .tune.
 SAMPLE = [
     ["zero=2"], ["precision=16"], ["resolution=1024"], ["offload=true"], ["zero=stage9"], ["zero=[stage2,stage3]"],
     ["zero="], ["hydra/launcher=nope"], ["train.max_steps=1.5"], ["train.max_steps=abc"], ["train.max_steps=1,2"],
@@ -189,6 +189,8 @@ def _for_plan(overrides: list[str]) -> bool:
 
 
 CASES = [("ds_trainer", s) for s in SAMPLE] + [("ds_trainer.plan", s) for s in SAMPLE if _for_plan(s)]
+# The tuner composes as the planner does (it ended in Hydra's traceback on an unparsable argument such as --help).
+CASES += [("ds_trainer.tune", s) for s in (["--help"], ["zero=stage9"], ["'bad"], ["train.max_steps=abc"])]
 
 
 @pytest.mark.slow

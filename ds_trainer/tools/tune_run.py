@@ -102,10 +102,11 @@ def tune(argv: list[str]) -> int:
     from hydra import initialize_config_dir
 
     from ds_trainer import CONF_DIR
-    from ds_trainer.config import rundir, schema
+    from ds_trainer.config import overrides, rundir, schema
 
     schema.register()
     rundir.register_resolvers()
+    overrides.compose_checked(argv)  # a mistake in the overrides (Hydra's own included): the one screen, exit 2
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"), tune_cell.terminate_as_exit():
         return _tune(argv)
 
