@@ -12,7 +12,7 @@ Sampling leaves training untouched: the noise comes from private generators, tor
 is restored, the UNet's train/eval mode is restored, nothing records gradients. The pipeline is
 diffusers' StableDiffusionXLPipeline around the training UNet (or a UNet built on the EMA shadow) with
 the frozen VAE and text encoders and the exported scheduler, so the exported pipeline reproduces an
-image with `generate` (see the README's "Samples").
+image with `generate` (see docs/samples.md).
 """
 
 from __future__ import annotations
