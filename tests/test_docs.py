@@ -6,9 +6,10 @@ continuations joined, a leading `$ ` and a trailing `# comment` dropped, torchru
 looked through):
 - `python -m ds_trainer ...`, `.plan`, `.tune`, `.doctor`: the overrides are parsed as the command line would be,
   then every cell (one, or each of a sweep: `-m` lists and a named `+sweep=`'s parameters) is composed and
-  validated, as `dry_run=true` does, with the world size a torchrun line gives. Only one kind of problem is allowed:
-  a path key (`data.path`, `model.pretrained`, `resume`, ...) naming a file of the user's that does not exist
-  here (`/data/photos`, `<run>/checkpoints/step_N`: a `<placeholder>` or `$PWD` stands for such a path); every
+  validated, as `dry_run=true` does, with the world size a torchrun line gives (a line that trains in one process
+  may not set `world_size`: it would stop at its start, the ranks come from a launcher). Only one kind of problem is
+  allowed: a path key (`data.path`, `model.pretrained`, `resume`, ...) naming a file of the user's that does not
+  exist here (`/data/photos`, `<run>/checkpoints/step_N`: a `<placeholder>` or `$PWD` stands for such a path); every
   other key, value and combination must pass. A sweep's cells must all compose and at least one must pass: a cell
   validation refuses (offload under `zero=ddp` in `+sweep=zero_offload`) is an error row of the sweep's report, by
   design. A `+experiment=<name>` preset that a tune writes (not in `conf/experiment/`) is left out.
@@ -148,6 +149,10 @@ def test_a_documented_command_composes_and_passes_validation(where: str, line: s
                 if flag.startswith("--") or (module == "ds_trainer.slurm_local" and arg == args[0]):
                     assert flag.rstrip("]") in text, f"{where}: {module} has no {flag} ({line})"
             continue
+        if module == "ds_trainer" and world_size == 1 and "dry_run=true" not in args:
+            # One process stops at its start with "leave world_size unset": ranks come from a launcher.
+            assert not any(a.startswith("world_size=") and a != "world_size=1" for a in args), (
+                f"{where}: {line} trains in one process; start the ranks with torchrun --nproc_per_node N")
         cells = _cells(args)
         by_cell = [_problems(cell, world_size) for cell in cells]
         if len(cells) > 1:  # a sweep: every cell composed; a refused cell is an error row of its report, by design
