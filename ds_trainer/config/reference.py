@@ -10,6 +10,7 @@ regenerates the page and fails when the committed one differs. Torch-free.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import enum
 import inspect
@@ -29,7 +30,7 @@ HEADER = """# Config reference
 
 Generated from `ds_trainer/config/schema.py` and `conf/` by `python -m ds_trainer.config.reference --write`; do not
 edit by hand (tests/test_docs.py fails when this page and the code disagree). Every key can be set on the command
-line (`python -m ds_trainer group.key=value`); a group's option (`python -m ds_trainer group=option`) sets several
+line (`python -m ds_trainer train.max_steps=20`); a group's option (`python -m ds_trainer zero=stage3`) sets several
 at once. A typo or a wrong type fails at composition, with Hydra's own message; values that compose but cannot run
 together get the one-screen message of `ds_trainer/config/validation.py`.
 """
@@ -141,19 +142,18 @@ def render() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
+    """Print the page, or with `--write` rewrite `docs/config.md`."""
+    parser = argparse.ArgumentParser(prog="python -m ds_trainer.config.reference", description=__doc__.split("\n")[0])
+    parser.add_argument("--write", action="store_true", help=f"rewrite {PAGE.relative_to(PAGE.parents[1])}")
+    args = parser.parse_args(argv)
     text = render()
-    if args == ["--write"]:
+    if args.write:
         PAGE.parent.mkdir(parents=True, exist_ok=True)
         PAGE.write_text(text)
         print(f"wrote {PAGE}")
-    elif not args:
-        sys.stdout.write(text)
     else:
-        print("usage: python -m ds_trainer.config.reference [--write]", file=sys.stderr)
-        return 2
+        sys.stdout.write(text)
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())
