@@ -1,71 +1,106 @@
 """The README and docs/ cannot rot: their links resolve, the config reference is the schemas', and every documented
 command still composes and passes validation.
 
-How a documented command is checked (every line of a fenced code block that runs `-m ds_trainer...`, with `\\`
-continuations joined, a leading `$ ` and a trailing `# comment` dropped, torchrun/accelerate/slurm_local wrappers
-looked through):
+Which commands: every line of a fenced code block that runs `-m ds_trainer...` (`\\` continuations joined, a leading
+`$ ` and a trailing `# comment` dropped), and every `python -m ds_trainer...` span in the running text that gives
+arguments (a bare `python -m ds_trainer.plan` names the tool). A line that appears on several pages is checked once,
+naming every place. torchrun, accelerate launch and `slurm_local exec ... --` wrappers are looked through.
+
+How each is checked, without training anything:
 - `python -m ds_trainer ...`, `.plan`, `.tune`, `.doctor`: the overrides are parsed as the command line would be,
   then every cell (one, or each of a sweep: `-m` lists and a named `+sweep=`'s parameters) is composed and
-  validated, as `dry_run=true` does, with the world size a torchrun line gives (a line that trains in one process
-  may not set `world_size`: it would stop at its start, the ranks come from a launcher). Only one kind of problem is
-  allowed: a path key (`data.path`, `model.pretrained`, `resume`, ...) naming a file of the user's that does not
-  exist here (`/data/photos`, `<run>/checkpoints/step_N`: a `<placeholder>` or `$PWD` stands for such a path); every
-  other key, value and combination must pass. A sweep's cells must all compose and at least one must pass: a cell
-  validation refuses (offload under `zero=ddp` in `+sweep=zero_offload`) is an error row of the sweep's report, by
-  design. A `+experiment=<name>` preset that a tune writes (not in `conf/experiment/`) is left out.
-- `.report`, `.convert`, `.bench`, `.slurm_local` (they act on a sweep folder, a checkpoint, a GPU, the machine):
-  every `--flag` and subcommand of the line must be one the command's `--help` lists.
+  validated, with the world size a torchrun line gives (a line that trains in one process may not set
+  `world_size`: it would stop at its start, the ranks come from a launcher). Only one kind of problem is allowed:
+  a path key (`data.path`, `model.pretrained`, `resume`, ...) naming a file of the user's that does not exist here
+  (`/data/photos`, `<run>/checkpoints/step_N`: a `<placeholder>` or `$PWD` stands for such a path; a placeholder
+  on its own, `<the run's overrides>`, stands for none); every other key, value and combination must pass. A
+  `python -m ds_trainer` line that passes then runs for real with `dry_run=true` (in this process, its run
+  directory under the test's tmp folder): exit 0, `config.yaml` written, and `ds_config.json` for DeepSpeed. A line
+  with a missing user path is checked up to validation only. The planner, tuner and doctor are checked up to
+  validation, their own first step. A sweep's cells must all compose and at least one must pass validation (no
+  cell is dry-run: a sweep starts processes): a cell validation refuses (offload under `zero=ddp` in
+  `+sweep=zero_offload`) is an error row of the sweep's report, by design. A `+experiment=<name>` preset that a
+  tune writes (not in `conf/experiment/`) is left out.
+- `.report`, `.convert`, `.bench`, `.slurm_local`, `.config.reference` (they act on a sweep folder, a checkpoint, a
+  GPU, the machine, docs/): the line's arguments go through the command's own argparse parser, stopped right
+  after it (every flag, value type, choice and positional as the command reads them); a span in running text need
+  only name flags the command has. `.tools.ops`: every argument is an op it builds.
 - A command meant to fail sits in a code block announced by `<!-- expected to fail -->` on the line above its
-  fence; it must fail validation, naming the keys the block's output shows.
+  fence, the command on its first line (`$ python -m ...`) and what it prints below: its dry run must exit 2 and
+  print exactly that.
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import importlib
+import io
 import itertools
+import os
 import re
 import shlex
-import subprocess
-import sys
-from functools import cache
+import signal
 from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 
-import ds_trainer.cli  # noqa: F401 - registers the schemas and the launcher configs, as the CLI does
-from ds_trainer import CONF_DIR
+from ds_trainer import CONF_DIR, cli
 from ds_trainer.config import overrides, reference, validation
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"^[ \t]*```[^\n]*\n(.*?)^[ \t]*```", re.S | re.M)
 EXPECTED_TO_FAIL = "<!-- expected to fail -->"
-# A line that runs something: environment assignments, then python, torchrun or accelerate.
-COMMAND = re.compile(r"^([A-Z_]+=\S+\s+)*(python3?|torchrun|accelerate)\s")
+# A line that runs something: environment assignments, then python (maybe .venv/bin/python), torchrun or accelerate.
+COMMAND = re.compile(r"^([A-Z_]+=\S+\s+)*(\S*/)?(python3?|torchrun|accelerate)\s")
+RUNS_DS_TRAINER = re.compile(r"-m ds_trainer(\.|\s|$)")
 # Keys that name the user's own files and folders: a documented placeholder path may be missing here.
 USER_FILES = {"data.path", "validation.path", "model.pretrained", "model.vae", "resume", "samples.prompts",
               "adapter.init_from"}
 CHECKED_BY_VALIDATION = {"ds_trainer", "ds_trainer.plan", "ds_trainer.tune", "ds_trainer.doctor"}
-CHECKED_BY_HELP = {"ds_trainer.report", "ds_trainer.convert", "ds_trainer.bench", "ds_trainer.slurm_local",
-                   "ds_trainer.tools.ops", "ds_trainer.config.reference"}
+CHECKED_BY_PARSER = {"ds_trainer.report", "ds_trainer.convert", "ds_trainer.bench", "ds_trainer.slurm_local",
+                     "ds_trainer.config.reference"}
+CHECKED_BY_NAME = {"ds_trainer.tools.ops"}
 
 
-def _commands() -> list[tuple[str, str, str]]:
-    """(where, command line, the block's text if it is expected to fail, else "") of every documented command."""
-    found = []
+def _commands() -> dict[tuple[str, bool, str], list[str]]:
+    """{(command line, whether it is a span of running text, the output its page shows if it is expected to fail):
+    [every page:line it is on]}."""
+    found: dict[tuple[str, bool, str], list[str]] = {}
     for page in PAGES:
         text = page.read_text()
+        name = page.relative_to(ROOT)
         for block in FENCE.finditer(text):
-            fails = block.group(1) if text[:block.start()].rstrip().endswith(EXPECTED_TO_FAIL) else ""
+            fails = text[:block.start()].rstrip().endswith(EXPECTED_TO_FAIL)
             line_no = text[:block.start()].count("\n") + 2
-            for offset, line in enumerate(block.group(1).replace("\\\n", " ").splitlines()):
+            lines = block.group(1).replace("\\\n", " ").splitlines()
+            for offset, line in enumerate(lines):
                 line = re.sub(r"\s+#\s.*$", "", line.strip().removeprefix("$ "))
-                if re.match(COMMAND, line) and re.search(r"-m ds_trainer(\.|\s|$)", line):
-                    found.append((f"{page.relative_to(ROOT)}:{line_no + offset}", line, fails))
+                if re.match(COMMAND, line) and re.search(RUNS_DS_TRAINER, line):
+                    shown = "\n".join(lines[offset + 1:]).strip() if fails else ""
+                    found.setdefault((line, False, shown), []).append(f"{name}:{line_no + offset}")
+        prose = FENCE.sub(lambda m: "\n" * m.group(0).count("\n"), text)  # the running text, its line numbers kept
+        for span in re.finditer(r"`([^`\n]+)`", prose):
+            line = span.group(1).strip()
+            bare = re.sub(r"\s+\.\.\.$", "", line)
+            if re.match(COMMAND, line) and re.search(RUNS_DS_TRAINER, line) and not re.fullmatch(r"\S+ -m \S+", bare):
+                found.setdefault((line, True, ""), []).append(f"{name}:{prose[:span.start()].count(chr(10)) + 1}")
     return found
 
 
 COMMANDS = _commands()
+
+
+def _tokens(line: str) -> list[str]:
+    """The words of a command line as the shell splits them, its placeholders and shell operators taken out."""
+    line = re.sub(r"\[(--[\w-]+)\]", r"\1", line)  # an optional flag: [--ema]
+    line = re.sub(r"<[^>]+>", "PLACEHOLDER", line).replace("$PWD", "PLACEHOLDER")  # the user's <run> and such
+    tokens = [t for t in shlex.split(line) if t != "..."]
+    cut = [i for i, t in enumerate(tokens) if t in ("&", "&&", ";", "|", ">", "2>")]  # the shell's, not ours
+    return tokens[:cut[0]] if cut else tokens
 
 
 def _split(tokens: list[str]) -> list[tuple[str, list[str], int]]:
@@ -119,52 +154,110 @@ def _problems(cell: list[str], world_size: int) -> list[validation.Problem]:
     return validation.check(cfg).problems
 
 
-@cache
-def _help(module: str) -> str:
-    result = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr[-2000:]
-    return result.stdout
+def _dry_run(cell: list[str], world_size: int, tmp: Path) -> tuple[int, str, Path]:
+    """(exit status, what it printed, its run directory) of `python -m ds_trainer <cell> dry_run=true`, run in this
+    process (as tests/test_override_fuzz.py does) with its run directory and outputs under `tmp`."""
+    run_dir = tmp / "run"
+    own = ("hydra.run.dir", "paths.outputs", "dry_run")  # where it writes: ours; the line's are checked above
+    argv = [a for a in cell if a.split("=", 1)[0].lstrip("+") not in own]
+    if world_size > 1 and not any(a.startswith("world_size=") for a in argv):
+        argv.append(f"world_size={world_size}")
+    argv += ["dry_run=true", f"hydra.run.dir={run_dir}", f"paths.outputs={tmp / 'outputs'}"]
+    out = io.StringIO()
+    cwd, environ, sigint = Path.cwd(), dict(os.environ), signal.getsignal(signal.SIGINT)
+    os.chdir(tmp)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            try:
+                cli.main(argv)
+                code = 0
+            except SystemExit as exc:
+                code = int(exc.code or 0)
+    finally:  # what a run leaves in its process (its run stamp, SIGINT ignored at its end) must not reach others
+        os.chdir(cwd)
+        os.environ.clear()
+        os.environ.update(environ)
+        signal.signal(signal.SIGINT, sigint)
+    return code, out.getvalue(), run_dir
+
+
+class _Parsed(Exception):
+    """Raised in place of argparse's `parse_args`: the command got as far as reading its arguments, and no further."""
+
+
+def _parser(module: str, args: list[str], monkeypatch: pytest.MonkeyPatch) -> tuple[argparse.ArgumentParser, list]:
+    """The argparse parser of a command's `main` and the arguments it would read, stopped before it reads them."""
+    def stop(self: argparse.ArgumentParser, args: list[str] | None = None, namespace: object = None) -> None:
+        raise _Parsed(self, args)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(argparse.ArgumentParser, "parse_args", stop)
+        try:
+            importlib.import_module(module).main(args)
+        except _Parsed as parsed:
+            return parsed.args[0], list(parsed.args[1])
+    raise AssertionError(f"{module}.main returned without reading its arguments with argparse")
+
+
+def _check_arguments(module: str, args: list[str], inline: bool, monkeypatch: pytest.MonkeyPatch) -> str:
+    """What is wrong with the arguments of a command that is not composed by Hydra ("" when nothing is)."""
+    if module in CHECKED_BY_NAME:
+        from ds_trainer.tools import ops
+
+        return ", ".join(f"{a} is not an op it builds ({ops.OPS})" for a in args if a not in ops.OPS)
+    parser, received = _parser(module, args, monkeypatch)
+    if inline:  # running text may name a flag without the rest of the command
+        flags = {flag for action in parser._actions for flag in action.option_strings}
+        return ", ".join(f"{module} has no {a}" for a in args if a.startswith("-") and a.split("=")[0] not in flags)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            parser.parse_args(received)
+        except SystemExit:
+            return err.getvalue()
+    return ""
 
 
 def test_the_docs_document_commands_of_every_kind() -> None:
-    modules = {module for _, line, _ in COMMANDS for module, _, _ in _split(shlex.split(line))}
+    modules = {module for line, _, _ in COMMANDS for module, _, _ in _split(_tokens(line))}
     assert {"ds_trainer", "ds_trainer.plan", "ds_trainer.tune", "ds_trainer.convert", "ds_trainer.report",
             "ds_trainer.doctor"} <= modules
-    assert modules <= CHECKED_BY_VALIDATION | CHECKED_BY_HELP, modules - CHECKED_BY_VALIDATION - CHECKED_BY_HELP
-    assert any(fails for _, _, fails in COMMANDS)  # the failing example of troubleshooting.md is checked too
+    known = CHECKED_BY_VALIDATION | CHECKED_BY_PARSER | CHECKED_BY_NAME
+    assert modules <= known, f"no check for {modules - known}: add the module to one of the sets above"
+    assert any(shown for _, _, shown in COMMANDS)  # the failing example of troubleshooting.md is checked too
+    assert any(inline for _, inline, _ in COMMANDS)  # and the commands of the running text
 
 
-@pytest.mark.parametrize(("where", "line", "fails"), COMMANDS, ids=[c[0] for c in COMMANDS])
-def test_a_documented_command_composes_and_passes_validation(where: str, line: str, fails: str) -> None:
-    line = re.sub(r"\[(--[\w-]+)\]", r"\1", line)  # an optional flag: [--ema]
-    line = re.sub(r"<[^>]+>", "PLACEHOLDER", line).replace("$PWD", "PLACEHOLDER")  # the user's <run> and such
-    tokens = [t for t in shlex.split(line) if t != "..."]
-    cut = [i for i, t in enumerate(tokens) if t in ("&", "&&", ";", "|", ">", "2>")]  # the shell's, not ours
-    tokens = tokens[:cut[0]] if cut else tokens
-    for module, args, world_size in _split(tokens):
-        if module in CHECKED_BY_HELP:
-            text = _help(module)
-            for arg in args:
-                flag = arg.split("=", 1)[0]
-                if flag.startswith("--") or (module == "ds_trainer.slurm_local" and arg == args[0]):
-                    assert flag.rstrip("]") in text, f"{where}: {module} has no {flag} ({line})"
+@pytest.mark.parametrize(("line", "inline", "shown"), list(COMMANDS), ids=[where[0] for where in COMMANDS.values()])
+def test_a_documented_command_composes_and_passes_validation(line: str, inline: bool, shown: str, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    where = f"{', '.join(COMMANDS[(line, inline, shown)])}: {line}"
+    for module, args, world_size in _split(_tokens(line)):
+        if module not in CHECKED_BY_VALIDATION:
+            misread = _check_arguments(module, args, inline, monkeypatch)
+            assert not misread, f"{where}\n{misread}"
             continue
+        args = [a for a in args if a != "PLACEHOLDER"]  # <the run's overrides>: whatever the user gives
         if module == "ds_trainer" and world_size == 1 and "dry_run=true" not in args:
             # One process stops at its start with "leave world_size unset": ranks come from a launcher.
             assert not any(a.startswith("world_size=") and a != "world_size=1" for a in args), (
-                f"{where}: {line} trains in one process; start the ranks with torchrun --nproc_per_node N")
+                f"{where}: trains in one process; start the ranks with torchrun --nproc_per_node N")
         cells = _cells(args)
         by_cell = [_problems(cell, world_size) for cell in cells]
         if len(cells) > 1:  # a sweep: every cell composed; a refused cell is an error row of its report, by design
-            assert any(not p for p in by_cell), f"{where}: no cell of the sweep passes validation: {line}"
+            assert any(not p for p in by_cell), f"{where}: no cell of the sweep passes validation"
             continue
-        problems = by_cell[0]
-        if fails:
-            shown = set(re.findall(r"^\s*- ([\w.]+)=", fails, re.M))  # the keys the page's output names
-            assert shown and shown == {p.key for p in problems}, f"{where}: {line} fails otherwise than shown"
+        if shown:  # meant to fail: it does, and prints what its page shows
+            code, printed, _ = _dry_run(cells[0], world_size, tmp_path)
+            assert (code, printed.strip()) == (2, shown), f"{where}: fails otherwise than its page shows"
             continue
-        wrong = [p for p in problems if not (p.key in USER_FILES and not Path(str(p.value)).exists())]
-        assert not wrong, f"{where}: {line}\n" + validation.Report(None, wrong).render()  # type: ignore[arg-type]
+        wrong = [p for p in by_cell[0] if not (p.key in USER_FILES and not Path(str(p.value)).exists())]
+        assert not wrong, f"{where}\n" + validation.Report(None, wrong).render()  # type: ignore[arg-type]
+        if module == "ds_trainer" and not by_cell[0]:
+            code, printed, run_dir = _dry_run(cells[0], world_size, tmp_path)
+            assert code == 0, f"{where}: its dry run exits {code}:\n{printed[-3000:]}"
+            backend = OmegaConf.load(run_dir / "config.yaml").resolved.backend
+            assert backend != "deepspeed" or (run_dir / "ds_config.json").is_file(), where
 
 
 def _slug(heading: str) -> str:
