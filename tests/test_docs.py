@@ -232,6 +232,7 @@ def test_the_docs_document_commands_of_every_kind() -> None:
 def test_a_documented_command_composes_and_passes_validation(line: str, inline: bool, shown: str, tmp_path: Path,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     where = f"{', '.join(COMMANDS[(line, inline, shown)])}: {line}"
+    monkeypatch.chdir(tmp_path)  # what validation creates (the default offload.nvme_path) lands here, not in the repo
     for module, args, world_size in _split(_tokens(line)):
         if module not in CHECKED_BY_VALIDATION:
             misread = _check_arguments(module, args, inline, monkeypatch)
