@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -220,3 +222,31 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def cli_in_process(argv: list[str], cwd: Path) -> tuple[int, str]:
+    """(exit status, what it printed) of `python -m ds_trainer <argv>` run in this process from `cwd`: fast, for
+    commands that stop before training (a dry run, a refused configuration). What the run leaves in the process is
+    undone after it."""
+    from ds_trainer import cli
+
+    out = io.StringIO()
+    old, environ, sigint = Path.cwd(), dict(os.environ), signal.getsignal(signal.SIGINT)
+    os.chdir(cwd)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            try:
+                cli.main(argv)
+                code = 0
+            except SystemExit as exc:
+                code = int(exc.code or 0)
+    finally:
+        os.chdir(old)
+        # The run sets DS_TRAINER_RUN_STAMP for the processes it starts; left in this process it would send
+        # every later test's runs into one run directory.
+        os.environ.clear()
+        os.environ.update(environ)
+        # main() ends by ignoring SIGINT (a process's last moments); every process this worker starts later would
+        # inherit that, and Ctrl-C would do nothing to them (CI5: the Slurm Ctrl-C test in the same worker).
+        signal.signal(signal.SIGINT, sigint)
+    return code, out.getvalue()

@@ -37,17 +37,17 @@ import contextlib
 import importlib
 import io
 import itertools
-import os
 import re
 import shlex
-import signal
 from pathlib import Path
 
 import pytest
+from conftest import cli_in_process
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from ds_trainer import CONF_DIR, cli
+import ds_trainer.cli  # noqa: F401 - registers the schemas and the launcher configs, as the CLI does
+from ds_trainer import CONF_DIR
 from ds_trainer.config import overrides, reference, validation
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -156,29 +156,15 @@ def _problems(cell: list[str], world_size: int) -> list[validation.Problem]:
 
 def _dry_run(cell: list[str], world_size: int, tmp: Path) -> tuple[int, str, Path]:
     """(exit status, what it printed, its run directory) of `python -m ds_trainer <cell> dry_run=true`, run in this
-    process (as tests/test_override_fuzz.py does) with its run directory and outputs under `tmp`."""
+    process (conftest.cli_in_process) with its run directory and outputs under `tmp`."""
     run_dir = tmp / "run"
     own = ("hydra.run.dir", "paths.outputs", "dry_run")  # where it writes: ours; the line's are checked above
     argv = [a for a in cell if a.split("=", 1)[0].lstrip("+") not in own]
     if world_size > 1 and not any(a.startswith("world_size=") for a in argv):
         argv.append(f"world_size={world_size}")
     argv += ["dry_run=true", f"hydra.run.dir={run_dir}", f"paths.outputs={tmp / 'outputs'}"]
-    out = io.StringIO()
-    cwd, environ, sigint = Path.cwd(), dict(os.environ), signal.getsignal(signal.SIGINT)
-    os.chdir(tmp)
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-            try:
-                cli.main(argv)
-                code = 0
-            except SystemExit as exc:
-                code = int(exc.code or 0)
-    finally:  # what a run leaves in its process (its run stamp, SIGINT ignored at its end) must not reach others
-        os.chdir(cwd)
-        os.environ.clear()
-        os.environ.update(environ)
-        signal.signal(signal.SIGINT, sigint)
-    return code, out.getvalue(), run_dir
+    code, printed = cli_in_process(argv, tmp)
+    return code, printed, run_dir
 
 
 class _Parsed(Exception):

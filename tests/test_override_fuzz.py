@@ -11,21 +11,16 @@ to show nothing reaches the terminal as a traceback.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import os
 import shutil
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import group_options
+from conftest import cli_in_process, group_options
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from ds_trainer import cli
 
 GROUPS: dict[str, list[str]] = {}
 for _group, _option in group_options():
@@ -118,29 +113,6 @@ def _check(overrides: list[str], code: int, output: str, places: list[Path]) -> 
     assert any(part and part in output for part in named), (overrides, output)
 
 
-def _in_process(argv: list[str], cwd: Path) -> tuple[int, str]:
-    out = io.StringIO()
-    old, environ, sigint = Path.cwd(), dict(os.environ), signal.getsignal(signal.SIGINT)
-    os.chdir(cwd)
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-            try:
-                cli.main(argv)
-                code = 0
-            except SystemExit as exc:
-                code = int(exc.code or 0)
-    finally:
-        os.chdir(old)
-        # The run sets DS_TRAINER_RUN_STAMP for the processes it starts; left in this process it would send
-        # every later test's runs into one run directory.
-        os.environ.clear()
-        os.environ.update(environ)
-        # main() ends by ignoring SIGINT (a process's last moments); every process this worker starts later would
-        # inherit that, and Ctrl-C would do nothing to them (CI5: the Slurm Ctrl-C test in the same worker).
-        signal.signal(signal.SIGINT, sigint)
-    return code, out.getvalue()
-
-
 FIXED = str(Path("/tmp") / f"ds_trainer_fuzz_{os.getpid()}")
 
 
@@ -149,7 +121,7 @@ def _one_set(tmp_path_factory: pytest.TempPathFactory, overrides: list[str]) -> 
     shutil.rmtree(f"{FIXED}/run_a", ignore_errors=True)
     Path(FIXED).mkdir(exist_ok=True)
     (Path(FIXED) / "f").write_text("a file where a folder is expected")
-    code, output = _in_process([*overrides, "dry_run=true", f"offload.nvme_path={cwd}/swap"], cwd)
+    code, output = cli_in_process([*overrides, "dry_run=true", f"offload.nvme_path={cwd}/swap"], cwd)
     _check(overrides, code, output, [cwd, Path(FIXED) / "run_a"])
 
 
