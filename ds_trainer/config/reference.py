@@ -155,5 +155,6 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write(text)
     return 0
 
+
 if __name__ == "__main__":
     sys.exit(main())

@@ -173,8 +173,8 @@ def _optimizer(cfg: DictConfig, info: hardware.PlatformInfo, out: list[Problem],
     name, warning = optimizers.resolve(cfg.optimizer.name)
     if warning:
         warnings.append(warning)
-    if name is None and optimizers.normalize(cfg.optimizer.name) in optimizers.FACTORED:
-        label = optimizers.FACTORED[optimizers.normalize(cfg.optimizer.name)]
+    label = optimizers.FACTORED.get(optimizers.normalize(cfg.optimizer.name)) if name is None else None
+    if label is not None:
         why = (f"{label} is a factored optimizer (row and column statistics per weight): ZeRO >= 1 hands an "
                "optimizer flat 1-D partitions, where the factorisation is lost (the full second moment comes back) and "
                "per-tensor scaling becomes per-partition, and FSDP splits each weight's rows over the ranks; "
