@@ -114,6 +114,36 @@ def test_a_native_fsdp_resume_repeats_the_uninterrupted_run(fsdp_run: tuple[Path
     assert all(torch.equal(shadows[0][k], shadows[1][k]) for k in shadows[1])
 
 
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_a_native_fsdp_checkpoint_of_two_ranks_resumes_on_one(fsdp_run: tuple[Path, str], tmp_path: Path) -> None:
+    """torch.distributed.checkpoint reshards the two ranks' model and optimizer shards for one rank (the same global
+    batch in two micro-batches): the run continues the two-rank run to its summation-order noise."""
+    run_dir, _ = fsdp_run
+    tmp_path.mkdir(exist_ok=True)
+    result = run_cli(*COMMON, f"resume={_step(run_dir, 2)}", "train.gradient_accumulation_steps=2", cwd=tmp_path,
+                     env=ONE_THREAD, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"resumed natively from {_step(run_dir, 2)} under another layout (world_size: 2 -> 1; " \
+        "gradient_accumulation_steps: 1 -> 2)" in result.stderr
+    assert "another configuration" not in result.stderr  # not through the portable state
+    (resumed,) = run_dirs(tmp_path)
+    got, expected = _metrics(resumed), _metrics(run_dir)
+    assert sorted(got) == [3, 4]
+    for step in got:
+        assert got[step]["loss"] == pytest.approx(expected[step]["loss"], rel=1e-4), step
+        assert got[step]["lr"] == expected[step]["lr"], step
+    # Lost Adam moments (a fresh optimizer state) would move the weights ~200x the bound, the moments to 0.3-0.45.
+    after, before = _portable(_step(resumed, 4)), _portable(_step(run_dir, 4))
+    assert after.keys() == before.keys()
+    for kind, compare in (("fp32", numerics.assert_same_weights), ("exp_avg", numerics.assert_same_moments),
+                          ("exp_avg_sq", numerics.assert_same_moments)):
+        keys = [k for k in before if k.startswith(kind + "/")]
+        compare({k: after[k] for k in keys}, {k: before[k] for k in keys}, kind)
+    shadows = [torch.load(_step(r, 4) / "ema.pt", weights_only=True)["shadow"] for r in (resumed, run_dir)]
+    numerics.assert_same_weights(shadows[0], shadows[1], "EMA")
+
+
 @pytest.mark.parametrize(("overrides", "key", "fix"), [
     (["offload=nvme"], "offload=nvme", "offload=cpu"),
     (["offload=cpu", "offload.params=false"], "offload.params=False", "offload.params=null"),

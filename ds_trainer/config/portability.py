@@ -70,6 +70,19 @@ def changes(meta: dict[str, Any], cfg: DictConfig) -> list[str]:
             if saved.get(key) != now.get(key)]
 
 
+# Between FSDP layouts that differ only in how many ranks hold the shards and how the batch is split,
+# torch.distributed.checkpoint reshards the model and optimizer state as it loads them: the native load serves.
+RESHARDED_NATIVELY = frozenset({"world_size", "micro_batch_size", "gradient_accumulation_steps"})
+
+
+def reshards_natively(saved: dict[str, Any], cfg: DictConfig) -> bool:
+    """Whether a checkpoint saved under the FSDP layout `saved` loads natively under this FSDP configuration."""
+    now = layout(cfg)
+    moved = {key for key in {*now, *saved} if saved.get(key) != now.get(key)}
+    return str(now["zero"]).startswith("fsdp") and str(saved.get("zero")).startswith("fsdp") \
+        and moved <= RESHARDED_NATIVELY
+
+
 def reset_requested(cfg: DictConfig) -> bool:
     value = cfg.get("resume_optimizer")
     return getattr(value, "value", value) == "reset"
@@ -119,7 +132,7 @@ def _without_portable_state(cfg: DictConfig, checkpoint: Path | None) -> list[Pr
     saved = json.loads(marker.read_text()).get("layout") or {}  # older checkpoints record none
     now = layout(cfg)
     moved = {key: (saved[key], now[key]) for key in now if key in saved and saved[key] != now[key]}
-    if not moved:
+    if not moved or reshards_natively(saved, cfg):
         return []
     changed = "; ".join(f"{key}: {was} -> {value}" for key, (was, value) in moved.items())
     back = " ".join(_override(key, was) for key, (was, _) in moved.items())

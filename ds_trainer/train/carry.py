@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from omegaconf import DictConfig
@@ -25,6 +25,14 @@ log = logging.getLogger("ds_trainer")
 MOMENTS = portability.MOMENT_OPTIMIZERS
 
 
+class Source(Protocol):
+    """Where carried tensors come from, by key `<kind>/<name>` (a checkpoint's `portable.Reader`, or `Exact`)."""
+
+    def __contains__(self, key: str) -> bool: ...
+
+    def get(self, key: str) -> torch.Tensor: ...
+
+
 class Carry:
     """The resume plan: `changed` when the portable state must carry over (else native or fresh)."""
 
@@ -34,7 +42,10 @@ class Carry:
         self.reset = portability.reset_requested(cfg) and self.meta is not None
         moved = portability.changes(self.meta, cfg) if self.meta is not None else []
         self.changes = moved
-        self.changed = self.meta is not None and (bool(moved) or self.reset)
+        # FSDP on another number of ranks (or batch split): torch.distributed.checkpoint reshards on load.
+        self.resharded = bool(moved) and not self.reset and self.meta is not None \
+            and portability.reshards_natively(self.meta["layout"], cfg)
+        self.changed = self.meta is not None and ((bool(moved) and not self.resharded) or self.reset)
         self.reader = Reader(resume_from, self.meta) if self.changed and resume_from and self.meta else None
         self.carried: list[str] = []
         saved = str(self.meta["layout"].get("precision")) if self.meta is not None else None
@@ -49,6 +60,12 @@ class Carry:
         if self.meta is not None and int(self.meta["step"]) == step:
             return step, int(self.meta["samples"])
         return step, step * global_batch
+
+    def after_native_load(self) -> None:
+        """Say what a native load carried across (FSDP: the state resharded for this layout)."""
+        if self.resharded:
+            log.info("resumed natively from %s under another layout (%s): torch.distributed.checkpoint resharded "
+                     "the weights and the optimizer state", self.path, "; ".join(self.changes))
 
     def before_prepare(self, unet: torch.nn.Module) -> None:
         """Load the saved fp32 weights into the (not yet prepared) UNet, by name."""
@@ -93,17 +110,7 @@ class Carry:
         t = int(self.meta["optimizer_step"])
         if moments:
             _prefill(engine, base, t)
-        named = [(name, p) for name, p in trainable(accelerator.unwrap_model(unet)) if name in self.carried]
-        zero = engine.optimizer if engine is not None else None
-        if zero is not None and nvme_swap.swapping(zero):
-            self._set_swapped(zero, base, dict(named), moments)
-        else:
-            places, masters = portable.flat_places(accelerator), portable.unfused_masters(accelerator)
-            for name, p in named:
-                if id(p) in places:
-                    self._set_flat(p, name, base, moments, places[id(p)])
-                else:  # the 16-bit parameter holds the carried weight already; its fp32 master gets it too
-                    self._set(masters.get(id(p), p), name, base, moments, t)
+        write(accelerator, unet, base, self.reader, set(self.carried), moments, t)
         if moments:  # bitsandbytes' 8-bit AdamW: the carried fp32 moments quantized into its own state
             quantized.absorb(engine, base, t)
         step = int(self.meta["step"])
@@ -132,51 +139,6 @@ class Carry:
                     int(self.meta["samples"]))
         return step
 
-    def _set(self, p: torch.Tensor, name: str, base: Any, moments: bool, t: int) -> None:
-        from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
-
-        assert self.reader is not None
-        values = {kind: self.reader.get(f"{kind}/{name}") for kind in KINDS
-                  if kind == "fp32" or moments and f"{kind}/{name}" in self.reader}
-        if _mapped(p):
-            safe_set_full_fp32_param(p, values["fp32"].to(p.device))
-            for kind in ("exp_avg", "exp_avg_sq"):
-                if kind in values:
-                    safe_set_full_optimizer_state(p, values[kind].to(p.device), kind)
-            return
-        with torch.no_grad():
-            p.copy_(sharded.like(values["fp32"], p))  # FSDP: this rank's shard of it
-        if moments and "exp_avg" in values:
-            base.state[p] = {"step": _step_value(base, t, p.device), "exp_avg": sharded.like(values["exp_avg"], p),
-                             "exp_avg_sq": sharded.like(values["exp_avg_sq"], p)}
-
-    def _set_flat(self, p: torch.nn.Parameter, name: str, base: Any, moments: bool,
-                  place: tuple[torch.Tensor, int, int]) -> None:
-        """ZeRO-0 with bf16/fp16: the fp32 master and moments are slices of the group's flat tensors; the
-        bf16/fp16 parameter already holds the carried weight (loaded before `prepare`, then cast)."""
-        assert self.reader is not None
-        flat, offset, numel = place
-        with torch.no_grad():
-            for kind in KINDS if moments else KINDS[:1]:
-                key = f"{kind}/{name}"
-                if key in self.reader:
-                    target = flat if kind == "fp32" else base.state[flat][kind]
-                    target.narrow(0, offset, numel).copy_(self.reader.get(key).flatten())
-
-    def _set_swapped(self, zero: Any, base: Any, named: dict[str, torch.nn.Parameter], moments: bool) -> None:
-        """ZeRO-3 with the optimizer state on NVMe: each subgroup swapped in once, written, swapped out."""
-        assert self.reader is not None
-        names = {id(p): name for name, p in named.items()}
-        for group, _ in nvme_swap.subgroups(zero, write=True):
-            for p in nvme_swap.params_of(zero, group):
-                name = names.get(id(p))
-                if name is None:
-                    continue
-                for kind in KINDS if moments else KINDS[:1]:
-                    if f"{kind}/{name}" in self.reader:
-                        nvme_swap.scatter(zero, p, nvme_swap.partition(zero, base, p, kind),
-                                          self.reader.get(f"{kind}/{name}"))
-
     def _load_ema(self, ema: Any) -> None:
         assert self.path is not None
         if ema is None or not (self.path / "ema.pt").exists():
@@ -186,6 +148,69 @@ class Carry:
             log.warning("the checkpoint's EMA covers other parameters: the EMA starts from the carried weights")
             return
         ema.load_state_dict(state)
+
+
+def write(accelerator: Any, unet: Any, base: Any, reader: Source, names: set[str], moments: bool, t: int) -> None:
+    """Collective: the fp32 weight (and with `moments` Adam's moments) of each named trainable parameter from
+    `reader` into wherever this layout keeps them: DeepSpeed's masters and state (ZeRO-1/2/3, on NVMe a subgroup at
+    a time; ZeRO-0's flat or per-parameter masters), FSDP's shards, or the parameter itself."""
+    engine = _engine(accelerator)
+    named = [(name, p) for name, p in trainable(accelerator.unwrap_model(unet)) if name in names]
+    zero = engine.optimizer if engine is not None else None
+    if zero is not None and nvme_swap.swapping(zero):
+        _set_swapped(zero, base, reader, dict(named), moments)
+        return
+    places, masters = portable.flat_places(accelerator), portable.unfused_masters(accelerator)
+    for name, p in named:
+        if id(p) in places:
+            _set_flat(p, name, base, reader, moments, places[id(p)])
+        else:  # a 16-bit parameter holds the weight already (set before `prepare`); its fp32 master gets it too
+            _set(masters.get(id(p), p), name, base, reader, moments, t)
+
+
+def _set(p: torch.Tensor, name: str, base: Any, reader: Source, moments: bool, t: int) -> None:
+    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+    values = {kind: reader.get(f"{kind}/{name}") for kind in KINDS
+              if kind == "fp32" or moments and f"{kind}/{name}" in reader}
+    if _mapped(p):
+        safe_set_full_fp32_param(p, values["fp32"].to(p.device))
+        for kind in ("exp_avg", "exp_avg_sq"):
+            if kind in values:
+                safe_set_full_optimizer_state(p, values[kind].to(p.device), kind)
+        return
+    with torch.no_grad():
+        p.copy_(sharded.like(values["fp32"], p))  # FSDP: this rank's shard of it
+    if moments and "exp_avg" in values:
+        base.state[p] = {"step": _step_value(base, t, p.device), "exp_avg": sharded.like(values["exp_avg"], p),
+                         "exp_avg_sq": sharded.like(values["exp_avg_sq"], p)}
+
+
+def _set_flat(p: torch.nn.Parameter, name: str, base: Any, reader: Source, moments: bool,
+              place: tuple[torch.Tensor, int, int]) -> None:
+    """ZeRO-0 with bf16/fp16: the fp32 master and moments are slices of the group's flat tensors; the
+    bf16/fp16 parameter already holds the carried weight (loaded before `prepare`, then cast)."""
+    flat, offset, numel = place
+    with torch.no_grad():
+        for kind in KINDS if moments else KINDS[:1]:
+            key = f"{kind}/{name}"
+            if key in reader:
+                target = flat if kind == "fp32" else base.state[flat][kind]
+                target.narrow(0, offset, numel).copy_(reader.get(key).flatten())
+
+
+def _set_swapped(zero: Any, base: Any, reader: Source, named: dict[str, torch.nn.Parameter], moments: bool) -> None:
+    """ZeRO-3 with the optimizer state on NVMe: each subgroup swapped in once, written, swapped out."""
+    names = {id(p): name for name, p in named.items()}
+    for group, _ in nvme_swap.subgroups(zero, write=True):
+        for p in nvme_swap.params_of(zero, group):
+            name = names.get(id(p))
+            if name is None:
+                continue
+            for kind in KINDS if moments else KINDS[:1]:
+                if f"{kind}/{name}" in reader:
+                    nvme_swap.scatter(zero, p, nvme_swap.partition(zero, base, p, kind),
+                                      reader.get(f"{kind}/{name}"))
 
 
 def _step_value(base: Any, t: int, device: Any = "cpu") -> Any:
@@ -222,3 +247,33 @@ def _prefill(engine: Any, base: Any, t: int) -> None:
     if hasattr(zero, "_lazy_init_hp_params_optimizer_state"):  # ZeRO-1/2 link lazily, after the first step
         zero._hp_optimizer_states_linked = False
         zero._lazy_init_hp_params_optimizer_state()
+
+
+class Exact:
+    """A fresh start under DeepSpeed in bf16/fp16: the fp32 masters get the loaded weights exactly.
+
+    DeepSpeed casts the module to 16 bits in `prepare` and builds its fp32 masters from that cast, so the run would
+    start from the pretrained (or initial) weights rounded to bf16 (8 significant bits; fp16 pretrained files lose 3
+    of their 11) and export them so after any number of steps too small to move them. FSDP and DDP keep the loaded
+    fp32 weights. Here the loaded tensors are held through `prepare` (DeepSpeed's cast makes new tensors; on a GPU the
+    module moves to the device, so these host tensors are what was there before `prepare`, no more host memory) and
+    written into the masters after it, as a resume writes carried weights."""
+
+    def __init__(self, cfg: DictConfig, deepspeed: bool, resume_from: Path | None, unet: torch.nn.Module) -> None:
+        kept = deepspeed and resume_from is None and str(cfg.precision.name.value) in ("bf16", "fp16")
+        self.weights = {f"fp32/{name}": p.data for name, p in trainable(unet)} if kept else {}
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.weights
+
+    def get(self, key: str) -> torch.Tensor:
+        return self.weights[key]
+
+    def after_prepare(self, accelerator: Any, unet: Any, optimizer: Any) -> None:
+        """Collective: write the held fp32 weights into DeepSpeed's masters, then let them go."""
+        if not self.weights:
+            return
+        names = {key.removeprefix("fp32/") for key in self.weights}
+        write(accelerator, unet, _base_optimizer(accelerator, optimizer), self, names, moments=False, t=0)
+        log.debug("fp32 masters set from the loaded weights (%d parameters)", len(names))
+        self.weights = {}

@@ -10,23 +10,29 @@ import torch
 from omegaconf import DictConfig
 
 from ds_trainer.config import checkpoint_file
-from ds_trainer.train import models
+from ds_trainer.train import models, portable
 from ds_trainer.train.ema import EMA
 
 
-def diffusers(cfg: DictConfig, accelerator: Any, unet: Any, ema: EMA | None, frozen: models.Frozen,
+def diffusers(cfg: DictConfig, accelerator: Any, unet: Any, optimizer: Any, ema: EMA | None, frozen: models.Frozen,
               run_dir: Path) -> None:
-    """Collective: under ZeRO-3 every rank takes part in gathering the 16-bit weights
-    (`get_state_dict`); rank 0 writes `<run>/unet`, `<run>/unet_ema` and, for sdxl_tiny, `<run>/pipeline`."""
+    """Collective: under ZeRO-3 every rank takes part in gathering the weights (`get_state_dict`, the fp32
+    masters); rank 0 writes `<run>/unet`, `<run>/unet_ema` and, for sdxl_tiny, `<run>/pipeline`.
+
+    The UNet is exported at its most precise: in 16-bit training DeepSpeed's module holds bf16/fp16 copies and
+    the fp32 master weights live in its optimizer, so the trained weights are read from there (as the portable
+    state and the LoRA file do); FSDP's and DDP's modules hold the fp32 weights themselves. A bf16 run exported
+    from ZeRO and one exported from FSDP so agree to the training's noise, not to bf16's rounding."""
     from diffusers import UNet2DConditionModel
 
     state = accelerator.get_state_dict(unet)
+    masters = _masters(accelerator, unet, optimizer)  # collective
     shadow = ema.full(dst=0) if ema else None  # collective: the EMA is sharded across the ranks
     if not accelerator.is_main_process:
         return
     config = accelerator.unwrap_model(unet).config
     exported = {}
-    for name, weights in (("unet", state), ("unet_ema", shadow)):
+    for name, weights in (("unet", {**state, **masters}), ("unet_ema", shadow)):
         if weights is None:
             continue
         model = UNet2DConditionModel.from_config(config)
@@ -35,6 +41,19 @@ def diffusers(cfg: DictConfig, accelerator: Any, unet: Any, ema: EMA | None, fro
         exported[name] = model
     if cfg.model.name == "sdxl_tiny" or checkpoint_file.is_single_file(cfg.model.pretrained):
         _pipeline(cfg, frozen, exported.get("unet_ema", exported["unet"]), run_dir)
+
+
+def _masters(accelerator: Any, unet: Any, optimizer: Any) -> dict[str, torch.Tensor]:
+    """Collective: the fp32 masters of the trained parameters where DeepSpeed keeps them apart from a 16-bit
+    module (on rank 0; empty elsewhere and where the module's own weights are the masters)."""
+    module = accelerator.unwrap_model(unet)
+    if portable._engine(accelerator) is None or all(p.dtype == torch.float32 for _, p in portable.trainable(module)):
+        return {}
+    base = portable._base_optimizer(accelerator, optimizer)
+    keep = accelerator.is_main_process
+    return {name: values[0].detach().to("cpu", torch.float32, copy=True)
+            for name, _, values in portable.full_values(accelerator, unet, base, moments=False)
+            if keep and values[0] is not None}
 
 
 def _pipeline(cfg: DictConfig, frozen: models.Frozen, unet: Any, run_dir: Path) -> None:

@@ -103,6 +103,58 @@ def _scheduler(accelerator: Any, scheduler: Any) -> Any:
     return getattr(scheduler, "scheduler", scheduler)
 
 
+def full_values(accelerator: Any, unet: Any, base: Any, moments: bool,
+                ) -> Iterator[tuple[str, torch.nn.Parameter, tuple[torch.Tensor | None, ...]]]:
+    """Collective (every rank iterates to the end, in the same order): (name, parameter, its whole fp32 master weight
+    and, with `moments`, Adam's `exp_avg` and `exp_avg_sq` (None where there are none)) for every trainable
+    parameter, under any layout: DeepSpeed's kept-apart masters (ZeRO-1/2/3, BF16_Optimizer), ZeRO-0's flat or
+    per-parameter 16-bit masters, ZeRO-3's state on NVMe (a subgroup swapped in once), FSDP's shards, or the
+    parameter itself. `base` is the optimizer that holds the state (`_base_optimizer`)."""
+    named = trainable(accelerator.unwrap_model(unet))
+    engine = _engine(accelerator)
+    zero = engine.optimizer if engine is not None else None
+    if zero is None or not nvme_swap.swapping(zero):
+        places, masters = flat_places(accelerator), unfused_masters(accelerator)
+        for name, p in named:
+            if id(p) in places:
+                yield name, p, _read_flat(p, base, places[id(p)], moments)
+            else:
+                yield name, p, _read(masters.get(id(p), p), base, moments)
+        return
+    # ZeRO-3 with the optimizer state on NVMe: each subgroup swapped in once (see nvme_swap).
+    names = {id(p): name for name, p in named}
+    kinds = KINDS if moments and base.state else KINDS[:1]
+    for group, _ in nvme_swap.subgroups(zero, write=False):
+        for p in nvme_swap.params_of(zero, group):
+            if id(p) in names:
+                full = [nvme_swap.gather(zero, p, nvme_swap.partition(zero, base, p, kind)) for kind in kinds]
+                yield names[id(p)], p, (*full, *[None] * (len(KINDS) - len(full)))
+
+
+def _read_flat(p: torch.nn.Parameter, base: Any, place: tuple[torch.Tensor, int, int], moments: bool,
+               ) -> tuple[torch.Tensor | None, ...]:
+    """A parameter's fp32 master and moments, slices of its group's flat tensors (FP16_Optimizer)."""
+    flat, offset, numel = place
+    state = base.state.get(flat, {}) if moments else {}
+    return tuple(t.narrow(0, offset, numel).view(p.shape) if t is not None else None
+                 for t in (flat, state.get("exp_avg"), state.get("exp_avg_sq")))
+
+
+def _read(p: torch.Tensor, base: Any, moments: bool) -> tuple[torch.Tensor | None, ...]:
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    if _mapped(p):
+        weight = safe_get_full_fp32_param(p)
+        if not moments:
+            return weight, None, None
+        return (weight, safe_get_full_optimizer_state(p, "exp_avg"),
+                safe_get_full_optimizer_state(p, "exp_avg_sq"))
+    state = base.state.get(p, {}) if moments else {}
+    # Whole values (collective for FSDP's DTensors: every rank reads every parameter, in the same order).
+    return tuple(sharded.full(t) if t is not None else None
+                 for t in (p.detach(), state.get("exp_avg"), state.get("exp_avg_sq")))
+
+
 class Writer:
     """Writes `portable/` into a checkpoint folder being saved (`checkpoint.Saver` calls it, collectively)."""
 
@@ -132,7 +184,7 @@ class Writer:
         written, without_moments = 0, 0
         # 8-bit moments (bitsandbytes): read as the fp32 moments they encode.
         with quantized.exposed(_engine(self.accelerator), base):
-            for name, p, values in self._values(base):  # collective under ZeRO
+            for name, p, values in full_values(self.accelerator, self.unet, base, self.moments):  # collective
                 params[name] = _shape(p)
                 if not main:
                     continue
@@ -158,50 +210,6 @@ class Writer:
             if self.moments and without_moments:  # before the first step there are none yet
                 log.warning("portable state of step %d: no Adam moments for %d parameters under this layout; a "
                             "resume under another one needs resume_optimizer=reset", step, without_moments)
-
-    def _values(self, base: Any) -> Iterator[tuple[str, torch.nn.Parameter, tuple[torch.Tensor | None, ...]]]:
-        """(name, parameter, its fp32 weight and moments) for every trainable parameter."""
-        named = trainable(self.accelerator.unwrap_model(self.unet))
-        engine = _engine(self.accelerator)
-        zero = engine.optimizer if engine is not None else None
-        if zero is None or not nvme_swap.swapping(zero):
-            places, masters = flat_places(self.accelerator), unfused_masters(self.accelerator)
-            for name, p in named:
-                if id(p) in places:
-                    yield name, p, self._read_flat(p, base, places[id(p)])
-                else:
-                    yield name, p, self._read(masters.get(id(p), p), base)
-            return
-        # ZeRO-3 with the optimizer state on NVMe: each subgroup swapped in once (see nvme_swap).
-        names = {id(p): name for name, p in named}
-        kinds = KINDS if self.moments and base.state else KINDS[:1]
-        for group, _ in nvme_swap.subgroups(zero, write=False):
-            for p in nvme_swap.params_of(zero, group):
-                if id(p) in names:
-                    full = [nvme_swap.gather(zero, p, nvme_swap.partition(zero, base, p, kind)) for kind in kinds]
-                    yield names[id(p)], p, (*full, *[None] * (len(KINDS) - len(full)))
-
-    def _read_flat(self, p: torch.nn.Parameter, base: Any, place: tuple[torch.Tensor, int, int],
-                   ) -> tuple[torch.Tensor | None, ...]:
-        """A parameter's fp32 master and moments, slices of its group's flat tensors (FP16_Optimizer)."""
-        flat, offset, numel = place
-        state = base.state.get(flat, {}) if self.moments else {}
-        return tuple(t.narrow(0, offset, numel).view(p.shape) if t is not None else None
-                     for t in (flat, state.get("exp_avg"), state.get("exp_avg_sq")))
-
-    def _read(self, p: torch.Tensor, base: Any) -> tuple[torch.Tensor | None, ...]:
-        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
-
-        if _mapped(p):
-            weight = safe_get_full_fp32_param(p)
-            if not self.moments:
-                return weight, None, None
-            return (weight, safe_get_full_optimizer_state(p, "exp_avg"),
-                    safe_get_full_optimizer_state(p, "exp_avg_sq"))
-        state = base.state.get(p, {}) if self.moments else {}
-        # Whole values (collective for FSDP's DTensors: every rank reads every parameter, in the same order).
-        return tuple(sharded.full(t) if t is not None else None
-                     for t in (p.detach(), state.get("exp_avg"), state.get("exp_avg_sq")))
 
     @staticmethod
     def _flush(out: Path, shard: dict[str, torch.Tensor], index: dict[str, str]) -> int:

@@ -305,6 +305,7 @@ def _train(cfg: DictConfig, ds: dict[str, Any] | None, run_dir: Path, accelerato
     # carries over; otherwise DeepSpeed's native load (`_resume`).
     resumed = carry.Carry(cfg, resume_from)
     resumed.before_prepare(unet)
+    exact = carry.Exact(cfg, ds is not None, resume_from, unet)
     if cfg.resolved.backend == "fsdp" and cfg.precision.name.value == "bf16_pure":
         unet.to(torch.bfloat16)  # FSDP2 shards the parameters as they are: bf16 masters, gradients and Adam state
     startup.mark("model build")
@@ -322,6 +323,7 @@ def _train(cfg: DictConfig, ds: dict[str, Any] | None, run_dir: Path, accelerato
         unet, optimizer = accelerator.prepare(unet, optimizer)
     else:
         unet, optimizer, scheduler = accelerator.prepare(unet, optimizer, scheduler)
+    exact.after_prepare(accelerator, unet, optimizer)
     startup.mark("DeepSpeed init")
     _check_optimizer(cfg, accelerator, optimizer)
     trained.after_prepare(accelerator, unet)
@@ -332,6 +334,7 @@ def _train(cfg: DictConfig, ds: dict[str, Any] | None, run_dir: Path, accelerato
         else _resume(accelerator, ds, ema, resume_from, trained.load_kwargs(ds is not None))
     if not resumed.changed and resume_from is not None:
         after_native_load(resume_from)
+        resumed.after_native_load()
     start = resumed.start(start_step, int(cfg.train.micro_batch_size) * int(cfg.train.gradient_accumulation_steps)
                           * accelerator.num_processes)
     loader = data.Loader(cfg, dataset, cache, frozen, accelerator.process_index, accelerator.num_processes,
@@ -386,7 +389,7 @@ def _train(cfg: DictConfig, ds: dict[str, Any] | None, run_dir: Path, accelerato
         export.base_pipeline(cfg, accelerator, frozen, run_dir)
     elif cfg.train.export:
         with eval_weights():
-            export.diffusers(cfg, accelerator, unet, ema, frozen, run_dir)
+            export.diffusers(cfg, accelerator, unet, optimizer, ema, frozen, run_dir)
 
 
 def _load_frozen(cfg: DictConfig, accelerator: Any, kind: str) -> models.Frozen:
