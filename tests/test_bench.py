@@ -85,3 +85,38 @@ def test_bench_compares_the_training_loss_of_precisions_on_the_same_run(tmp_path
     assert curves["bf16"][0] == curves["bf16_pure"][0] and curves["bf16"] != curves["bf16_pure"]
     table = (out / "precision.md").read_text()
     assert "## lr 0.0001" in table and table.count("| bf16") == 2 and "%" in table.splitlines()[-2]
+
+
+@pytest.mark.parametrize(("flags", "said"), [
+    pytest.param([], "add --startup-pairs", id="without_startup_pairs"),
+    pytest.param(["--startup-pairs", "1", "--peer-script", "missing.py"], "missing.py: no such file", id="missing"),
+])
+def test_bench_refuses_a_peer_script_it_cannot_time(flags: list[str], said: str, tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    from ds_trainer.tools import bench
+
+    script = tmp_path / "train_text_to_image_sdxl.py"
+    script.write_text("")
+    with pytest.raises(SystemExit) as stopped:
+        bench.main(["--out", str(tmp_path / "out"), "--peer-script", str(script), *flags])
+    assert stopped.value.code == 2 and said in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()  # stopped before anything ran
+
+
+def test_the_script_s_steps_are_timed_when_its_progress_bar_first_shows_them() -> None:
+    """diffusers' script reports its steps on a tqdm bar only: each line after a carriage return, rewritten when the
+    step's loss is set, and a line may arrive in two pieces."""
+    from ds_trainer.tools.bench_peer import StepClock, _median_s_per_it
+
+    clock = StepClock()
+    for chunk, at in [("Map: 100%|##########| 16/16 [00:01<00:00, 10.7 examples/s]\n", 1.0),
+                      ("\rSteps:   0%|          | 0/5 [00:00<?, ?it/s]", 2.0),
+                      ("\rSteps:  20%|##        | 1/5 [00:03<00:12,  3.00s/it]", 5.0),
+                      ("\rSteps:  20%|##        | 1/5 [00:03<00:12,  3.00s/it, lr=0.0001, step_loss=1.17]", 5.1),
+                      ("\rSteps:  40%|####      | 2/5 [00:04<00:06,  2.00s/it, lr=0.0001, step_loss=1.17]", 6.0),
+                      ("\rSteps:  60%|######    | 3/", 6.4), ("5 [00:04<00:03,  1.50s/it, lr=0.0001]", 6.5),
+                      ("\rSteps:  80%|########  | 4/5 [00:05<00:01,  1.20s/it, lr=0.0001]", 7.0),
+                      ("\rSteps: 100%|##########| 5/5 [00:05<00:00,  1.00s/it, lr=0.0001]\n", 7.7)]:
+        clock.feed(chunk, at)
+    assert clock.seen == {0: 2.0, 1: 5.0, 2: 6.0, 3: 6.5, 4: 7.0, 5: 7.7} and clock.total == 5
+    assert _median_s_per_it(clock.seen, warmup=2) == 0.5  # steps 3, 4 and 5: 0.5, 0.5 and 0.7 s

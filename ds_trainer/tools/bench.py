@@ -208,6 +208,13 @@ def main(argv: list[str] | None = None) -> int:
                              "the raw loop, this many alternating pairs each (see tools/bench_startup.py)")
     parser.add_argument("--zeros", nargs="+", default=["ddp", "stage2", "stage3"],
                         help="the zero options --startup-pairs measures")
+    parser.add_argument("--peer-script", type=Path, default=None,
+                        help="with --startup-pairs: the path of diffusers' examples/text_to_image/"
+                             "train_text_to_image_sdxl.py, timed in each pair on the same weights, images, batch and "
+                             "steps as the run (see tools/bench_peer.py); needs the datasets and torchvision packages "
+                             "in --peer-python (pip install -e '.[bench]', and the torchvision built for your torch)")
+    parser.add_argument("--peer-python", default=sys.executable,
+                        help="the Python that runs --peer-script (default: this one)")
     parser.add_argument("--precisions", nargs="+", default=None,
                         help="instead of the cells: the training loss of the same run under each of these precisions "
                              "(see tools/bench_precision.py), at each --lrs, for --steps steps")
@@ -216,6 +223,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--raw", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.argv = sys.argv[1:] if argv is None else argv
+    if args.peer_script is not None and not args.startup_pairs:
+        parser.error("--peer-script is timed beside the runs of --startup-pairs N: add --startup-pairs")
+    if args.peer_script is not None and not args.peer_script.is_file():
+        parser.error(f"--peer-script {args.peer_script}: no such file")
     if args.raw is not None:
         first, median = raw_loop(args.raw, args.steps)
         print(f"raw_first_step_at={first}\nraw_median_s_per_it={median}", flush=True)

@@ -70,11 +70,17 @@ def _round(value: Any, digits: int) -> float | None:
     return round(float(value), digits) if value is not None else None
 
 
-def run_cell(cell: Cell, args: argparse.Namespace, out: Path, folder: Path | None = None) -> dict[str, Any]:
-    """Train the cell in its own process; its row of the results."""
+def cell_command(cell: Cell, args: argparse.Namespace, folder: Path, extra: list[str] | None = None) -> list[str]:
+    """The `python -m ds_trainer` command of the cell, run in `folder`, with `extra` overrides last."""
+    return [sys.executable, "-m", "ds_trainer", *cell.overrides(args.model, _steps(cell, args), args.nvme_path),
+            f"adapter={args.adapter}", f"hydra.run.dir={folder}", *(extra or [])]
+
+
+def run_cell(cell: Cell, args: argparse.Namespace, out: Path, folder: Path | None = None,
+             extra: list[str] | None = None) -> dict[str, Any]:
+    """Train the cell in its own process (with `extra` overrides); its row of the results."""
     folder = folder or out / "cells" / cell.name
-    cmd = [sys.executable, "-m", "ds_trainer", *cell.overrides(args.model, _steps(cell, args), args.nvme_path),
-           f"adapter={args.adapter}", f"hydra.run.dir={folder}"]
+    cmd = cell_command(cell, args, folder, extra)
     launched = time.time()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.cell_timeout_s)
