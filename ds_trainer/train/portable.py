@@ -113,6 +113,8 @@ def full_values(accelerator: Any, unet: Any, base: Any, moments: bool,
     named = trainable(accelerator.unwrap_model(unet))
     engine = _engine(accelerator)
     zero = engine.optimizer if engine is not None else None
+    if moments:
+        _link_every_group(zero)
     if zero is None or not nvme_swap.swapping(zero):
         places, masters = flat_places(accelerator), unfused_masters(accelerator)
         for name, p in named:
@@ -129,6 +131,18 @@ def full_values(accelerator: Any, unet: Any, base: Any, moments: bool,
             if id(p) in names:
                 full = [nvme_swap.gather(zero, p, nvme_swap.partition(zero, base, p, kind)) for kind in kinds]
                 yield names[id(p)], p, (*full, *[None] * (len(KINDS) - len(full)))
+
+
+def _link_every_group(zero: Any) -> None:
+    """DeepSpeed 0.19.8's ZeRO-1/2 links each parameter to its slice of the optimizer state once, right after the
+    optimizer's first step of the first parameter group (`_optimizer_step` steps the groups one by one): with several
+    groups (the UNet's and the trained text encoders') the later groups have no state yet then, stay unlinked, and
+    `safe_get_full_optimizer_state` fails on them ("exp_avg not found in optimizer state fragment"). Linking again
+    once every group has stepped reads them all; with one group it changes nothing."""
+    groups = getattr(getattr(zero, "optimizer", None), "param_groups", [])
+    if hasattr(zero, "_lazy_init_hp_params_optimizer_state") and len(groups) > 1:
+        zero._hp_optimizer_states_linked = False
+        zero._lazy_init_hp_params_optimizer_state()
 
 
 def _read_flat(p: torch.nn.Parameter, base: Any, place: tuple[torch.Tensor, int, int], moments: bool,
