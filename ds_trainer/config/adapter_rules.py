@@ -16,22 +16,49 @@ Rule = tuple[str, object, str, str]
 
 
 def check(cfg: DictConfig) -> list[Rule]:
-    """Problems of `cfg.adapter` that the values alone show."""
+    """Problems of `cfg.adapter` and `cfg.text_encoders` that the values alone show."""
+    out = _text_encoders(cfg)
     a = cfg.adapter
     if a.method.value == "none":
-        return []
-    out: list[Rule] = []
-    if a.rank <= 0:
-        out.append(("adapter.rank", a.rank, "the LoRA rank must be a positive integer", "adapter.rank=16"))
-    if not math.isfinite(a.alpha) or a.alpha <= 0:
-        out.append(("adapter.alpha", a.alpha, "the LoRA alpha (the update is scaled by alpha/rank) must be > 0",
-                    f"adapter.alpha={max(a.rank, 1)}"))
-    if not math.isfinite(a.dropout) or not 0.0 <= a.dropout < 1.0:
-        out.append(("adapter.dropout", a.dropout, "must lie in [0, 1)", "adapter.dropout=0.0"))
-    if not a.targets:
-        out.append(("adapter.targets", [], "LoRA needs at least one module to adapt",
-                    "adapter.targets=[to_q,to_k,to_v,to_out.0] (or adapter=lora_wide)"))
+        return out
+    out += _lora_shape("adapter", a, 16, "[to_q,to_k,to_v,to_out.0] (or adapter=lora_wide)")
     if a.init_from is not None and not Path(a.init_from).exists():
         out.append(("adapter.init_from", a.init_from, "no such file or folder",
                     "adapter.init_from=<run>/lora/pytorch_lora_weights.safetensors (or null)"))
+    return out
+
+
+def _text_encoders(cfg: DictConfig) -> list[Rule]:
+    te = cfg.get("text_encoders")
+    if te is None or te.mode.value == "frozen":
+        return []
+    out: list[Rule] = []
+    if te.lr is not None and (not math.isfinite(te.lr) or te.lr <= 0):
+        out.append(("text_encoders.lr", te.lr, "the text encoders' learning rate must be a positive number",
+                    "text_encoders.lr=1e-5 (or null: the UNet's optimizer.lr)"))
+    if cfg.zero.backend.value == "fsdp":
+        out.append(("text_encoders", te.mode.value, "trained text encoders run under DeepSpeed and DDP; under FSDP "
+                    "they are not built yet (their blocks are not sharded apart from the UNet's)",
+                    "zero=stage2 or zero=stage3 (the same sharding under DeepSpeed), or text_encoders=frozen"))
+    if cfg.adapter.init_from is not None and te.mode.value == "lora":
+        out.append(("adapter.init_from", cfg.adapter.init_from, "continuing a LoRA file with text_encoders=lora is "
+                    "not supported yet: the file's encoder adapters would not be loaded",
+                    "adapter.init_from=null (a fresh LoRA), or text_encoders=frozen"))
+    if te.mode.value == "lora":
+        out += _lora_shape("text_encoders", te, 8, "[q_proj,k_proj,v_proj,out_proj]")
+    return out
+
+
+def _lora_shape(group: str, node: DictConfig, rank: int, targets: str) -> list[Rule]:
+    """A LoRA's rank, alpha, dropout and targets (`adapter` or `text_encoders`); `rank` and `targets`: the fixes."""
+    out: list[Rule] = []
+    if node.rank <= 0:
+        out.append((f"{group}.rank", node.rank, "the LoRA rank must be a positive integer", f"{group}.rank={rank}"))
+    if not math.isfinite(node.alpha) or node.alpha <= 0:
+        out.append((f"{group}.alpha", node.alpha, "the LoRA alpha (the update is scaled by alpha/rank) must be > 0",
+                    f"{group}.alpha={max(node.rank, 1)}"))
+    if not math.isfinite(node.dropout) or not 0.0 <= node.dropout < 1.0:
+        out.append((f"{group}.dropout", node.dropout, "must lie in [0, 1)", f"{group}.dropout=0.0"))
+    if not node.targets:
+        out.append((f"{group}.targets", [], "LoRA needs at least one module to adapt", f"{group}.targets={targets}"))
     return out

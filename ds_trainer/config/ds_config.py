@@ -69,21 +69,41 @@ def optimizer_block(cfg: DictConfig) -> dict[str, Any]:
     return {"type": optimizers.DEEPSPEED_TYPE.get(name, name), "params": params}
 
 
+def group_lrs(cfg: DictConfig) -> list[float]:
+    """The peak LR of each optimizer parameter group: the UNet's, and with trained text encoders theirs
+    (`text_encoders.lr`, None: the UNet's)."""
+    lr = float(cfg.optimizer.lr)
+    te = cfg.get("text_encoders")
+    if te is None or te.mode.value == "frozen":
+        return [lr]
+    return [lr, lr if te.lr is None else float(te.lr)]
+
+
+def _per_group(values: list[float]) -> float | list[float]:
+    """One value for every group where they agree (as the JSON always had it), else one per group (DeepSpeed's
+    schedules take a list, one entry per parameter group)."""
+    return values[0] if len(set(values)) == 1 else values
+
+
 def scheduler_block(cfg: DictConfig) -> dict[str, Any] | None:
-    """DeepSpeed's `scheduler` block, or None for a constant LR."""
+    """DeepSpeed's `scheduler` block, or None for a constant LR. With trained text encoders at another LR every
+    LR of the schedule is given per parameter group, scaled to the group's peak: the encoders follow the UNet's
+    schedule (its warm-up and decay) at their own height. WarmupCosineLR scales each group's own LR by itself."""
     name = cfg.scheduler.name.value
-    lr, total = float(cfg.optimizer.lr), int(cfg.train.max_steps)
+    lrs, total = group_lrs(cfg), int(cfg.train.max_steps)
+    lr = _per_group(lrs)
     warmup = min(warmup_steps(cfg), total)
     s = cfg.scheduler
     if name == "constant":
         return None
     if name == "warmup":
-        params = {"warmup_min_lr": float(s.warmup_min_lr), "warmup_max_lr": lr,
-                  "warmup_num_steps": warmup, "warmup_type": s.warmup_type}
+        params = {"warmup_min_lr": _per_group([float(s.warmup_min_lr) * v / lrs[0] for v in lrs]),
+                  "warmup_max_lr": lr, "warmup_num_steps": warmup, "warmup_type": s.warmup_type}
         return {"type": "WarmupLR", "params": params}
     if name == "warmup_decay":
-        params = {"warmup_min_lr": float(s.warmup_min_lr), "warmup_max_lr": lr, "warmup_num_steps": warmup,
-                  "warmup_type": s.warmup_type, "total_num_steps": total}
+        params = {"warmup_min_lr": _per_group([float(s.warmup_min_lr) * v / lrs[0] for v in lrs]),
+                  "warmup_max_lr": lr, "warmup_num_steps": warmup, "warmup_type": s.warmup_type,
+                  "total_num_steps": total}
         return {"type": "WarmupDecayLR", "params": params}
     if name == "warmup_cosine":
         params = {"total_num_steps": total, "warmup_num_steps": warmup, "warmup_type": s.warmup_type,
@@ -91,7 +111,7 @@ def scheduler_block(cfg: DictConfig) -> dict[str, Any] | None:
         return {"type": "WarmupCosineLR", "params": params}
     if name == "one_cycle":
         half = max(1, total // 2)
-        params = {"cycle_min_lr": lr * float(s.min_lr_ratio), "cycle_max_lr": lr,
+        params = {"cycle_min_lr": _per_group([v * float(s.min_lr_ratio) for v in lrs]), "cycle_max_lr": lr,
                   "cycle_first_step_size": half, "cycle_second_step_size": max(1, total - half),
                   "cycle_momentum": False, "decay_lr_rate": 0.0}
         return {"type": "OneCycle", "params": params}

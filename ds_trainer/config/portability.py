@@ -49,9 +49,24 @@ def identity(cfg: DictConfig) -> dict[str, Any]:
     method = str(getattr(adapter.method, "value", adapter.method)) if adapter is not None else "none"
     shape = None if method == "none" else {"method": method, "rank": int(adapter.rank),
                                             "targets": [str(t) for t in adapter.targets]}
+    text = text_encoders_shape(cfg)
     return {"optimizer": STATE_FAMILY.get(str(cfg.resolved.optimizer), str(cfg.resolved.optimizer)),
             "architecture": Path(str(cfg.model.architecture)).name,
-            "adapter": shape}
+            "adapter": shape,
+            # Trained text encoders (absent when they are frozen, as in the checkpoints written before they could train)
+            **({"text_encoders": text} if text is not None else {})}
+
+
+def text_encoders_shape(cfg: DictConfig) -> dict[str, Any] | None:
+    """Which text encoders train and how (None: frozen): the parameters they add to the trained module."""
+    te = cfg.get("text_encoders")
+    mode = str(getattr(te.mode, "value", te.mode)) if te is not None else "frozen"
+    if mode == "frozen":
+        return None
+    shape: dict[str, Any] = {"mode": mode, "which": str(getattr(te.which, "value", te.which))}
+    if mode == "lora":
+        shape.update(rank=int(te.rank), targets=[str(t) for t in te.targets])
+    return shape
 
 
 def read_meta(checkpoint: Path) -> dict[str, Any] | None:
@@ -94,6 +109,7 @@ def check(cfg: DictConfig, checkpoint: Path | None) -> tuple[list[Problem], list
     if meta is None:
         return _without_portable_state(cfg, checkpoint), []
     saved, now = meta["identity"], identity(cfg)
+    now.setdefault("text_encoders", None)
     differ = [key for key in now if saved.get(key) != now[key]]
     moved = changes(meta, cfg)
     if saved["optimizer"] not in MOMENT_OPTIMIZERS and moved and "optimizer" not in differ:
@@ -120,6 +136,10 @@ def _problem(key: str, saved: Any, now: Any, checkpoint: Path | None, moved: lis
         return Problem("model.architecture", now, f"the checkpoint {checkpoint} holds a UNet of architecture {saved}",
                        f"model={saved} (the model option of that architecture), or {fix} (weights whose names "
                        "match carry over)")
+    if key == "text_encoders":
+        return Problem("text_encoders", now, f"the checkpoint {checkpoint} was trained with text_encoders="
+                       f"{saved or 'frozen'}: other text encoders train now, so other parameters are in the model and "
+                       "the optimizer", f"the saved text_encoders settings, or {fix}")
     return Problem("adapter", now, f"the checkpoint {checkpoint} was trained with adapter={saved}: another adapter "
                    "shape has other trainable parameters", f"the saved adapter settings, or {fix}")
 

@@ -72,6 +72,18 @@ class AdapterMethod(str, Enum):
     lora = "lora"
 
 
+class TextEncoderMode(str, Enum):
+    frozen = "frozen"
+    lora = "lora"
+    full = "full"
+
+
+class TextEncoderChoice(str, Enum):
+    both = "both"
+    clip_l = "clip_l"  # SDXL's text_encoder: CLIP ViT-L/14
+    bigg = "bigg"  # SDXL's text_encoder_2: OpenCLIP ViT-bigG/14
+
+
 class SaveDtype(str, Enum):
     fp32 = "fp32"
     fp16 = "fp16"
@@ -291,6 +303,23 @@ class AdapterConfig:
 
 
 @dataclass
+class TextEncodersConfig:
+    """`text_encoders` group: whether SDXL's text encoders train with the UNet (ds_trainer/train/text_encoders.py).
+    `frozen` caches their embeddings; `lora` trains LoRA matrices on the modules of the chosen encoders whose names
+    end with one of `targets`; `full` trains their weights. Trained encoders go into the one model DeepSpeed (or
+    DDP) wraps, in a parameter group of their own at `lr`."""
+
+    mode: TextEncoderMode = TextEncoderMode.frozen
+    which: TextEncoderChoice = TextEncoderChoice.both
+    # Peak learning rate of the encoders' parameter group, on the UNet's schedule; None: optimizer.lr.
+    lr: float | None = None
+    rank: int = 8
+    alpha: int = 8
+    dropout: float = 0.0
+    targets: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "out_proj"])
+
+
+@dataclass
 class SamplesConfig:
     """`samples` group: images generated during training (ds_trainer/train/sampling.py)."""
 
@@ -417,6 +446,7 @@ class Config:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     adapter: AdapterConfig = field(default_factory=AdapterConfig)
+    text_encoders: TextEncodersConfig = field(default_factory=TextEncodersConfig)
     samples: SamplesConfig = field(default_factory=SamplesConfig)
     validation: ValidationConfig = field(default_factory=ValidationConfig)
     paths: PathsConfig = field(default_factory=PathsConfig)

@@ -198,6 +198,16 @@ def _architecture(cfg: DictConfig) -> str:
     return str(cfg.model.pretrained or cfg.model.architecture)
 
 
+def _trained_module(cfg: DictConfig, unet_params: int) -> tuple[int, int]:
+    """(frozen, trained) parameters of the module the backend wraps: the UNet (its LoRA's frozen base and adapters),
+    and the text encoders that train with it (text_encoders=lora|full: their frozen base and what trains). The
+    encoders' activations are not counted: 77 tokens a prompt, small beside the UNet's."""
+    lora = plan_lora.trainable(cfg, _architecture(cfg))
+    frozen, trained = (unet_params, lora) if lora is not None else (0, unet_params)
+    te_frozen, te_trained = plan_lora.encoders(cfg, _architecture(cfg))
+    return frozen + te_frozen, trained + te_trained
+
+
 def estimate(cfg: DictConfig, zero: str, offload: str, world_size: int, activation_factor: float = 1.0) -> Estimate:
     """The estimate of one zero x offload cell for the composed config; `activation_factor` is the
     calibration from measured cells (tools/calibration.py)."""
@@ -205,20 +215,20 @@ def estimate(cfg: DictConfig, zero: str, offload: str, world_size: int, activati
                                          lambda a: list(dataclasses.astuple(unet_stats(a)))))
     precision = cfg.precision.name.value
     params_offload = cfg.offload.params is not False
-    lora = plan_lora.trainable(cfg, _architecture(cfg))
-    if lora is None:
-        params, grads, optimizer, host = _model_states(zero, offload, stats.params, stats.largest_layer, world_size,
+    frozen, trained = _trained_module(cfg, stats.params)
+    if not frozen:
+        params, grads, optimizer, host = _model_states(zero, offload, trained, stats.largest_layer, world_size,
                                                        params_offload, precision)
     else:
-        params, grads, optimizer, host = plan_lora.model_states(zero, offload, stats.params, lora, stats.largest_layer,
+        params, grads, optimizer, host = plan_lora.model_states(zero, offload, frozen, trained, stats.largest_layer,
                                                                 world_size, params_offload, precision)
-    saved = _moments_saved(cfg, zero, lora or stats.params, world_size)
+    saved = _moments_saved(cfg, zero, trained, world_size)
     if offload != "none" and zero not in ("ddp", "stage0"):
         host = max(0, host - int(saved * 1.5))  # the state lives on the host (as counted above, with its margin)
     else:
         optimizer = max(0, optimizer - saved)
     if cfg.train.ema and cfg.train.ema_device == "gpu":
-        params += 4 * (lora or stats.params) // world_size  # the fp32 shadow, a slice per rank (train/ema.py)
+        params += 4 * trained // world_size  # the fp32 shadow, a slice per rank (train/ema.py)
     if not cfg.data.cache:  # the VAE and text encoders stay on the GPU and encode every batch
         params += plan_samples.frozen_bytes(_architecture(cfg), "cuda", precision)
     act_bytes = 4 if precision == "fp32" else 2
@@ -232,7 +242,7 @@ def estimate(cfg: DictConfig, zero: str, offload: str, world_size: int, activati
     if zero in ("stage1", "stage2"):
         buffers = 2 * (int(z.reduce_bucket_size) + int(z.allgather_bucket_size))
         buffers = int(buffers * (4.5 if z.overlap_comm else 1.0))
-        buffers = min(buffers, 2 * (2 * (lora or stats.params)))  # never more than the gradients they carry
+        buffers = min(buffers, 2 * (2 * trained))  # never more than the gradients they carry
     elif zero == "stage3":
         buffers = min(2 * (int(z.stage3_prefetch_bucket_size) + int(z.reduce_bucket_size)), 4 * stats.params)
     nvme_bytes, notes = 0, []
@@ -283,16 +293,17 @@ def checkpoint_bytes(cfg: DictConfig) -> tuple[int, int]:
     architecture = _architecture(cfg)
     stats = UNetStats(*plan_cache.cached("unet_stats", (architecture,),
                                          lambda a: list(dataclasses.astuple(unet_stats(a)))))
-    trained = plan_lora.trainable(cfg, architecture) or stats.params
+    _, trained = _trained_module(cfg, stats.params)
+    encoders = sum(plan_lora.encoders(cfg, architecture))  # trained text encoders: in the engine's files too
     fp32 = cfg.precision.name.value == "fp32" or cfg.zero.backend.value == "ddp"
     pure = cfg.precision.name.value == "bf16_pure"  # bf16 masters and moments: no separate fp32 copy
     name = optimizers.resolve(cfg.optimizer.name)[0] or "adamw"
     moments = _BYTES_8BIT if name == "adamw8bit" else (2 if pure else 4) * _moment_tensors(cfg, name)
-    engine = int((4 if fp32 else 2) * stats.params + ((0 if fp32 or pure else 4) + moments) * trained)
+    engine = int((4 if fp32 else 2) * (stats.params + encoders) + ((0 if fp32 or pure else 4) + moments) * trained)
     # The portable state: fp32 weights, and fp32 Adam moments for the optimizers whose moments it holds.
     portable = (4 + (8 if name in (*optimizers.FP32_MOMENTS, "adamw8bit") else 0)) * trained  # 8-bit: dequantized
     ema = 4 * trained if cfg.train.ema else 0
-    export = 4 * stats.params * (2 if cfg.train.ema else 1)
+    export = 4 * (stats.params + encoders) * (2 if cfg.train.ema else 1)
     if cfg.model.name == "sdxl_tiny" or checkpoint_file.is_single_file(cfg.model.pretrained):
         export += 4 * stats.params  # the pipeline's own UNet (its encoders and VAE are not counted)
     return engine + portable + ema, (export if cfg.train.export else 0)
@@ -385,6 +396,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"ds_trainer plan: {cfg.model.name} {size}, micro batch "
           f"{cfg.train.micro_batch_size}, {cfg.precision.name.value}, gradient checkpointing "
           f"{'on' if cfg.train.gradient_checkpointing else 'off'}, {world} rank(s); GiB per rank")
+    frozen, trained = plan_lora.encoders(cfg, _architecture(cfg))
+    if frozen + trained:  # the trained module is the UNet and the encoders
+        print(f"text_encoders={cfg.text_encoders.mode.value} ({cfg.text_encoders.which.value}): {trained / 1e6:,.1f}M "
+              f"encoder parameters train with the UNet, {frozen / 1e6:,.1f}M frozen in the same module")
     print(table(estimates, budget))
     print(calibrated.describe())
     if estimates[0].sampling is not None:

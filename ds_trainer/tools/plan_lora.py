@@ -1,5 +1,6 @@
-"""The planner's model states for `adapter=lora`: a frozen 16-bit base (partitioned under ZeRO-3) and
-fp32 masters, gradients and optimizer state for the adapters only."""
+"""The planner's model states for a module part frozen and part trained (`adapter=lora`, trained text encoders): a
+frozen 16-bit base (partitioned under ZeRO-3) and fp32 masters, gradients and optimizer state for the trained
+parameters only."""
 
 from __future__ import annotations
 
@@ -26,6 +27,33 @@ def trainable(cfg: DictConfig, architecture: str) -> int | None:
     if cfg.adapter.method.value != "lora":
         return None
     return _count(architecture, int(cfg.adapter.rank), int(cfg.adapter.alpha), tuple(cfg.adapter.targets))
+
+
+@cache
+def _encoders(architecture: str, which: str, mode: str, rank: int, targets: tuple[str, ...]) -> tuple[int, int]:
+    import torch
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+
+    from ds_trainer.train import text_encoders
+
+    classes = {"text_encoder": CLIPTextModel, "text_encoder_2": CLIPTextModelWithProjection}
+    spec = text_encoders.Spec(mode, rank=rank, alpha=rank, targets=targets)
+    frozen = trained = 0
+    for name in text_encoders.COMPONENTS[which]:
+        with torch.device("meta"):
+            encoder = classes[name](CLIPTextConfig.from_pretrained(architecture, subfolder=name))
+        text_encoders.prepare_encoder(spec, name, encoder)
+        trained += sum(p.numel() for p in encoder.parameters() if p.requires_grad)
+        frozen += sum(p.numel() for p in encoder.parameters() if not p.requires_grad)
+    return frozen, trained
+
+
+def encoders(cfg: DictConfig, architecture: str) -> tuple[int, int]:
+    """(frozen, trained) parameters the trained text encoders add to the trained module ((0, 0): frozen encoders)."""
+    te = cfg.get("text_encoders")
+    if te is None or te.mode.value == "frozen":
+        return 0, 0
+    return _encoders(architecture, te.which.value, te.mode.value, int(te.rank), tuple(te.targets))
 
 
 def model_states(zero: str, offload: str, base: int, t: int, layer: int, n: int, params_offload: bool,

@@ -17,7 +17,7 @@ import torch
 from omegaconf import DictConfig
 
 from ds_trainer.config.adapter_rules import Rule
-from ds_trainer.train import lora_file
+from ds_trainer.train import lora_file, text_encoders
 from ds_trainer.train.lora_file import adaptable_names
 
 log = logging.getLogger("ds_trainer")
@@ -57,9 +57,45 @@ def _meta_unet(cfg: DictConfig) -> torch.nn.Module:
 
 
 def inspect(cfg: DictConfig) -> tuple[list[Rule], int]:
-    """Before training, on the UNet built on the meta device (no memory): the problems only the model
+    """Before training, on the models built on the meta device (no memory): the problems only the model
     shows (targets that match no module, listing the names that exist; an `adapter.init_from` file whose
-    tensors do not fit) and the number of trainable parameters."""
+    tensors do not fit) and the number of trainable parameters (the UNet's and the trained text encoders')."""
+    rules, count = _inspect_unet(cfg)
+    more, encoders = _inspect_encoders(cfg)
+    return rules + more, count + encoders
+
+
+def _inspect_encoders(cfg: DictConfig) -> tuple[list[Rule], int]:
+    """`text_encoders.targets` that match nothing in a trained encoder, and the encoders' trainable parameters."""
+    if not text_encoders.enabled(cfg):
+        return [], 0
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+
+    from ds_trainer.train.models import _source
+
+    path, kwargs = _source(cfg)
+    classes = {"text_encoder": CLIPTextModel, "text_encoder_2": CLIPTextModelWithProjection}
+    rules: list[Rule] = []
+    count = 0
+    for name in text_encoders.trained(cfg):
+        with torch.device("meta"):
+            encoder = classes[name](CLIPTextConfig.from_pretrained(path, subfolder=name, **kwargs))
+        if cfg.text_encoders.mode.value == "lora":
+            ends = [str(t) for t in cfg.text_encoders.targets]
+            names = [n for n, m in encoder.named_modules() if isinstance(m, torch.nn.Linear)]
+            unmatched = [t for t in ends if not any(n == t or n.endswith("." + t) for n in names)]
+            if unmatched:
+                rules.append(("text_encoders.targets", ends, f"{', '.join(unmatched)}: no Linear module of {name} has "
+                              f"such a name; the names end with: {', '.join(text_encoders.module_endings(encoder))}",
+                              "text_encoders.targets=[q_proj,k_proj,v_proj,out_proj] (the attention projections; "
+                              "fc1, fc2: the MLP)"))
+                continue
+        text_encoders.prepare_encoder(text_encoders.Spec.of(cfg), name, encoder)
+        count += sum(p.numel() for p in encoder.parameters() if p.requires_grad)
+    return rules, count
+
+
+def _inspect_unet(cfg: DictConfig) -> tuple[list[Rule], int]:
     if not enabled(cfg):
         return [], int(cfg.model.param_count)
     unet = _meta_unet(cfg)
@@ -83,40 +119,56 @@ def inspect(cfg: DictConfig) -> tuple[list[Rule], int]:
 
 @dataclass
 class Trained:
-    """The trained part of the UNet. With `adapter=none` every method does what the full fine-tune did."""
+    """What trains: the UNet, or the UNet and the trained text encoders as one module (`text_encoders.Denoiser`).
+    `names` are the LoRA parameters' names in `module` (empty: nothing is a LoRA); with a full fine-tune of
+    everything every method does what the UNet's full fine-tune did."""
 
     cfg: DictConfig
-    unet: torch.nn.Module
-    names: list[str] = field(default_factory=list)  # the trainable parameters' names (LoRA only)
+    module: torch.nn.Module
+    names: list[str] = field(default_factory=list)  # the LoRA parameters' names, in `module`
 
     @property
     def lora(self) -> bool:
         return bool(self.names)
 
     @property
-    def parameters(self) -> Iterable[torch.nn.Parameter]:
-        """What the optimizer gets: the trainable parameters only (frozen ones would get fp32 copies)."""
-        if not self.lora:
-            return self.unet.parameters()
-        return [p for p in self.unet.parameters() if p.requires_grad]
+    def full(self) -> bool:
+        """Whether some component (the UNet, a text encoder) trains whole: exported as a model."""
+        return any(not text_encoders.is_lora(part) for _, part in text_encoders.components(self.module))
+
+    @property
+    def partial(self) -> bool:
+        """Whether some parameters of the module are frozen (a LoRA's base, CLIP-L's unused last layer)."""
+        return any(not p.requires_grad for p in self.module.parameters())
+
+    @property
+    def parameters(self) -> Iterable[Any]:
+        """What the optimizer gets: the trainable parameters only (frozen ones would get fp32 copies), in a group
+        per component when text encoders train (their own learning rate)."""
+        groups = text_encoders.parameter_groups(self.cfg, self.module)
+        if groups is not None:
+            return groups
+        if not self.partial:
+            return self.module.parameters()
+        return [p for p in self.module.parameters() if p.requires_grad]
 
     def count(self) -> int:
-        return sum(p.numel() for p in self.unet.parameters() if p.requires_grad)
+        return sum(p.numel() for p in self.module.parameters() if p.requires_grad)
 
     def save_kwargs(self, deepspeed: bool) -> dict[str, Any]:
         """`accelerator.save_state` keyword arguments: DeepSpeed leaves frozen parameters out."""
-        return {"exclude_frozen_parameters": True} if self.lora and deepspeed else {}
+        return {"exclude_frozen_parameters": True} if self.partial and deepspeed else {}
 
     def load_kwargs(self, deepspeed: bool) -> dict[str, Any]:
-        """`accelerator.load_state` keyword arguments: the frozen base comes from the model, not the checkpoint."""
-        if not self.lora:
+        """`accelerator.load_state` keyword arguments: the frozen parameters come from the model, not the checkpoint."""
+        if not self.partial:
             return {}
         return {"load_module_strict": False} if deepspeed else {"strict": False}
 
     def after_prepare(self, accelerator: Any, unet: Any) -> None:
         """Collective, after `accelerator.prepare`: exact fp32 masters from `adapter.init_from`, and without
         DeepSpeed a save hook (Accelerate would save the whole model) that keeps the trainable tensors only."""
-        if not self.lora:
+        if not self.partial:
             return
         engine = getattr(accelerator, "deepspeed_engine_wrapped", None)
         if self.cfg.adapter.init_from is not None:
@@ -139,7 +191,8 @@ class Trained:
 
     def export(self, accelerator: Any, unet: Any, ema: Any, run_dir: Path) -> None:
         """Collective: `<run>/lora/pytorch_lora_weights.safetensors` (and `<run>/lora_ema/` with EMA) from
-        the fp32 master weights, gathered on every rank whatever the ZeRO stage; rank 0 writes."""
+        the fp32 master weights, gathered on every rank whatever the ZeRO stage; rank 0 writes. Every LoRA of the
+        run is in the one file (`unet.`, `text_encoder.`, `text_encoder_2.` keys)."""
         engine = getattr(accelerator, "deepspeed_engine_wrapped", None)
         module = accelerator.unwrap_model(unet)
         weights = lora_file.gather_fp32(module, self.names, engine.engine if engine else None,
@@ -150,26 +203,32 @@ class Trained:
         dtype = _DTYPES[self.cfg.adapter.save_dtype.value]
         lora_file.write(run_dir / "lora", module, weights, dtype)
         if shadow is not None:
-            lora_file.write(run_dir / "lora_ema", module, shadow, dtype)
+            lora_file.write(run_dir / "lora_ema", module, {n: v for n, v in shadow.items() if n in set(self.names)},
+                            dtype)
 
 
-def build(cfg: DictConfig, unet: torch.nn.Module) -> Trained:
+def _lora_names(module: torch.nn.Module) -> list[str]:
+    return [n for n, p in module.named_parameters() if p.requires_grad and "lora_" in n]
+
+
+def build(cfg: DictConfig, unet: torch.nn.Module, encoders: dict[str, torch.nn.Module] | None = None) -> Trained:
     """Before `accelerator.prepare`: with `adapter=lora` inject the adapters, freeze and cast the base to
-    the training precision's 16-bit type (the adapters stay fp32), and load `adapter.init_from`."""
-    if not enabled(cfg):
-        return Trained(cfg, unet)
-    _inject(cfg, unet)
-    half = {"bf16": torch.bfloat16, "bf16_pure": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision.name.value)
-    if half is not None:
-        for p in unet.parameters():
-            if not p.requires_grad:
-                p.data = p.data.to(half)
-    if cfg.adapter.init_from is not None:
-        lora_file.load_into(Path(cfg.adapter.init_from), unet)
-        log.info("LoRA initialised from %s", cfg.adapter.init_from)
-    trained = Trained(cfg, unet, [n for n, p in unet.named_parameters() if p.requires_grad])
-    total = sum(p.numel() for p in unet.parameters())
-    log.info("adapter=lora: training %d of %d UNet parameters (%.2f%%), rank %d, alpha %g, targets %s",
-             trained.count(), total, 100 * trained.count() / total, cfg.adapter.rank, cfg.adapter.alpha,
-             list(cfg.adapter.targets))
-    return trained
+    the training precision's 16-bit type (the adapters stay fp32), and load `adapter.init_from`; with trained text
+    encoders (`text_encoders.take` made them trainable) the UNet and them as one module."""
+    if enabled(cfg):
+        _inject(cfg, unet)
+        half = {"bf16": torch.bfloat16, "bf16_pure": torch.bfloat16, "fp16": torch.float16}.get(
+            cfg.precision.name.value)
+        if half is not None:
+            for p in unet.parameters():
+                if not p.requires_grad:
+                    p.data = p.data.to(half)
+        if cfg.adapter.init_from is not None:
+            lora_file.load_into(Path(cfg.adapter.init_from), unet)
+            log.info("LoRA initialised from %s", cfg.adapter.init_from)
+        count, total = sum(p.numel() for p in unet.parameters() if p.requires_grad), sum(
+            p.numel() for p in unet.parameters())
+        log.info("adapter=lora: training %d of %d UNet parameters (%.2f%%), rank %d, alpha %g, targets %s",
+                 count, total, 100 * count / total, cfg.adapter.rank, cfg.adapter.alpha, list(cfg.adapter.targets))
+    module: torch.nn.Module = text_encoders.Denoiser(unet, encoders) if encoders else unet
+    return Trained(cfg, module, _lora_names(module))

@@ -76,10 +76,20 @@ class Carry:
         self._check_names(named)
         with torch.no_grad():
             for name, p in named:
-                key = f"fp32/{name}"
-                if key in self.reader and list(p.shape) == list(self.meta["params"].get(name, [])):
+                saved = self._saved_name(name)
+                key = f"fp32/{saved}"
+                if key in self.reader and list(p.shape) == list(self.meta["params"].get(saved, [])):
                     p.copy_(self.reader.get(key))
                     self.carried.append(name)
+
+    def _saved_name(self, name: str) -> str:
+        """The checkpoint's name of a parameter: its own, or across a change of `text_encoders` (weights only), the
+        UNet's parameter named as in a UNet alone (`x`) or in the UNet trained with its text encoders (`unet.x`)."""
+        assert self.meta is not None
+        if name in self.meta["params"]:
+            return name
+        other = name.removeprefix("unet.") if name.startswith("unet.") else f"unet.{name}"
+        return other if other in self.meta["params"] else name
 
     def _check_names(self, named: list[tuple[str, torch.nn.Parameter]]) -> None:
         """The trainable parameters must match by name and shape unless only the weights are carried."""
@@ -110,7 +120,11 @@ class Carry:
         t = int(self.meta["optimizer_step"])
         if moments:
             _prefill(engine, base, t)
-        write(accelerator, unet, base, self.reader, set(self.carried), moments, t)
+        reader: Source = self.reader
+        renamed = {name: self._saved_name(name) for name in self.carried if self._saved_name(name) != name}
+        if renamed:
+            reader = _Renamed(self.reader, renamed)
+        write(accelerator, unet, base, reader, set(self.carried), moments, t)
         if moments:  # bitsandbytes' 8-bit AdamW: the carried fp32 moments quantized into its own state
             quantized.absorb(engine, base, t)
         step = int(self.meta["step"])
@@ -148,6 +162,23 @@ class Carry:
             log.warning("the checkpoint's EMA covers other parameters: the EMA starts from the carried weights")
             return
         ema.load_state_dict(state)
+
+
+class _Renamed:
+    """A portable state's reader under this model's parameter names (`renamed`: this model's name -> the saved one)."""
+
+    def __init__(self, reader: Source, renamed: dict[str, str]) -> None:
+        self.reader, self.renamed = reader, renamed
+
+    def _key(self, key: str) -> str:
+        kind, _, name = key.partition("/")
+        return f"{kind}/{self.renamed.get(name, name)}"
+
+    def __contains__(self, key: str) -> bool:
+        return self._key(key) in self.reader
+
+    def get(self, key: str) -> torch.Tensor:
+        return self.reader.get(self._key(key))
 
 
 def write(accelerator: Any, unet: Any, base: Any, reader: Source, names: set[str], moments: bool, t: int) -> None:

@@ -40,6 +40,9 @@ def fingerprint(cfg: DictConfig) -> str:
     if cfg.adapter.method.value != "none":  # a LoRA never resumes from a full fine-tune's checkpoint, or another rank's
         a = cfg.adapter
         keys["adapter"] = [a.method.value, int(a.rank), int(a.alpha), list(a.targets)]
+    shape = portability.text_encoders_shape(cfg)
+    if shape is not None:  # trained text encoders: another experiment (absent otherwise, as before they existed)
+        keys["text_encoders"] = shape
     return hashlib.sha256(json.dumps(keys, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 

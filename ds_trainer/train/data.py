@@ -22,7 +22,7 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 from ds_trainer.config import buckets as bucket_geometry
 from ds_trainer.config import holdout
 from ds_trainer.errors import DataError
-from ds_trainer.train import buckets, models
+from ds_trainer.train import buckets, models, text_encoders
 
 log = logging.getLogger(__name__)
 
@@ -343,6 +343,11 @@ class LatentCache:
         # The encoders' dtype is part of what a latent is: a cache built on a GPU in bf16 and one built on a CPU
         # in float32 must not be mixed in a shared cache_dir.
         model["encoders_dtype"] = models.frozen_dtype_name(cfg, str(cfg.resolved.platform or "cpu"))
+        # A trained encoder's samples hold its token ids instead of its embeddings: another cache. (Absent when
+        # both are frozen, so the caches built before text-encoder training keep their keys.)
+        trained = text_encoders.trained(cfg)
+        if trained:
+            model["trained_text_encoders"] = list(trained)
         identity = {"model": model, "resolution": [int(cfg.resolution.width), int(cfg.resolution.height)],
                     "data": data.identity()} if self.names is None else {"model": model}
         key = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
@@ -364,7 +369,7 @@ class LatentCache:
               device: torch.device, batch_size: int = 8) -> int:
         """Encode this rank's share of the samples not cached yet; returns how many it encoded.
         Samples are encoded in batches of one shape (one bucket folder)."""
-        from ds_trainer.train.models import encode_images, encode_prompts
+        from ds_trainer.train.models import encode_images, text_inputs
 
         self.dir.mkdir(parents=True, exist_ok=True)
         todo = sorted((i for i in range(rank, self.n, world) if not self.path(i).exists()),
@@ -376,11 +381,10 @@ class LatentCache:
                 part = group[start:start + batch_size]
                 chunk = [data[i] for i in part]
                 latents = encode_images(frozen, torch.stack([e.pixels for e in chunk]))
-                embeds, pooled = encode_prompts(frozen, [e.caption for e in chunk], device)
+                text = text_inputs(frozen, [e.caption for e in chunk], device)
                 for j, index in enumerate(part):
                     item = {"latents": latents[j].to("cpu", torch.float32).clone(),
-                            "prompt_embeds": embeds[j].to("cpu", torch.float32).clone(),
-                            "pooled": pooled[j].to("cpu", torch.float32).clone(),
+                            **{key: _on_cpu(value[j]) for key, value in text.items()},
                             "time_ids": chunk[j].time_ids.clone()}
                     tmp = self.path(index).with_suffix(f".tmp{os.getpid()}")
                     torch.save(item, tmp)
@@ -404,15 +408,20 @@ class LatentCache:
 def encode_batch(data: SyntheticImages | FolderImages, frozen: Any, indices: list[int],
                  device: torch.device) -> dict[str, torch.Tensor]:
     """The same tensors as LatentCache.load, computed now (data.cache=false)."""
-    from ds_trainer.train.models import encode_images, encode_prompts
+    from ds_trainer.train.models import encode_images, text_inputs
 
     examples = [data[i] for i in indices]
     latents = encode_images(frozen, torch.stack([e.pixels for e in examples]))
-    embeds, pooled = encode_prompts(frozen, [e.caption for e in examples], device)
+    text = text_inputs(frozen, [e.caption for e in examples], device)
     # On the CPU in float32, as the cache holds them: the step draws its noise on the CPU, and on a GPU the
     # encoders' CUDA tensors would meet it there (diffusers' add_noise moves only the schedule's tensors).
-    return {"latents": latents.to("cpu", torch.float32), "prompt_embeds": embeds.to("cpu", torch.float32),
-            "pooled": pooled.to("cpu", torch.float32), "time_ids": torch.stack([e.time_ids for e in examples])}
+    return {"latents": latents.to("cpu", torch.float32), **{key: _on_cpu(value) for key, value in text.items()},
+            "time_ids": torch.stack([e.time_ids for e in examples])}
+
+
+def _on_cpu(value: torch.Tensor) -> torch.Tensor:
+    """A tensor as the cache holds it: on the CPU, float32 if floating (token ids stay integers), not a view."""
+    return value.to("cpu", torch.float32 if value.is_floating_point() else value.dtype).clone()
 
 
 class Loader:

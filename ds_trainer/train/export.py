@@ -1,5 +1,5 @@
-"""The end of a run: the UNet (and EMA UNet) in diffusers format; for sdxl_tiny and a run from a single-file
-checkpoint a whole pipeline."""
+"""The end of a run: the UNet (and EMA UNet) and fully trained text encoders in diffusers format; for sdxl_tiny and a
+run from a single-file checkpoint a whole pipeline."""
 
 from __future__ import annotations
 
@@ -10,37 +10,66 @@ import torch
 from omegaconf import DictConfig
 
 from ds_trainer.config import checkpoint_file
-from ds_trainer.train import models, portable
+from ds_trainer.train import models, portable, text_encoders
 from ds_trainer.train.ema import EMA
 
 
 def diffusers(cfg: DictConfig, accelerator: Any, unet: Any, optimizer: Any, ema: EMA | None, frozen: models.Frozen,
               run_dir: Path) -> None:
     """Collective: under ZeRO-3 every rank takes part in gathering the weights (`get_state_dict`, the fp32
-    masters); rank 0 writes `<run>/unet`, `<run>/unet_ema` and, for sdxl_tiny, `<run>/pipeline`.
+    masters); rank 0 writes `<run>/unet` and `<run>/unet_ema` (a fully trained text encoder also to
+    `<run>/text_encoder[_2]` and `..._ema`) and, for sdxl_tiny, `<run>/pipeline`. Parts trained as LoRA are the
+    LoRA file's (`adapter.Trained.export`); the pipeline holds their base.
 
-    The UNet is exported at its most precise: in 16-bit training DeepSpeed's module holds bf16/fp16 copies and
+    The weights are exported at their most precise: in 16-bit training DeepSpeed's module holds bf16/fp16 copies and
     the fp32 master weights live in its optimizer, so the trained weights are read from there (as the portable
     state and the LoRA file do); FSDP's and DDP's modules hold the fp32 weights themselves. A bf16 run exported
     from ZeRO and one exported from FSDP so agree to the training's noise, not to bf16's rounding."""
-    from diffusers import UNet2DConditionModel
-
     state = accelerator.get_state_dict(unet)
     masters = _masters(accelerator, unet, optimizer)  # collective
     shadow = ema.full(dst=0) if ema else None  # collective: the EMA is sharded across the ranks
     if not accelerator.is_main_process:
         return
-    config = accelerator.unwrap_model(unet).config
-    exported = {}
-    for name, weights in (("unet", {**state, **masters}), ("unet_ema", shadow)):
-        if weights is None:
-            continue
-        model = UNet2DConditionModel.from_config(config)
-        model.load_state_dict({k: v.float() for k, v in weights.items()})
-        model.save_pretrained(run_dir / name)
-        exported[name] = model
+    # Built whole on rank 0 alone: under a live ZeRO-3 config transformers would partition a text encoder as it is
+    # constructed, a collective the other ranks never join.
+    with models.outside_zero3(accelerator.state.deepspeed_plugin):
+        _write(cfg, accelerator.unwrap_model(unet), {**state, **masters}, shadow, frozen, run_dir)
+
+
+def _write(cfg: DictConfig, module: Any, weights: dict[str, torch.Tensor], shadow: dict[str, torch.Tensor] | None,
+           frozen: models.Frozen, run_dir: Path) -> None:
+    whole = not isinstance(module, text_encoders.Denoiser)
+    exported: dict[str, Any] = {}
+    for name, part in text_encoders.components(module):
+        if text_encoders.is_lora(part):
+            continue  # a LoRA: in the LoRA file, on the base the pipeline holds
+        trained = weights if whole else text_encoders.split(weights, name)
+        averaged = shadow if whole or shadow is None else text_encoders.split(shadow, name)
+        for folder, values in ((name, trained), (f"{name}_ema", averaged)):
+            if values is None:
+                continue
+            # The EMA holds the trained parameters: a part the training never moves (CLIP-L's unused last layer)
+            # is the trained weights' own.
+            model = _fresh(part)
+            model.load_state_dict({k: v.float() for k, v in {**trained, **values}.items()})
+            model.save_pretrained(run_dir / folder)
+            exported[folder] = model
     if cfg.model.name == "sdxl_tiny" or checkpoint_file.is_single_file(cfg.model.pretrained):
-        _pipeline(cfg, frozen, exported.get("unet_ema", exported["unet"]), run_dir)
+        parts = {name: exported.get(f"{name}_ema", exported.get(name)) for name in ("unet", *_ENCODERS)}
+        _pipeline(cfg, frozen, run_dir, **{k: v for k, v in parts.items() if v is not None})
+
+
+_ENCODERS = ("text_encoder", "text_encoder_2")
+
+
+def _fresh(part: Any) -> Any:
+    """A float32 model of `part`'s class and config, to load exported weights into (on the CPU)."""
+    from diffusers import UNet2DConditionModel
+
+    if isinstance(part, UNet2DConditionModel):
+        return UNet2DConditionModel.from_config(part.config)  # type: ignore[attr-defined]
+    model = type(part)(part.config)
+    return model.to(torch.float32)
 
 
 def _masters(accelerator: Any, unet: Any, optimizer: Any) -> dict[str, torch.Tensor]:
@@ -56,27 +85,30 @@ def _masters(accelerator: Any, unet: Any, optimizer: Any) -> dict[str, torch.Ten
             if keep and values[0] is not None}
 
 
-def _pipeline(cfg: DictConfig, frozen: models.Frozen, unet: Any, run_dir: Path) -> None:
+def _pipeline(cfg: DictConfig, frozen: models.Frozen, run_dir: Path, **trained: Any) -> None:
+    """`<run>/pipeline`: the trained parts given (`unet`, `text_encoder`, `text_encoder_2`), the rest as loaded
+    (the base of a part trained as LoRA)."""
     from diffusers import StableDiffusionXLPipeline
     from transformers.utils import logging as transformers_logging
 
     transformers_logging.disable_progress_bar()  # a "Writing model shards" bar per text encoder, on the terminal
-    parts = (frozen.vae, frozen.text_encoder, frozen.text_encoder_2)
-    if any(p.dtype != torch.float32 for p in parts):
+    if any(p is None or p.dtype != torch.float32 for p in (frozen.vae, frozen.text_encoder, frozen.text_encoder_2)):
         # Training ran them in 16 bits (a GPU run): up-casting those copies would save rounded weights as
-        # float32. The pipeline gets them as loaded, from the source, on the CPU.
+        # float32; or an encoder trained and its base is needed. The pipeline gets them as loaded, from the source,
+        # on the CPU.
         frozen = models.load_frozen(cfg)
     for part in (frozen.vae, frozen.text_encoder, frozen.text_encoder_2):
         part.to("cpu")
-    pipe = StableDiffusionXLPipeline(vae=frozen.vae, text_encoder=frozen.text_encoder,
-                                     text_encoder_2=frozen.text_encoder_2, tokenizer=frozen.tokenizer,
-                                     tokenizer_2=frozen.tokenizer_2, unet=unet,
+    pipe = StableDiffusionXLPipeline(vae=frozen.vae, text_encoder=trained.get("text_encoder", frozen.text_encoder),
+                                     text_encoder_2=trained.get("text_encoder_2", frozen.text_encoder_2),
+                                     tokenizer=frozen.tokenizer, tokenizer_2=frozen.tokenizer_2,
+                                     unet=trained["unet"] if "unet" in trained else models.load_unet(cfg).eval(),
                                      scheduler=models.inference_scheduler(cfg))
     pipe.save_pretrained(run_dir / "pipeline")  # type: ignore[attr-defined]
 
 
 def base_pipeline(cfg: DictConfig, accelerator: Any, frozen: models.Frozen, run_dir: Path) -> None:
-    """With `adapter=lora` on sdxl_tiny (random weights nobody else has): the untrained base pipeline on
+    """With everything trained as LoRA on sdxl_tiny (random weights nobody else has): the untrained base pipeline on
     rank 0, so that `<run>/lora` can be loaded into it with `load_lora_weights`."""
     if cfg.model.name == "sdxl_tiny" and accelerator.is_main_process:
-        _pipeline(cfg, frozen, models.load_unet(cfg).eval(), run_dir)
+        _pipeline(cfg, frozen, run_dir)

@@ -84,18 +84,29 @@ def set_fp32(module: torch.nn.Module, names: list[str], path: Path, engine: Any)
 
 
 def write(folder: Path, module: Any, weights: dict[str, torch.Tensor], dtype: torch.dtype) -> Path:
-    """Write `weights` (named like the module's parameters) as a diffusers LoRA file, atomically."""
+    """Write `weights` (named like the module's parameters) as a diffusers LoRA file, atomically: the UNet's
+    adapters under `unet.`, a trained text encoder's under `text_encoder.` / `text_encoder_2.`, each part's peft
+    config in the file's metadata, so that one `load_lora_weights` call loads them all."""
     from diffusers import StableDiffusionXLPipeline
     from diffusers.utils import convert_state_dict_to_diffusers
     from peft.utils import get_peft_model_state_dict
 
-    peft_sd = get_peft_model_state_dict(module, state_dict=weights)
-    layers = {k: v.to(dtype).contiguous() for k, v in convert_state_dict_to_diffusers(peft_sd).items()}
-    metadata = module.peft_config["default"].to_dict()
+    from ds_trainer.train import text_encoders
+
+    kwargs: dict[str, Any] = {}
+    whole = not isinstance(module, text_encoders.Denoiser)
+    part: Any
+    for name, part in text_encoders.components(module):
+        mine = weights if whole else text_encoders.split(weights, name)
+        if not mine or not text_encoders.is_lora(part):
+            continue  # a fully trained component: exported as a model, not in the LoRA file
+        peft_sd = get_peft_model_state_dict(part, state_dict=mine)
+        kwargs[f"{name}_lora_layers"] = {k: v.to(dtype).contiguous()
+                                         for k, v in convert_state_dict_to_diffusers(peft_sd).items()}
+        kwargs[f"{name}_lora_adapter_metadata"] = part.peft_config["default"].to_dict()
     tmp = folder / ".partial"
     tmp.mkdir(parents=True, exist_ok=True)
-    StableDiffusionXLPipeline.save_lora_weights(tmp, unet_lora_layers=layers, unet_lora_adapter_metadata=metadata,
-                                                safe_serialization=True)
+    StableDiffusionXLPipeline.save_lora_weights(tmp, **kwargs, safe_serialization=True)
     final = folder / WEIGHT_NAME
     os.replace(tmp / WEIGHT_NAME, final)
     tmp.rmdir()

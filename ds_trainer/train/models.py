@@ -25,10 +25,14 @@ class Frozen:
     """The parts that are not trained: kept out of ZeRO, used to encode images and captions."""
 
     vae: Any
-    text_encoder: Any
+    text_encoder: Any  # None where it trains (text_encoders=lora|full): it is part of the trained module then
     text_encoder_2: Any
     tokenizer: Any
     tokenizer_2: Any
+
+    def modules(self) -> list[Any]:
+        """The frozen modules (the VAE and the encoders that do not train)."""
+        return [m for m in (self.vae, self.text_encoder, self.text_encoder_2) if m is not None]
 
 
 def _source(cfg: DictConfig) -> tuple[str, dict[str, Any]]:
@@ -142,13 +146,39 @@ def encode_prompts(frozen: Frozen, prompts: list[str], device: torch.device) -> 
     states = []
     pooled = None
     for tokenizer, encoder in ((frozen.tokenizer, frozen.text_encoder), (frozen.tokenizer_2, frozen.text_encoder_2)):
-        ids = tokenizer(prompts, padding="max_length", max_length=tokenizer.model_max_length, truncation=True,
-                        return_tensors="pt").input_ids.to(device)
+        ids = token_ids(tokenizer, prompts).to(device)
         out = encoder(ids, output_hidden_states=True)
         states.append(out.hidden_states[-2])
         pooled = out.text_embeds if hasattr(out, "text_embeds") else out[0]
     assert pooled is not None
     return torch.cat(states, dim=-1), pooled
+
+
+def token_ids(tokenizer: Any, prompts: list[str]) -> torch.Tensor:
+    return tokenizer(prompts, padding="max_length", max_length=tokenizer.model_max_length, truncation=True,
+                     return_tensors="pt").input_ids
+
+
+@torch.no_grad()
+def text_inputs(frozen: Frozen, prompts: list[str], device: torch.device) -> dict[str, torch.Tensor]:
+    """What a batch carries for its captions: with both encoders frozen their conditioning (`prompt_embeds`,
+    `pooled`); with an encoder trained (its slot in `frozen` is None) its token ids (`input_ids`, `input_ids_2`)
+    and the frozen one's outputs (`embeds_1`, or `embeds_2` and `pooled`), which the trained module joins."""
+    if frozen.text_encoder is not None and frozen.text_encoder_2 is not None:
+        embeds, pooled = encode_prompts(frozen, prompts, device)
+        return {"prompt_embeds": embeds, "pooled": pooled}
+    out: dict[str, torch.Tensor] = {}
+    if frozen.text_encoder is None:
+        out["input_ids"] = token_ids(frozen.tokenizer, prompts)
+    else:
+        ids = token_ids(frozen.tokenizer, prompts).to(device)
+        out["embeds_1"] = frozen.text_encoder(ids, output_hidden_states=True).hidden_states[-2]
+    if frozen.text_encoder_2 is None:
+        out["input_ids_2"] = token_ids(frozen.tokenizer_2, prompts)
+    else:
+        result = frozen.text_encoder_2(token_ids(frozen.tokenizer_2, prompts).to(device), output_hidden_states=True)
+        out["embeds_2"], out["pooled"] = result.hidden_states[-2], result.text_embeds
+    return out
 
 
 @torch.no_grad()

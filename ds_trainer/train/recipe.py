@@ -1,8 +1,9 @@
 """The SDXL training recipe, top to bottom: setup, loop, save.
 
-Only the UNet goes through `accelerator.prepare`, with the optimizer and scheduler the DeepSpeed JSON
-defines (DummyOptim/DummyScheduler stand in for them); the VAE and text encoders stay frozen and out
-of ZeRO. The loop's body is one call to `step.TrainStep` (micro-batches, backward, optimizer, stop
+Only the trained module goes through `accelerator.prepare`, with the optimizer and scheduler the DeepSpeed
+JSON defines (DummyOptim/DummyScheduler stand in for them): the UNet, or with `text_encoders=lora|full` the UNet
+and the trained encoders as one module (train/text_encoders.py); the VAE and frozen text encoders stay out of
+ZeRO. The loop's body is one call to `step.TrainStep` (micro-batches, backward, optimizer, stop
 signal, metrics); checkpoints and the export come after it at named points.
 """
 
@@ -40,6 +41,7 @@ from ds_trainer.train import (
     schedule_free,
     startup,
     stop,
+    text_encoders,
     validate,
 )
 from ds_trainer.train.ema import EMA
@@ -285,7 +287,7 @@ def _train(cfg: DictConfig, ds: dict[str, Any] | None, run_dir: Path, accelerato
     if getattr(dataset, "layout", None) is not None:
         tracker.add_facts({"buckets": dataset.layout.counts()})  # type: ignore[union-attr]
     torch.manual_seed(int(cfg.train.seed))
-    frozen = _load_frozen(cfg, accelerator, info.kind)
+    frozen, encoders = _load_frozen(cfg, accelerator, info.kind)
     cache = _build_cache(cfg, accelerator, dataset, frozen)
     vset = validate.ValidationSet(cfg, accelerator, frozen,
                                   lambda images: _build_cache(cfg, accelerator, images, frozen)) \
@@ -296,11 +298,13 @@ def _train(cfg: DictConfig, ds: dict[str, Any] | None, run_dir: Path, accelerato
     startup.mark("data, frozen encoders, cache check")
     if cache is not None and info.kind == "cuda":
         # Training reads the cache: the frozen encoders need no GPU memory from here on.
-        for part in (frozen.vae, frozen.text_encoder, frozen.text_encoder_2):
+        for part in frozen.modules():
             part.to("cpu")
         torch.cuda.empty_cache()
-    unet = models.load_unet(cfg)
-    trained = adapter.build(cfg, unet)  # adapter=lora: inject, freeze, cast the base; else the whole UNet
+    # adapter=lora: inject, freeze, cast the base; else the whole UNet. With trained text encoders the model is
+    # the UNet and those encoders as one module (text_encoders.Denoiser), which "unet" names from here on.
+    trained = adapter.build(cfg, models.load_unet(cfg), encoders)
+    unet = trained.module
     # Under another layout than the checkpoint's (stage, offload, ranks, batch split) its portable state
     # carries over; otherwise DeepSpeed's native load (`_resume`).
     resumed = carry.Carry(cfg, resume_from)
@@ -317,6 +321,9 @@ def _train(cfg: DictConfig, ds: dict[str, Any] | None, run_dir: Path, accelerato
         log.info("EMA (%.0f MiB in fp32) sharded over %d ranks: rank 0 keeps and updates %.0f MiB of it",
                  whole, accelerator.num_processes, mine)
     optimizer, scheduler = _optimizer_and_scheduler(cfg, ds, trained.parameters)
+    if text_encoders.enabled(cfg) and accelerator.is_main_process:
+        text_encoders.describe(cfg, unet)
+        tracker.add_facts({"trained_parameters": text_encoders.counts(unet)})  # summary.json, W&B: what trained
     if ds is not None and "nvme" in (cfg.resolved.optimizer_state_on, cfg.resolved.params_on):
         _check_swap_space(cfg, accelerator)
     if scheduler is None:
@@ -382,25 +389,29 @@ def _train(cfg: DictConfig, ds: dict[str, Any] | None, run_dir: Path, accelerato
             if progress is not None:
                 progress.close()
 
-    # --- the end: the model in diffusers format
-    if cfg.train.export and trained.lora:
+    # --- the end: the model in diffusers format (what trained as LoRA in the LoRA file, the rest as models)
+    if cfg.train.export:
         with eval_weights():
-            trained.export(accelerator, unet, ema, run_dir)
-        export.base_pipeline(cfg, accelerator, frozen, run_dir)
-    elif cfg.train.export:
-        with eval_weights():
-            export.diffusers(cfg, accelerator, unet, optimizer, ema, frozen, run_dir)
+            if trained.lora:
+                trained.export(accelerator, unet, ema, run_dir)
+            if trained.full:
+                export.diffusers(cfg, accelerator, unet, optimizer, ema, frozen, run_dir)
+            else:
+                export.base_pipeline(cfg, accelerator, frozen, run_dir)
 
 
-def _load_frozen(cfg: DictConfig, accelerator: Any, kind: str) -> models.Frozen:
-    """The VAE and text encoders, outside ZeRO-3, on the training device, in the precision's dtype (float32
-    on the CPU; the VAE in float32 when its config asks, as SDXL's does)."""
+def _load_frozen(cfg: DictConfig, accelerator: Any, kind: str) -> tuple[models.Frozen, dict[str, torch.nn.Module]]:
+    """The VAE and frozen text encoders, outside ZeRO-3, on the training device, in the precision's dtype (float32
+    on the CPU; the VAE in float32 when its config asks, as SDXL's does); and the encoders that train
+    (`text_encoders=lora|full`), taken out of them in float32 (they go into the trained module)."""
     frozen = models.load_frozen(cfg, accelerator.state.deepspeed_plugin)
+    encoders = text_encoders.take(cfg, frozen)
     dtype = getattr(torch, models.frozen_dtype_name(cfg, kind))
-    frozen.text_encoder.to(accelerator.device, dtype)
-    frozen.text_encoder_2.to(accelerator.device, dtype)
+    for encoder in (frozen.text_encoder, frozen.text_encoder_2):
+        if encoder is not None:
+            encoder.to(accelerator.device, dtype)
     frozen.vae.to(accelerator.device, torch.float32 if frozen.vae.config.force_upcast or kind == "cpu" else dtype)
-    return frozen
+    return frozen, encoders
 
 
 def _checkpoint_schedule(accelerator: Any, ds: dict[str, Any] | None, scheduler: Any,

@@ -32,7 +32,7 @@ from omegaconf import DictConfig
 
 from ds_trainer.config import samples
 from ds_trainer.errors import TrainingError
-from ds_trainer.train import accel, metrics, models
+from ds_trainer.train import accel, metrics, models, text_encoders
 from ds_trainer.train.ema import EMA
 
 log = logging.getLogger("ds_trainer")
@@ -176,7 +176,7 @@ class Sampler:
         self.dir = run_dir / "samples"
         if not self.enabled:
             return
-        if self.ema is not None and cfg.adapter.method.value != "none":
+        if self.ema is not None and cfg.adapter.method.value != "none" and not text_encoders.enabled(cfg):
             # A LoRA's EMA holds the adapters only; sampling with it would need the frozen base gathered too.
             log.warning("samples: adapter=%s samples with the trained adapters, not their EMA (the EMA LoRA is "
                         "exported to <run>/lora_ema)", cfg.adapter.method.value)
@@ -234,9 +234,9 @@ class Sampler:
         rank, world = self.accelerator.process_index, self.accelerator.num_processes
         calls = math.ceil(len(self.units) / world)
         device = self.accelerator.device
-        with self._sampling_unet() as unet, self._frozen_on(device), plain_linear(), torch.random.fork_rng(
-                devices=[device.index or 0] if device.type == "cuda" else []):
-            pipe = self._pipeline(unet)
+        with self._sampling_unet() as (unet, encoders), self._frozen_on(device), plain_linear(), \
+                torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []):
+            pipe = self._pipeline(unet, encoders)
             out = []
             for k in range(calls):
                 u = k * world + rank
@@ -247,23 +247,35 @@ class Sampler:
         return out
 
     @contextlib.contextmanager
-    def _sampling_unet(self) -> Iterator[Any]:
-        """The UNet to sample with, in eval mode (its mode is restored afterwards). The casts are no-ops
-        where dtypes already agree (a float32 UNet on the CPU); on a GPU the text encoders are bf16."""
-        unet = ema_unet(self.accelerator, self.unet, self.ema, "samples.ema") if self.ema is not None \
-            else self.accelerator.unwrap_model(self.unet)
-        was_training = unet.training
-        unet.eval()
+    def _sampling_unet(self) -> Iterator[tuple[Any, dict[str, Any]]]:
+        """The UNet to sample with and the trained text encoders (none when they are frozen), in eval mode (their
+        modes are restored afterwards). The casts are no-ops where dtypes already agree (a float32 UNet on the CPU);
+        on a GPU the text encoders are bf16. With trained encoders the EMA's values are put into the trained module
+        for the time of the samples (`EMA.applied`: UNet and encoders together, cast to the module's dtype)."""
+        module = self.accelerator.unwrap_model(self.unet)
+        weights: contextlib.AbstractContextManager = contextlib.nullcontext()
+        if isinstance(module, text_encoders.Denoiser):
+            unet, encoders = module.unet, {name: getattr(module, name) for name in module.encoder_names}
+            if self.ema is not None:
+                weights = self.ema.applied(module)
+        else:
+            unet = ema_unet(self.accelerator, self.unet, self.ema, "samples.ema") if self.ema is not None else module
+            encoders = {}
+        parts = [unet, *encoders.values()]
+        modes = [part.training for part in parts]
+        for part in parts:
+            part.eval()
         try:
-            with unet_in_its_dtype(unet), _vae_decode_in_its_dtype(self.frozen.vae):
-                yield unet
+            with weights, unet_in_its_dtype(unet), _vae_decode_in_its_dtype(self.frozen.vae):
+                yield unet, encoders
         finally:
-            unet.train(was_training)
+            for part, mode in zip(parts, modes, strict=True):
+                part.train(mode)
 
     @contextlib.contextmanager
     def _frozen_on(self, device: torch.device) -> Iterator[None]:
         """The frozen encoders on the sampling device (training may have moved them to the CPU after caching)."""
-        parts = (self.frozen.vae, self.frozen.text_encoder, self.frozen.text_encoder_2)
+        parts = self.frozen.modules()
         before = [next(p.parameters()).device for p in parts]
         for part in parts:
             part.to(device)
@@ -275,11 +287,12 @@ class Sampler:
             if device.type == "cuda" and any(where != device for where in before):
                 torch.cuda.empty_cache()
 
-    def _pipeline(self, unet: Any) -> Any:
+    def _pipeline(self, unet: Any, encoders: dict[str, Any]) -> Any:
         from diffusers import StableDiffusionXLPipeline
 
         f = self.frozen
-        pipe = StableDiffusionXLPipeline(vae=f.vae, text_encoder=f.text_encoder, text_encoder_2=f.text_encoder_2,
+        pipe = StableDiffusionXLPipeline(vae=f.vae, text_encoder=encoders.get("text_encoder", f.text_encoder),
+                                         text_encoder_2=encoders.get("text_encoder_2", f.text_encoder_2),
                                          tokenizer=f.tokenizer, tokenizer_2=f.tokenizer_2, unet=unet,
                                          scheduler=models.inference_scheduler(self.cfg))
         pipe.set_progress_bar_config(disable=True)  # type: ignore[attr-defined]

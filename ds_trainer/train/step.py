@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from ds_trainer.train import metrics
+from ds_trainer.train import metrics, text_encoders
 from ds_trainer.train.data import Loader
 from ds_trainer.train.ema import EMA
 from ds_trainer.train.stop import StopRequest
@@ -52,9 +52,14 @@ def denoising_losses(unet: Any, noise_sched: Any, batch: dict[str, torch.Tensor]
     noisy = noise_sched.add_noise(latents, noise, t)
     prediction_type = noise_sched.config.prediction_type
     target = noise if prediction_type == "epsilon" else noise_sched.get_velocity(latents, noise, t)
-    cond = {"text_embeds": batch["pooled"].to(device, dtype), "time_ids": batch["time_ids"].to(device, dtype)}
-    pred = unet(noisy.to(device, dtype), t.to(device), batch["prompt_embeds"].to(device, dtype),
-                added_cond_kwargs=cond).sample
+    if "prompt_embeds" in batch:  # the text encoders are frozen: their cached conditioning
+        cond = {"text_embeds": batch["pooled"].to(device, dtype), "time_ids": batch["time_ids"].to(device, dtype)}
+        pred = unet(noisy.to(device, dtype), t.to(device), batch["prompt_embeds"].to(device, dtype),
+                    added_cond_kwargs=cond).sample
+    else:  # a text encoder trains: the model (text_encoders.Denoiser) encodes the token ids itself
+        text = {key: value.to(device, dtype) if value.is_floating_point() else value.to(device)
+                for key, value in batch.items() if key in text_encoders.TEXT_KEYS}
+        pred = unet(noisy.to(device, dtype), t.to(device), text, batch["time_ids"].to(device, dtype)).sample
     per_sample = torch.nn.functional.mse_loss(pred.float(), target.to(device).float(), reduction="none")
     return per_sample.mean(dim=list(range(1, per_sample.ndim)))
 
@@ -153,6 +158,8 @@ class TrainStep:
 
     def _log(self, step: int, mean_loss: float, grad_norm: float | None, elapsed: float, data_wait: float) -> None:
         values: dict[str, Any] = {"loss": mean_loss, "lr": learning_rate(self.optimizer, self.scheduler),
+                                  **({"lr_text_encoders": learning_rate(self.optimizer, self.scheduler, group=1)}
+                                     if len(self.optimizer.param_groups) > 1 else {}),
                                   "s_per_it": elapsed, "data_wait_s": data_wait,
                                   "images_per_s": self.images_per_step / elapsed,
                                   "host_rss_peak_mib": metrics.host_rss_peak_mib(), **metrics.gpu_memory(self.device)}
@@ -164,13 +171,14 @@ class TrainStep:
                                       **self.tracker.postfix, refresh=False)
 
 
-def learning_rate(optimizer: Any, scheduler: Any) -> float:
+def learning_rate(optimizer: Any, scheduler: Any, group: int = 0) -> float:
+    """The LR of parameter group `group` (0: the UNet's; 1: the trained text encoders')."""
     if scheduler is not None and hasattr(scheduler, "get_last_lr"):
         try:
-            return float(scheduler.get_last_lr()[0])
+            return float(scheduler.get_last_lr()[group])
         except (AttributeError, IndexError, TypeError):
             pass
-    return float(optimizer.param_groups[0]["lr"])
+    return float(optimizer.param_groups[group]["lr"])
 
 
 def _mem_text(values: dict[str, Any]) -> str:

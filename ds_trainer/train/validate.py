@@ -27,7 +27,7 @@ import torch
 from omegaconf import DictConfig
 
 from ds_trainer.config import holdout
-from ds_trainer.train import data, metrics, models
+from ds_trainer.train import data, metrics, models, text_encoders
 from ds_trainer.train.ema import EMA
 from ds_trainer.train.sampling import ema_unet, plain_linear
 from ds_trainer.train.step import denoising_losses
@@ -105,7 +105,9 @@ class Validator:
         self.cfg, self.accelerator, self.unet, self.vset = cfg, accelerator, unet, vset
         self.tracker, self.dtype, self.weights = tracker, dtype, weights
         self.ema = ema if cfg.validation.ema else None
-        self.adapter = cfg.adapter.method.value != "none"
+        # The EMA put into the live module (a LoRA's adapters on its frozen base; the UNet and text encoders trained
+        # together), rather than a float32 UNet built on it.
+        self.in_place = cfg.adapter.method.value != "none" or text_encoders.enabled(cfg)
 
     def after_step(self, step: int, stopping: bool = False) -> None:
         """Validate if `step` is due (every rank decides the same); not when a stop request cut the run short."""
@@ -114,7 +116,7 @@ class Validator:
         start = time.perf_counter()
         with self.weights():
             values = {"val_loss": self.score(self.accelerator.unwrap_model(self.unet), self.dtype)}
-        if self.ema is not None and self.adapter:  # the EMA adapters in the live UNet, on its frozen base
+        if self.ema is not None and self.in_place:
             module = self.accelerator.unwrap_model(self.unet)
             with self.ema.applied(module):
                 values["val_loss_ema"] = self.score(module, self.dtype)

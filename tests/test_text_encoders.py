@@ -1,0 +1,276 @@
+"""Training SDXL's text encoders with the UNet (`text_encoders=lora|full`) on the CPU: one module in one engine, a
+parameter group per component, the embeddings of a trained encoder computed every step, the combined LoRA file that
+one `load_lora_weights` call loads, the full export, samples with the trained encoders under ZeRO-3, checkpoints
+that resume natively and under another layout, and the one-screen errors.
+
+Two shared two-rank runs carry most checks: LoRA UNet + LoRA encoders under ZeRO-2 (at their own learning rate),
+and full UNet + full encoders under ZeRO-3 in fp32 with EMA and a sample. `make test-long` trains both kinds under
+DDP, ZeRO-2 and ZeRO-3 on two ranks to a falling loss.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numerics
+import pytest
+from conftest import make_cfg, run_cli, run_dirs, torchrun
+
+torch = pytest.importorskip("torch")
+# One worker runs this module's tests, so its two shared runs are trained once (not once per pytest-xdist worker).
+pytestmark = pytest.mark.xdist_group("text_encoders")
+
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # exact pixel comparisons (tests/test_sampling.py says why)
+LORA_LR, TEXT_LR = 1e-4, 3e-4
+LORA_RUN = ["zero=stage2", "adapter=lora", "adapter.rank=4", "adapter.alpha=4", "text_encoders=lora",
+            f"optimizer.lr={LORA_LR}", f"text_encoders.lr={TEXT_LR}", "scheduler=warmup", "scheduler.warmup_steps=2",
+            "train.max_steps=4", "train.checkpoint_every=2", "data.num_samples=4", "logger=none"]
+FULL_RUN = ["zero=stage3", "text_encoders=full", "precision=fp32", "train.max_steps=4", "train.checkpoint_every=2",
+            "data.num_samples=4", "logger=none", "train.ema=true", "train.ema_decay=0.5", "samples=on",
+            "samples.every=0", "samples.steps=2", "samples.seeds=[5]", "samples.prompts=[a red square]"]
+PROMPT = "a red square on a blue background"
+
+
+def _two_ranks(cwd: Path, *overrides: str) -> Path:
+    cwd.mkdir(parents=True, exist_ok=True)
+    result = subprocess.run([*torchrun(2), "-m", "ds_trainer", *overrides], cwd=cwd, capture_output=True, text=True,
+                            env={**os.environ, **ONE_THREAD}, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (run_dir,) = run_dirs(cwd)
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def lora_run(module_tmp: Callable[[str], Path]) -> Path:
+    return _two_ranks(module_tmp("te_lora"), *LORA_RUN)
+
+
+@pytest.fixture(scope="module")
+def full_run(module_tmp: Callable[[str], Path]) -> Path:
+    return _two_ranks(module_tmp("te_full"), *FULL_RUN)
+
+
+def _rows(run_dir: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _safetensors(path: Path) -> dict[str, Any]:
+    from safetensors.torch import load_file
+
+    return dict(load_file(path))
+
+
+def _model_weights(folder: Path) -> dict[str, Any]:
+    (file,) = [f for f in folder.glob("*.safetensors")]
+    return _safetensors(file)
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_lora_unet_and_encoders_train_into_one_file(lora_run: Path) -> None:
+    tensors = _safetensors(lora_run / "lora" / "pytorch_lora_weights.safetensors")
+    assert {k.split(".")[0] for k in tensors} == {"unet", "text_encoder", "text_encoder_2"}
+    # peft starts every up (B) matrix at zero: each one moved, so every adapter of every component trained.
+    ups = {k: v for k, v in tensors.items() if ".up." in k or "lora_B" in k}
+    assert ups and all(v.abs().max() > 0 for v in ups.values()), [k for k, v in ups.items() if v.abs().max() == 0]
+    # CLIP-L's last layer feeds nothing SDXL reads: no adapter there (sdxl_tiny's CLIP-L has layers 0 and 1).
+    clip_l = [k for k in tensors if k.startswith("text_encoder.")]
+    assert clip_l and not any(".layers.1." in k for k in clip_l)
+    assert any(".layers.1." in k for k in tensors if k.startswith("text_encoder_2."))  # bigG's last layer trains
+    summary = json.loads((lora_run / "summary.json").read_text())
+    assert summary["status"] == "ok"
+    assert set(summary["trained_parameters"]) == {"unet", "text_encoder", "text_encoder_2"}
+    assert all(n > 0 for n in summary["trained_parameters"].values())
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_each_component_gets_its_learning_rate_on_the_one_schedule(lora_run: Path) -> None:
+    rows = _rows(lora_run)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    for row in rows:  # the encoders' group follows the UNet's warm-up at its own peak
+        assert math.isclose(row["lr_text_encoders"], row["lr"] * TEXT_LR / LORA_LR, rel_tol=1e-9), row
+    assert rows[0]["lr"] < rows[-1]["lr"]  # still warming up at step 1 (the LR each step ran at is logged)
+    assert math.isclose(rows[-1]["lr"], LORA_LR, rel_tol=1e-9)
+    assert math.isclose(rows[-1]["lr_text_encoders"], TEXT_LR, rel_tol=1e-9)
+    ds = json.loads((lora_run / "ds_config.json").read_text())
+    assert ds["scheduler"]["params"]["warmup_max_lr"] == [LORA_LR, TEXT_LR]
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_the_lora_file_loads_in_one_call_and_unloads(lora_run: Path) -> None:
+    from diffusers import StableDiffusionXLPipeline
+
+    pipe = StableDiffusionXLPipeline.from_pretrained(lora_run / "pipeline")  # the untrained base
+    pipe.set_progress_bar_config(disable=True)
+
+    def embeds_and_image() -> tuple[Any, Any]:
+        embeds = pipe.encode_prompt(PROMPT, do_classifier_free_guidance=False)
+        image = pipe(PROMPT, num_inference_steps=2, width=128, height=128, output_type="np",
+                     generator=torch.Generator().manual_seed(1)).images[0]
+        return embeds, image
+
+    (base_embeds, _, base_pooled, _), base_image = embeds_and_image()
+    pipe.load_lora_weights(lora_run / "lora")
+    (embeds, _, pooled, _), image = embeds_and_image()
+    assert not torch.equal(embeds, base_embeds) and not torch.equal(pooled, base_pooled)
+    assert (image != base_image).any()
+    pipe.unload_lora_weights()
+    (embeds, _, pooled, _), image = embeds_and_image()
+    assert torch.equal(embeds, base_embeds) and torch.equal(pooled, base_pooled)
+    assert (image == base_image).all()
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_a_lora_run_with_encoders_resumes_natively_bit_for_bit(lora_run: Path, tmp_path: Path) -> None:
+    resumed = _two_ranks(tmp_path, *LORA_RUN, f"resume={lora_run / 'checkpoints' / 'step_00000002'}",
+                         "train.final_checkpoint=false")
+    assert [r["step"] for r in _rows(resumed)] == [3, 4]
+    assert [r["loss"] for r in _rows(resumed)] == [r["loss"] for r in _rows(lora_run)][2:]
+    got = _safetensors(resumed / "lora" / "pytorch_lora_weights.safetensors")
+    expected = _safetensors(lora_run / "lora" / "pytorch_lora_weights.safetensors")
+    assert got.keys() == expected.keys()
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_full_encoders_are_exported_trained_and_sampled_under_zero3(full_run: Path) -> None:
+    from diffusers import StableDiffusionXLPipeline
+
+    from ds_trainer.train import models
+
+    base = models.load_frozen(make_cfg())  # the untrained encoders (sdxl_tiny's seeded random weights)
+    for name in ("text_encoder", "text_encoder_2"):
+        trained = _model_weights(full_run / name)
+        untouched = {k: v for k, v in getattr(base, name).state_dict().items() if k in trained}
+        moved = [k for k in trained if not torch.equal(trained[k], untouched[k])]
+        frozen = [k for k in trained if ".layers.1." in k or "final_layer_norm" in k] if name == "text_encoder" else []
+        assert frozen and all(k not in moved for k in frozen) or name == "text_encoder_2"
+        assert set(moved) == set(trained) - set(frozen), sorted(set(trained) - set(frozen) - set(moved))[:5]
+        assert (full_run / f"{name}_ema").is_dir()
+    # The sample used the trained encoders and the EMA (samples.ema): the exported pipeline holds those, in fp32,
+    # and makes the same image.
+    pipe = StableDiffusionXLPipeline.from_pretrained(full_run / "pipeline")
+    pipe.set_progress_bar_config(disable=True)
+    for name in ("unet", "text_encoder", "text_encoder_2"):
+        exported = _model_weights(full_run / "pipeline" / name)
+        assert all(torch.equal(exported[k], v) for k, v in _model_weights(full_run / f"{name}_ema").items())
+    import numpy as np
+    from PIL import Image
+
+    got = np.asarray(Image.open(full_run / "samples" / "step_00000004" / "0_5.png").convert("RGB"))
+    assert (got == _pipeline_image(full_run / "pipeline", "a red square", 5)).all()
+
+
+def _pipeline_image(pipeline: Path, prompt: str, seed: int) -> Any:
+    import numpy as np
+
+    out = pipeline.parent / f"reference_{seed}.npy"
+    cmd = [sys.executable, str(Path(__file__).with_name("sample_reference.py")), str(pipeline), prompt, str(seed),
+           str(out)]
+    result = subprocess.run(cmd, env={**os.environ, **ONE_THREAD}, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return np.load(out)
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_full_encoders_resume_from_zero3_two_ranks_under_ddp_one_rank(full_run: Path, tmp_path: Path) -> None:
+    result = run_cli(*FULL_RUN, "zero=ddp", "train.micro_batch_size=2", "samples=none",
+                     f"resume={full_run / 'checkpoints' / 'step_00000002'}", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (resumed,) = run_dirs(tmp_path)
+    log = (resumed / "ds_trainer.log").read_text()
+    # The portable state carried every trained parameter of the three components, not a native load.
+    carried = re.search(r"under another configuration .* carried fp32 weights and Adam moments .* of (\d+)/(\d+) "
+                        "trainable", log)
+    assert carried and carried[1] == carried[2], log[-2000:]
+    assert [r["step"] for r in _rows(resumed)] == [3, 4]
+    for name in ("unet", "text_encoder", "text_encoder_2"):
+        numerics.assert_same_weights(_model_weights(resumed / name), _model_weights(full_run / name),
+                                     f"{name} resumed under ddp")
+
+
+OVERFIT = ["logger=none", "data.num_samples=2", "train.micro_batch_size=2", "train.max_steps=40", "scheduler=constant",
+           "optimizer.lr=1e-3", "train.final_checkpoint=false", "train.export=false"]
+
+
+@pytest.mark.slow
+def test_loss_falls_with_full_unet_and_encoders(workdir: Path) -> None:
+    result = run_cli(*OVERFIT, "zero=ddp", "text_encoders=full", cwd=workdir)
+    assert result.returncode == 0, result.stderr[-3000:]
+    losses = [r["loss"] for r in _rows(run_dirs(workdir)[0])]
+    first, last = sum(losses[:10]) / 10, sum(losses[-10:]) / 10
+    assert last < 0.6 * first, (first, last)
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+@pytest.mark.long
+@pytest.mark.parametrize("zero", ["ddp", "stage2", "stage3"])
+@pytest.mark.parametrize("kind", [("adapter=lora", "text_encoders=lora", "adapter.targets=[to_q,to_k,to_v,to_out.0,"
+                                   "ff.net.0.proj,ff.net.2,proj_in,proj_out,conv1,conv2]", "optimizer.lr=1e-2"),
+                                  ("text_encoders=full",)], ids=["lora", "full"])
+def test_every_stage_trains_unet_and_encoders_to_a_falling_loss(tmp_path: Path, zero: str,
+                                                                 kind: tuple[str, ...]) -> None:
+    run_dir = _two_ranks(tmp_path, *OVERFIT, "train.micro_batch_size=1", f"zero={zero}", *kind)
+    losses = [r["loss"] for r in _rows(run_dir)]
+    first, last = sum(losses[:10]) / 10, sum(losses[-10:]) / 10
+    assert last < 0.6 * first, (first, last)
+
+
+def _refused(workdir: Path, *overrides: str) -> str:
+    result = run_cli("logger=none", "train.max_steps=1", *overrides, cwd=workdir)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    return result.stderr
+
+
+def test_bad_text_encoder_settings_get_the_one_screen_message(workdir: Path) -> None:
+    out = _refused(workdir, "text_encoders=lora", "text_encoders.targets=[q_proj,attn_out]")
+    assert "text_encoders.targets" in out and "attn_out" in out and "fc1" in out  # the names that exist
+    out = _refused(workdir, "text_encoders=lora", "text_encoders.which=clip_g")
+    assert "text_encoders.which" in out and "bigg" in out
+    out = _refused(workdir, "text_encoders=lora", "text_encoders.rank=0", "text_encoders.lr=-1")
+    assert "text_encoders.rank=0" in out and "text_encoders.lr=-1" in out
+    out = _refused(workdir, "text_encoders=full", "zero=fsdp_full_shard")
+    assert "text_encoders" in out and "zero=stage3" in out
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_resuming_with_another_text_encoder_choice_is_refused(lora_run: Path, workdir: Path) -> None:
+    checkpoint = lora_run / "checkpoints" / "step_00000002"
+    out = _refused(workdir, *LORA_RUN, "text_encoders=frozen", f"resume={checkpoint}")
+    assert "text_encoders" in out and "resume_optimizer=reset" in out
+
+
+def test_a_trained_encoder_caches_token_ids_not_embeddings(tmp_path: Path) -> None:
+    from ds_trainer.train import data
+
+    def cache_of(*overrides: str) -> data.LatentCache:
+        cfg = make_cfg(f"data.cache_dir={tmp_path}", *overrides)
+        return data.LatentCache(cfg, data.dataset(cfg))
+
+    frozen, both, bigg = cache_of(), cache_of("text_encoders=lora"), cache_of("text_encoders=full",
+                                                                              "text_encoders.which=bigg")
+    assert len({frozen.dir, both.dir, bigg.dir}) == 3  # the key knows what trains
+    from ds_trainer.train import models, text_encoders
+
+    cfg = make_cfg("text_encoders=full", "text_encoders.which=bigg")
+    parts = models.load_frozen(cfg)
+    text_encoders.take(cfg, parts)
+    inputs = models.text_inputs(parts, ["a cat"], torch.device("cpu"))
+    assert set(inputs) == {"input_ids_2", "embeds_1"}  # bigG's ids, CLIP-L's cached embeddings
+    assert inputs["input_ids_2"].dtype == torch.int64
