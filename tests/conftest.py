@@ -47,6 +47,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         elif "slurm_cluster" in fixtures or "slurm" in item.name:
             item.add_marker(pytest.mark.xdist_group("slurm_one_node"))
             rank[item.nodeid] = 1
+        elif item.get_closest_marker("xdist_group") is not None:  # a module's shared runs (test_text_encoders)
+            rank[item.nodeid] = 1
     # Each group is one unit of work of several minutes: first, so that the other tests fill the workers around
     # them (last, the suite waited for one worker running a whole group alone).
     items.sort(key=lambda item: rank.get(item.nodeid, 2))

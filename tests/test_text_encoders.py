@@ -274,3 +274,27 @@ def test_a_trained_encoder_caches_token_ids_not_embeddings(tmp_path: Path) -> No
     inputs = models.text_inputs(parts, ["a cat"], torch.device("cpu"))
     assert set(inputs) == {"input_ids_2", "embeds_1"}  # bigG's ids, CLIP-L's cached embeddings
     assert inputs["input_ids_2"].dtype == torch.int64
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_a_lora_file_with_encoder_adapters_continues_and_one_without_is_refused(lora_run: Path, tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    trained = lora_run / "lora" / "pytorch_lora_weights.safetensors"
+    (tmp_path / "continued").mkdir()
+    # Continued at a learning rate too small to move anything: the export is the file it started from, UNet and
+    # encoders alike (each adapter loaded from it, into the fp32 masters too).
+    result = run_cli(*LORA_RUN, "zero=ddp", "train.max_steps=1", "optimizer.lr=1e-30", "text_encoders.lr=1e-30",
+                     "scheduler=constant", "scheduler.warmup_steps=0", f"adapter.init_from={trained}",
+                     cwd=tmp_path / "continued")
+    assert result.returncode == 0, result.stderr[-3000:]
+    (run_dir,) = run_dirs(tmp_path / "continued")
+    got, started = _safetensors(run_dir / "lora" / "pytorch_lora_weights.safetensors"), _safetensors(trained)
+    assert got.keys() == started.keys() and {k.split(".")[0] for k in got} == {"unet", "text_encoder",
+                                                                              "text_encoder_2"}
+    assert max(float((got[k] - started[k]).abs().max()) for k in got) < 1e-20
+    unet_only = tmp_path / "unet_only.safetensors"
+    save_file({k: v for k, v in started.items() if k.startswith("unet.")}, unet_only)
+    out = _refused(tmp_path, *LORA_RUN, f"adapter.init_from={unet_only}")
+    assert "adapter.init_from" in out and "no LoRA tensors for text_encoder" in out and "text_encoders=frozen" in out

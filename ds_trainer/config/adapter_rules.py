@@ -40,10 +40,6 @@ def _text_encoders(cfg: DictConfig) -> list[Rule]:
         out.append(("text_encoders", te.mode.value, "trained text encoders run under DeepSpeed and DDP; under FSDP "
                     "they are not built yet (their blocks are not sharded apart from the UNet's)",
                     "zero=stage2 or zero=stage3 (the same sharding under DeepSpeed), or text_encoders=frozen"))
-    if cfg.adapter.init_from is not None and te.mode.value == "lora":
-        out.append(("adapter.init_from", cfg.adapter.init_from, "continuing a LoRA file with text_encoders=lora is "
-                    "not supported yet: the file's encoder adapters would not be loaded",
-                    "adapter.init_from=null (a fresh LoRA), or text_encoders=frozen"))
     if te.mode.value == "lora":
         out += _lora_shape("text_encoders", te, 8, "[q_proj,k_proj,v_proj,out_proj]")
     return out

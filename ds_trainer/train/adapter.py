@@ -92,6 +92,12 @@ def _inspect_encoders(cfg: DictConfig) -> tuple[list[Rule], int]:
                 continue
         text_encoders.prepare_encoder(text_encoders.Spec.of(cfg), name, encoder)
         count += sum(p.numel() for p in encoder.parameters() if p.requires_grad)
+        if enabled(cfg) and cfg.adapter.init_from is not None and cfg.text_encoders.mode.value == "lora":
+            why = lora_file.mismatch(Path(cfg.adapter.init_from), encoder, name)
+            if why:
+                rules.append(("adapter.init_from", cfg.adapter.init_from, why, "a LoRA file trained with "
+                              "text_encoders=lora and the same text_encoders.which, rank and targets; or "
+                              "text_encoders=frozen to continue the UNet's adapters alone"))
     return rules, count
 
 
@@ -171,7 +177,7 @@ class Trained:
         if not self.partial:
             return
         engine = getattr(accelerator, "deepspeed_engine_wrapped", None)
-        if self.cfg.adapter.init_from is not None:
+        if self.lora and enabled(self.cfg) and self.cfg.adapter.init_from is not None:
             lora_file.set_fp32(accelerator.unwrap_model(unet), self.names, Path(self.cfg.adapter.init_from),
                                engine.engine if engine else None)
         if engine is not None:
@@ -231,4 +237,8 @@ def build(cfg: DictConfig, unet: torch.nn.Module, encoders: dict[str, torch.nn.M
         log.info("adapter=lora: training %d of %d UNet parameters (%.2f%%), rank %d, alpha %g, targets %s",
                  count, total, 100 * count / total, cfg.adapter.rank, cfg.adapter.alpha, list(cfg.adapter.targets))
     module: torch.nn.Module = text_encoders.Denoiser(unet, encoders) if encoders else unet
+    if enabled(cfg) and cfg.adapter.init_from is not None:  # the file's encoder adapters too (inspect checked them)
+        for name, part in (encoders or {}).items():
+            if text_encoders.is_lora(part):
+                lora_file.load_into(Path(cfg.adapter.init_from), part, name)
     return Trained(cfg, module, _lora_names(module))

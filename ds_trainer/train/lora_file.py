@@ -69,7 +69,7 @@ def set_fp32(module: torch.nn.Module, names: list[str], path: Path, engine: Any)
     (DeepSpeed made its masters from the 16-bit module, which rounded what `load_into` had set)."""
     from deepspeed.utils import safe_set_full_fp32_param
 
-    values = read(path)
+    values = read_module(path, module)
     named = dict(module.named_parameters())
     masters = _zero0_masters(engine) if engine is not None else {}
     for name in names:
@@ -113,45 +113,64 @@ def write(folder: Path, module: Any, weights: dict[str, torch.Tensor], dtype: to
     return final
 
 
-def read(path: Path) -> dict[str, torch.Tensor]:
-    """A diffusers-format LoRA file (or its folder) as peft-named UNet tensors (`...to_q.lora_A.weight`)."""
-    from diffusers.utils import convert_unet_state_dict_to_peft
+def read(path: Path, component: str = "unet") -> dict[str, torch.Tensor]:
+    """A diffusers-format LoRA file (or its folder) as peft-named tensors of one component (`...to_q.lora_A.weight`):
+    the UNet's (`unet.` keys), or a text encoder's (`text_encoder.`, `text_encoder_2.`). Empty if it has none."""
+    from diffusers.utils import convert_state_dict_to_peft, convert_unet_state_dict_to_peft
     from safetensors.torch import load_file
 
     file = path / WEIGHT_NAME if path.is_dir() else path
     state = load_file(file)
-    unet = {k.removeprefix("unet."): v for k, v in state.items() if k.startswith("unet.")}
-    return dict(convert_unet_state_dict_to_peft(unet))
+    mine = {k.removeprefix(f"{component}."): v for k, v in state.items() if k.startswith(f"{component}.")}
+    if component == "unet":
+        return dict(convert_unet_state_dict_to_peft(mine))
+    return dict(convert_state_dict_to_peft(mine)) if mine else {}
 
 
-def mismatch(path: Path, unet: torch.nn.Module) -> str | None:
-    """Why the LoRA file at `path` does not fit the adapters injected into `unet`, or None."""
+def read_module(path: Path, module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The file's tensors named as `module`'s parameters are without peft's adapter name: the UNet's, or with
+    trained text encoders every component's under its prefix (`unet.`, `text_encoder.`, `text_encoder_2.`)."""
+    from ds_trainer.train import text_encoders
+
+    if not isinstance(module, text_encoders.Denoiser):
+        return read(path)
+    return {f"{name}.{k}": v for name, part in text_encoders.components(module) if text_encoders.is_lora(part)
+            for k, v in read(path, name).items()}
+
+
+def mismatch(path: Path, module: torch.nn.Module, component: str = "unet") -> str | None:
+    """Why the LoRA file at `path` does not fit the adapters injected into `module` (the UNet, or the text encoder
+    `component`), or None."""
     from peft.utils import get_peft_model_state_dict
 
     try:
-        found = {k: tuple(v.shape) for k, v in read(path).items()}
+        found = {k: tuple(v.shape) for k, v in read(path, component).items()}
     except Exception as exc:  # noqa: BLE001 - any unreadable file is the user's to replace
         return f"cannot be read as a diffusers LoRA file ({type(exc).__name__}: {exc})"
-    if not found:
+    if not found and component == "unet":
         return "holds no UNet LoRA tensors (no `unet.` keys)"
-    wanted = {k: tuple(v.shape) for k, v in get_peft_model_state_dict(unet).items()}
+    if not found:
+        return (f"holds no LoRA tensors for {component} (no `{component}.` keys): it was trained with that encoder "
+                "frozen")
+    targets = "adapter.targets" if component == "unet" else "text_encoders.targets"
+    wanted = {k: tuple(v.shape) for k, v in get_peft_model_state_dict(module).items()}
     missing, extra = sorted(set(wanted) - set(found)), sorted(set(found) - set(wanted))
     if missing or extra:
-        return (f"its adapted modules differ from adapter.targets: {len(missing)} tensors missing "
+        return (f"its adapted modules of {component} differ from {targets}: {len(missing)} tensors missing "
                 f"(e.g. {missing[:1]}), {len(extra)} not expected (e.g. {extra[:1]})")
     for key, shape in wanted.items():
         if found[key] != shape:
             rank = min(found[key][:2]) if len(found[key]) >= 2 else found[key]
-            return f"{key} has shape {found[key]} (rank {rank}), this adapter needs {shape}"
+            return f"{component} {key} has shape {found[key]} (rank {rank}), this adapter needs {shape}"
     return None
 
 
-def load_into(path: Path, unet: torch.nn.Module) -> None:
-    """Set the injected adapters of `unet` to the values of the LoRA file at `path`."""
+def load_into(path: Path, module: torch.nn.Module, component: str = "unet") -> None:
+    """Set the injected adapters of `module` (the UNet, or the text encoder `component`) to the file's values."""
     from peft.utils import set_peft_model_state_dict
 
-    state = {k: v.to(torch.float32) for k, v in read(path).items()}
-    result = set_peft_model_state_dict(unet, state)
+    state = {k: v.to(torch.float32) for k, v in read(path, component).items()}
+    result = set_peft_model_state_dict(module, state)
     unexpected = getattr(result, "unexpected_keys", None)
     if unexpected:
-        raise ValueError(f"adapter.init_from={path}: tensors for no adapter: {unexpected[:3]}")
+        raise ValueError(f"adapter.init_from={path}: tensors for no adapter of {component}: {unexpected[:3]}")
