@@ -120,3 +120,28 @@ def test_a_checkpoint_and_the_export_are_sized_from_the_parameters(base: plan.UN
     assert (one, export) == (26 * p, 4 * p)
     one, export = plan.checkpoint_bytes(make_cfg("model=sdxl_base", "train.ema=true"))
     assert (one, export) == (30 * p, 8 * p)
+
+
+def test_trained_text_encoders_add_their_model_states_and_activations(base: plan.UNetStats) -> None:
+    """SDXL's encoders trained whole (CLIP-L 123.1M + OpenCLIP-bigG 694.7M parameters, CLIP-L's unused last layer
+    and final norm frozen) add their fp32 weights, gradients and Adam state under DDP, and their activations: a bf16
+    forward of 77 tokens keeps at least the inputs of each layer's Linears (q/k/v share one, out_proj, fc1, and
+    fc2's 4x wider one: 7 x 77 x hidden x 2 bytes a layer; 12 layers of 768, 32 of 1280), about 54 MB an image."""
+    from ds_trainer.tools import plan_lora
+
+    cell = ("model=sdxl_base", "zero=ddp")
+    frozen, full = (plan.estimate(make_cfg(*cell, *extra), "ddp", "none", 1)
+                    for extra in ((), ("text_encoders=full",)))
+    architecture = str(make_cfg(*cell).model.architecture)
+    te_frozen, te_trained = plan_lora.encoders(make_cfg(*cell, "text_encoders=full"), architecture)
+    assert 817e6 < te_frozen + te_trained < 818.5e6 and 0 < te_frozen < 8e6  # CLIP-L's last layer and norm
+    assert full.grads - frozen.grads == 4 * te_trained and full.optimizer - frozen.optimizer == 8 * te_trained
+    floor = 7 * 77 * 2 * (12 * 768 + 32 * 1280)
+    added = full.activations - frozen.activations
+    assert floor < added < 4 * floor, (added, floor)
+    two = plan.estimate(make_cfg(*cell, "text_encoders=full", "train.micro_batch_size=2"), "ddp", "none", 1)
+    frozen_two = plan.estimate(make_cfg(*cell, "train.micro_batch_size=2"), "ddp", "none", 1)
+    assert abs((two.activations - frozen_two.activations) - 2 * added) < 0.01 * added  # per image
+    lora = plan.estimate(make_cfg(*cell, "text_encoders=lora", "train.gradient_checkpointing=true"), "ddp", "none", 1)
+    plain = plan.estimate(make_cfg(*cell, "train.gradient_checkpointing=true"), "ddp", "none", 1)
+    assert 0 < lora.activations - plain.activations < added / 4  # one layer recomputed at a time

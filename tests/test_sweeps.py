@@ -387,6 +387,22 @@ def test_report_puts_each_finished_cell_s_validation_loss_beside_memory_and_spee
         assert chart.size[1] > 1000
 
 
+def test_report_says_what_each_cell_trained_and_how_many_parameters_each_part(tmp_path: Path) -> None:
+    from ds_trainer.launch import report
+
+    counts = {"unet": 73728, "text_encoder": 2048, "text_encoder_2": 4096}
+    _cell(tmp_path, 0, {"status": "ok", "zero": "stage2", "trained_parameters": {"unet": 5487332}})
+    _cell(tmp_path, 1, {"status": "ok", "zero": "stage2", "trained_parameters": counts})
+    config = yaml.safe_load((tmp_path / "1" / ".hydra" / "config.yaml").read_text())
+    config |= {"adapter": {"method": "lora"}, "text_encoders": {"mode": "lora", "which": "both"}}
+    (tmp_path / "1" / "config.yaml").write_text(yaml.safe_dump(config))
+    report.write(tmp_path, use_wandb=False)
+    rows = report_rows(tmp_path)
+    assert [(r["trained"], r["trained_params"]) for r in rows] == [
+        ("unet", "unet 5.5M"), ("unet lora + text encoders lora (both)",
+                                "unet 73.7K + text_encoder 2.0K + text_encoder_2 4.1K")]
+    assert report.labels(report.rows(tmp_path)) == ["unet", "unet lora + text encoders lora (both)"]
+
 
 @pytest.mark.slow
 def test_report_goes_to_wandb_when_the_cells_used_it(tmp_path: Path) -> None:

@@ -22,12 +22,12 @@ from ds_trainer.config.ds_config import option_name
 COLUMNS = ("cell", "zero", "offload", "resolution", "micro_batch_size", "world_size", "precision", "optimizer",
            "status", "gpu_mem_peak_allocated_mib", "gpu_mem_peak_reserved_mib", "host_rss_peak_mib", "median_s_per_it",
            "images_per_s", "val_loss", "val_loss_ema", "gradient_accumulation_steps", "gradient_checkpointing",
-           "message")
+           "trained", "trained_params", "message")
 HEADERS = {"micro_batch_size": "micro batch", "gradient_accumulation_steps": "accum", "gradient_checkpointing": "ckpt",
            "world_size": "world", "gpu_mem_peak_allocated_mib": "peak VRAM MiB",
            "gpu_mem_peak_reserved_mib": "reserved MiB", "host_rss_peak_mib": "host RSS MiB",
            "median_s_per_it": "median s/it", "images_per_s": "images/s", "val_loss": "val loss",
-           "val_loss_ema": "val loss EMA"}
+           "val_loss_ema": "val loss EMA", "trained_params": "trained parameters"}
 # Quality is compared between cells that finished: a cell that failed or is still running shows no value (its last
 # validation scored weights that did not train to the end), never a zero.
 QUALITY = ("val_loss", "val_loss_ema")
@@ -56,11 +56,34 @@ def _row(cell: Path, root: Path) -> dict[str, Any]:
         row["precision"] = cfg.get("precision", {}).get("name")
         row["optimizer"] = (cfg.get("resolved") or {}).get("optimizer") or cfg.get("optimizer", {}).get("name")
         row["world_size"] = (cfg.get("resolved") or {}).get("world_size") or cfg.get("world_size")
+    if cfg:
+        row["trained"] = trained(cfg)
+    counts = row.get("trained_parameters")
+    if isinstance(counts, dict):
+        row["trained_params"] = " + ".join(f"{name} {_count(n)}" for name, n in counts.items())
     row["cell"] = str(cell.relative_to(root))
     if row.get("status") != "ok":
         for key in QUALITY:
             row.pop(key, None)
     return row
+
+
+def trained(cfg: dict[str, Any]) -> str:
+    """What a cell trained, from its config.yaml: `unet` (whole) or `unet lora`, and the text encoders that trained
+    with it (`+ text encoders lora (both)`)."""
+    adapter = (cfg.get("adapter") or {}).get("method", "none")
+    out = "unet lora" if adapter == "lora" else "unet"
+    te = cfg.get("text_encoders") or {}
+    if te.get("mode", "frozen") != "frozen":
+        out += f" + text encoders {te['mode']} ({te.get('which', 'both')})"
+    return out
+
+
+def _count(n: int) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f}{unit}"
+    return str(n)
 
 
 def cells(sweep_dir: Path) -> list[Path]:
@@ -113,7 +136,7 @@ def csv_text(table: list[dict[str, Any]]) -> str:
 
 
 AXES = ("zero", "offload", "resolution", "micro_batch_size", "gradient_accumulation_steps", "gradient_checkpointing",
-        "precision", "optimizer", "world_size")
+        "precision", "optimizer", "trained", "world_size")
 _SHORT = {"micro_batch_size": "b", "gradient_accumulation_steps": "accum ", "world_size": "ranks ",
           "gradient_checkpointing": "ckpt "}
 

@@ -200,8 +200,8 @@ def _architecture(cfg: DictConfig) -> str:
 
 def _trained_module(cfg: DictConfig, unet_params: int) -> tuple[int, int]:
     """(frozen, trained) parameters of the module the backend wraps: the UNet (its LoRA's frozen base and adapters),
-    and the text encoders that train with it (text_encoders=lora|full: their frozen base and what trains). The
-    encoders' activations are not counted: 77 tokens a prompt, small beside the UNet's."""
+    and the text encoders that train with it (text_encoders=lora|full: their frozen base and what trains; their
+    activations: `plan_lora.encoder_activations`)."""
     lora = plan_lora.trainable(cfg, _architecture(cfg))
     frozen, trained = (unet_params, lora) if lora is not None else (0, unet_params)
     te_frozen, te_trained = plan_lora.encoders(cfg, _architecture(cfg))
@@ -236,7 +236,8 @@ def estimate(cfg: DictConfig, zero: str, offload: str, world_size: int, activati
     activations = plan_cache.cached("activation_bytes", (_architecture(cfg), int(cfg.train.micro_batch_size), width,
                                                          height, act_bytes, bool(cfg.train.gradient_checkpointing)),
                                     activation_bytes)
-    activations = int(activations * activation_factor)
+    activations = int((activations + plan_lora.encoder_activations(cfg, _architecture(cfg), act_bytes))
+                      * activation_factor)
     z = cfg.zero
     buffers = 0
     if zero in ("stage1", "stage2"):
@@ -398,8 +399,10 @@ def main(argv: list[str] | None = None) -> int:
           f"{'on' if cfg.train.gradient_checkpointing else 'off'}, {world} rank(s); GiB per rank")
     frozen, trained = plan_lora.encoders(cfg, _architecture(cfg))
     if frozen + trained:  # the trained module is the UNet and the encoders
+        act = plan_lora.encoder_activations(cfg, _architecture(cfg), 4 if cfg.precision.name.value == "fp32" else 2)
         print(f"text_encoders={cfg.text_encoders.mode.value} ({cfg.text_encoders.which.value}): {trained / 1e6:,.1f}M "
-              f"encoder parameters train with the UNet, {frozen / 1e6:,.1f}M frozen in the same module")
+              f"encoder parameters train with the UNet, {frozen / 1e6:,.1f}M frozen in the same module; their "
+              f"activations {act / 2**20:,.0f} MiB a step (in the activations column)")
     print(table(estimates, budget))
     print(calibrated.describe())
     if estimates[0].sampling is not None:

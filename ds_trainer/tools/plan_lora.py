@@ -5,6 +5,7 @@ parameters only."""
 from __future__ import annotations
 
 from functools import cache
+from typing import Any
 
 from omegaconf import DictConfig
 
@@ -89,3 +90,80 @@ def model_states(zero: str, offload: str, base: int, t: int, layer: int, n: int,
     if not params_offload:
         return gathered + half * (base + t) // n, 0, 0, int(t * host_state * 1.5)
     return gathered, 0, 0, int((half * (base + t) + host_state * t) * 1.5)
+
+
+@cache
+def _encoder_activations(architecture: str, which: str, mode: str, rank: int, targets: tuple[str, ...], batch: int,
+                         dtype_bytes: int, checkpointing: bool) -> int:
+    """Bytes autograd keeps for backward in the trained encoders' forward (a prompt's tokens each), counted as the
+    UNet's are (plan.activation_bytes): a forward on the meta device, each saved tensor counted once; with
+    checkpointing each layer's input is kept and one layer at a time recomputed."""
+    import torch
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+
+    from ds_trainer.train import text_encoders
+
+    classes: dict[str, Any] = {"text_encoder": CLIPTextModel, "text_encoder_2": CLIPTextModelWithProjection}
+    dtype = {2: torch.bfloat16, 4: torch.float32}[dtype_bytes]
+    spec = text_encoders.Spec(mode, rank=rank, alpha=rank, targets=targets)
+    total = 0
+    for name in text_encoders.COMPONENTS[which]:
+        with torch.device("meta"):
+            encoder = classes[name](CLIPTextConfig.from_pretrained(architecture, subfolder=name))
+        text_encoders.prepare_encoder(spec, name, encoder)
+        saved, layers = _saved_bytes(encoder.to(dtype), batch)
+        total += saved - sum(layers) + max(layers, default=0) if checkpointing else saved
+    return total
+
+
+def _saved_bytes(encoder: Any, batch: int) -> tuple[int, list[int]]:
+    """(bytes saved for backward by a forward of `encoder` on `batch` prompts, those saved inside each layer)."""
+    import torch
+    from transformers.models.clip.modeling_clip import CLIPEncoderLayer
+
+    from ds_trainer.tools.plan import _efficient_attention_counted
+
+    count, layers, seen, keep = [0], list[int](), set[int](), list[torch.Tensor]()
+    params = {id(p) for p in encoder.parameters()}
+    starts: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        base = t
+        while base._base is not None:
+            base = base._base
+        if id(base) not in seen and id(base) not in params:
+            seen.add(id(base))
+            keep.append(base)  # referenced, so its id stays unique
+            count[0] += base.numel() * base.element_size()
+        return t
+
+    def before(module: Any, args: Any) -> None:
+        starts[id(module)] = count[0]
+
+    def after(module: Any, args: Any, out: Any) -> None:
+        layers.append(count[0] - starts[id(module)])
+
+    handles = [h for m in encoder.modules() if isinstance(m, CLIPEncoderLayer)
+               for h in (m.register_forward_pre_hook(before), m.register_forward_hook(after))]
+    try:
+        with torch.device("meta"), _efficient_attention_counted(count), \
+                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            encoder(torch.zeros(batch, int(encoder.config.max_position_embeddings), dtype=torch.long),
+                    output_hidden_states=True)
+    finally:
+        for h in handles:
+            h.remove()
+    return count[0], layers
+
+
+def encoder_activations(cfg: DictConfig, architecture: str, dtype_bytes: int) -> int:
+    """Activation bytes the trained text encoders add to a step (0 with frozen encoders: their embeddings are
+    cached)."""
+    from ds_trainer.tools import plan_cache
+
+    te = cfg.get("text_encoders")
+    if te is None or te.mode.value == "frozen":
+        return 0
+    return int(plan_cache.cached("encoder_activations", (
+        architecture, te.which.value, te.mode.value, int(te.rank), tuple(str(t) for t in te.targets),
+        int(cfg.train.micro_batch_size), dtype_bytes, bool(cfg.train.gradient_checkpointing)), _encoder_activations))
