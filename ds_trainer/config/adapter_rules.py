@@ -36,10 +36,15 @@ def _text_encoders(cfg: DictConfig) -> list[Rule]:
     if te.lr is not None and (not math.isfinite(te.lr) or te.lr <= 0):
         out.append(("text_encoders.lr", te.lr, "the text encoders' learning rate must be a positive number",
                     "text_encoders.lr=1e-5 (or null: the UNet's optimizer.lr)"))
-    if cfg.zero.backend.value == "fsdp":
-        out.append(("text_encoders", te.mode.value, "trained text encoders run under DeepSpeed and DDP; under FSDP "
-                    "they are not built yet (their blocks are not sharded apart from the UNet's)",
-                    "zero=stage2 or zero=stage3 (the same sharding under DeepSpeed), or text_encoders=frozen"))
+    if te.warmup_steps is not None:
+        schedule = cfg.scheduler.name.value
+        if te.warmup_steps <= 0:
+            out.append(("text_encoders.warmup_steps", te.warmup_steps, "a warm-up is a positive number of steps",
+                        "text_encoders.warmup_steps=100 (or null: the schedule's scheduler.warmup_steps)"))
+        elif schedule in ("constant", "one_cycle"):
+            out.append(("text_encoders.warmup_steps", te.warmup_steps, f"the encoders warm up on the UNet's "
+                        f"schedule family, and scheduler={schedule} has no warm-up",
+                        "scheduler=warmup (or warmup_decay, warmup_cosine), or text_encoders.warmup_steps=null"))
     if te.mode.value == "lora":
         out += _lora_shape("text_encoders", te, 8, "[q_proj,k_proj,v_proj,out_proj]")
     return out

@@ -85,23 +85,49 @@ def _per_group(values: list[float]) -> float | list[float]:
     return values[0] if len(set(values)) == 1 else values
 
 
-def scheduler_block(cfg: DictConfig) -> dict[str, Any] | None:
-    """DeepSpeed's `scheduler` block, or None for a constant LR. With trained text encoders at another LR every
-    LR of the schedule is given per parameter group, scaled to the group's peak: the encoders follow the UNet's
-    schedule (its warm-up and decay) at their own height. WarmupCosineLR scales each group's own LR by itself."""
-    name = cfg.scheduler.name.value
-    lrs, total = group_lrs(cfg), int(cfg.train.max_steps)
-    lr = _per_group(lrs)
-    warmup = min(warmup_steps(cfg), total)
-    s = cfg.scheduler
-    if name == "constant":
+def group_warmups(cfg: DictConfig) -> list[int]:
+    """The warm-up length of each optimizer parameter group: the schedule's, and with trained text encoders
+    `text_encoders.warmup_steps` (None: the schedule's), each at most `train.max_steps`."""
+    total, warmup = int(cfg.train.max_steps), warmup_steps(cfg)
+    te = cfg.get("text_encoders")
+    if te is None or te.mode.value == "frozen":
+        return [min(warmup, total)]
+    return [min(warmup, total), min(warmup if te.warmup_steps is None else int(te.warmup_steps), total)]
+
+
+def group_blocks(cfg: DictConfig) -> list[dict[str, Any]] | None:
+    """When the parameter groups warm up over different lengths (`text_encoders.warmup_steps`): DeepSpeed's
+    schedule block of each group alone (its peak, its warm-up; the rest of the schedule shared), which
+    train/group_schedule.py runs side by side. None when one block serves every group (`scheduler_block`)."""
+    warmups = group_warmups(cfg)
+    if len(set(warmups)) == 1 or cfg.scheduler.name.value == "constant":
         return None
+    lrs, base = group_lrs(cfg), float(cfg.optimizer.lr)
+    return [_block(cfg, [lr], [lr / base], warmup) for lr, warmup in zip(lrs, warmups, strict=True)]
+
+
+def scheduler_block(cfg: DictConfig) -> dict[str, Any] | None:
+    """DeepSpeed's `scheduler` block, or None for a constant LR (and for groups that warm up apart: `group_blocks`).
+    With trained text encoders at another LR every LR of the schedule is given per parameter group, scaled to the
+    group's peak: the encoders follow the UNet's schedule (its warm-up and decay) at their own height.
+    WarmupCosineLR scales each group's own LR by itself."""
+    if cfg.scheduler.name.value == "constant" or group_blocks(cfg) is not None:
+        return None
+    lrs = group_lrs(cfg)
+    return _block(cfg, lrs, [v / lrs[0] for v in lrs], group_warmups(cfg)[0])
+
+
+def _block(cfg: DictConfig, lrs: list[float], scales: list[float], warmup: int) -> dict[str, Any]:
+    """The block of a schedule whose groups peak at `lrs`, their floors `scheduler.warmup_min_lr` x `scales`."""
+    name, total = cfg.scheduler.name.value, int(cfg.train.max_steps)
+    lr = _per_group(lrs)
+    s = cfg.scheduler
     if name == "warmup":
-        params = {"warmup_min_lr": _per_group([float(s.warmup_min_lr) * v / lrs[0] for v in lrs]),
+        params = {"warmup_min_lr": _per_group([float(s.warmup_min_lr) * v for v in scales]),
                   "warmup_max_lr": lr, "warmup_num_steps": warmup, "warmup_type": s.warmup_type}
         return {"type": "WarmupLR", "params": params}
     if name == "warmup_decay":
-        params = {"warmup_min_lr": _per_group([float(s.warmup_min_lr) * v / lrs[0] for v in lrs]),
+        params = {"warmup_min_lr": _per_group([float(s.warmup_min_lr) * v for v in scales]),
                   "warmup_max_lr": lr, "warmup_num_steps": warmup, "warmup_type": s.warmup_type,
                   "total_num_steps": total}
         return {"type": "WarmupDecayLR", "params": params}

@@ -313,6 +313,8 @@ class TextEncodersConfig:
     which: TextEncoderChoice = TextEncoderChoice.both
     # Peak learning rate of the encoders' parameter group, on the UNet's schedule; None: optimizer.lr.
     lr: float | None = None
+    # Steps the encoders' LR warms up over, in the schedule's family (scheduler.name); None: scheduler.warmup_steps.
+    warmup_steps: int | None = None
     rank: int = 8
     alpha: int = 8
     dropout: float = 0.0

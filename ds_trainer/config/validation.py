@@ -441,11 +441,19 @@ def _pure(cfg: DictConfig, out: list[Problem], warnings: list[str]) -> None:
                            "precision=bf16_pure keeps it in bf16", "offload=cpu, or precision=bf16"))
 
 
+def _encoder_units(cfg: DictConfig) -> list[str]:
+    """With trained text encoders (text_encoders=lora|full) each encoder layer is an FSDP unit too. The encoders'
+    embeddings, final norms and projection stay in the root unit with the UNet's parts outside its blocks (an encoder
+    model made a unit would change class, and transformers 5 finds its hidden-state recorders by class)."""
+    te = cfg.get("text_encoders")
+    return ["CLIPEncoderLayer"] if te is not None and te.mode.value != "frozen" else []
+
+
 def fsdp_meaning(cfg: DictConfig) -> dict[str, object]:
     """What backend=fsdp runs, as `config.yaml` records it: the FSDP2 fields and what the precision means."""
     meaning = precision_meaning(cfg)
     return {"fsdp_version": 2, "reshard_after_forward": int(cfg.zero.stage) == 3,
-            "units": [str(name) for name in cfg.zero.fsdp_wrap],
+            "units": [str(name) for name in cfg.zero.fsdp_wrap] + _encoder_units(cfg),
             # precision=bf16: Accelerate casts the trainable parameters to fp32 before sharding: fp32 sharded masters
             # and Adam state (DeepSpeed's meaning of the same precision), compute in bf16. bf16_pure: the parameters
             # stay bf16 (mixed_precision "no"), and Adam's state is bf16 with them.

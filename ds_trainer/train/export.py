@@ -38,6 +38,9 @@ def diffusers(cfg: DictConfig, accelerator: Any, unet: Any, optimizer: Any, ema:
 
 def _write(cfg: DictConfig, module: Any, weights: dict[str, torch.Tensor], shadow: dict[str, torch.Tensor] | None,
            frozen: models.Frozen, run_dir: Path) -> None:
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()  # a "Writing model shards" bar per text encoder, on the terminal
     whole = not isinstance(module, text_encoders.Denoiser)
     exported: dict[str, Any] = {}
     for name, part in text_encoders.components(module):
@@ -91,7 +94,7 @@ def _pipeline(cfg: DictConfig, frozen: models.Frozen, run_dir: Path, **trained: 
     from diffusers import StableDiffusionXLPipeline
     from transformers.utils import logging as transformers_logging
 
-    transformers_logging.disable_progress_bar()  # a "Writing model shards" bar per text encoder, on the terminal
+    transformers_logging.disable_progress_bar()  # as in `_write`
     if any(p is None or p.dtype != torch.float32 for p in (frozen.vae, frozen.text_encoder, frozen.text_encoder_2)):
         # Training ran them in 16 bits (a GPU run): up-casting those copies would save rounded weights as
         # float32; or an encoder trained and its base is needed. The pipeline gets them as loaded, from the source,

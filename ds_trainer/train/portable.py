@@ -98,9 +98,9 @@ def _step_count(base: Any) -> int:
 
 def _scheduler(accelerator: Any, scheduler: Any) -> Any:
     engine = _engine(accelerator)
-    if engine is not None:
+    if engine is not None and engine.lr_scheduler is not None:
         return engine.lr_scheduler
-    return getattr(scheduler, "scheduler", scheduler)
+    return getattr(scheduler, "scheduler", scheduler)  # ours: DDP, FSDP, per-group schedules (group_schedule.py)
 
 
 def full_values(accelerator: Any, unet: Any, base: Any, moments: bool,

@@ -31,6 +31,7 @@ from ds_trainer.train import (
     checkpoint,
     data,
     export,
+    group_schedule,
     metrics,
     models,
     nvme_swap,
@@ -88,6 +89,18 @@ def _optimizer_and_scheduler(cfg: DictConfig, ds: dict[str, Any] | None, params:
     schedule = ds_config.scheduler_block(cfg)
     scheduler = getattr(lr_schedules, schedule["type"])(optimizer, **schedule["params"]) if schedule else None
     return optimizer, scheduler
+
+
+def _group_schedules(cfg: DictConfig, optimizer: Any) -> Any:
+    """After `accelerator.prepare`, when the parameter groups warm up apart (`text_encoders.warmup_steps`): a
+    schedule per group on the prepared optimizer (train/group_schedule.py), outside DeepSpeed and Accelerate."""
+    blocks = ds_config.group_blocks(cfg)
+    if blocks is None:
+        return None
+    schedules = group_schedule.GroupSchedules(optimizer, blocks, ds_config.group_lrs(cfg))
+    log.info("LR schedule %s per parameter group: the UNet warms up over %d steps, the text encoders over %d",
+             blocks[0]["type"], *ds_config.group_warmups(cfg))
+    return schedules
 
 
 def _torch_optimizer(cfg: DictConfig, params: list[Any]) -> Any:
@@ -321,17 +334,18 @@ def _train(cfg: DictConfig, ds: dict[str, Any] | None, run_dir: Path, accelerato
         log.info("EMA (%.0f MiB in fp32) sharded over %d ranks: rank 0 keeps and updates %.0f MiB of it",
                  whole, accelerator.num_processes, mine)
     optimizer, scheduler = _optimizer_and_scheduler(cfg, ds, trained.parameters)
-    if text_encoders.enabled(cfg) and accelerator.is_main_process:
+    if accelerator.is_main_process:
         text_encoders.describe(cfg, unet)
-        tracker.add_facts({"trained_parameters": text_encoders.counts(unet)})  # summary.json, W&B: what trained
+        tracker.add_facts({"trained_parameters": text_encoders.counts(unet)})  # summary.json, W&B, sweep report
     if ds is not None and "nvme" in (cfg.resolved.optimizer_state_on, cfg.resolved.params_on):
         _check_swap_space(cfg, accelerator)
     if scheduler is None:
         unet, optimizer = accelerator.prepare(unet, optimizer)
+        scheduler = _group_schedules(cfg, optimizer)
     else:
         unet, optimizer, scheduler = accelerator.prepare(unet, optimizer, scheduler)
     exact.after_prepare(accelerator, unet, optimizer)
-    startup.mark("DeepSpeed init")
+    startup.mark({"deepspeed": "DeepSpeed init", "fsdp": "FSDP init"}.get(cfg.resolved.backend, "DDP init"))
     _check_optimizer(cfg, accelerator, optimizer)
     trained.after_prepare(accelerator, unet)
     if ema is not None:  # FSDP2: the shadow as the parameters are sharded, updated from each rank's own shards
@@ -417,11 +431,12 @@ def _load_frozen(cfg: DictConfig, accelerator: Any, kind: str) -> tuple[models.F
 def _checkpoint_schedule(accelerator: Any, ds: dict[str, Any] | None, scheduler: Any,
                          native_from: Path | None) -> Callable[[Path], None]:
     """Without DeepSpeed (DDP, FSDP) the LR schedule is one of DeepSpeed's classes, which Accelerate does not
-    take for a scheduler and would not save: it is registered as a checkpoint object. Returns what to do after a
+    take for a scheduler and would not save: it is registered as a checkpoint object; so are the per-group
+    schedules under every backend (`_group_schedules`). Returns what to do after a
     native load: put the LR of the resumed position into the optimizer (from the registered object, or for a
     checkpoint written before it was registered, from its portable state)."""
-    if ds is not None or scheduler is None:
-        return lambda _: None
+    if scheduler is None or (ds is not None and not isinstance(scheduler, group_schedule.GroupSchedules)):
+        return lambda _: None  # none, or DeepSpeed's engine steps and saves it
     registered = native_from is None or (native_from / "custom_checkpoint_0.pkl").exists()
     if registered:
         accelerator.register_for_checkpointing(scheduler)

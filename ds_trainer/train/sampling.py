@@ -32,7 +32,7 @@ from omegaconf import DictConfig
 
 from ds_trainer.config import samples
 from ds_trainer.errors import TrainingError
-from ds_trainer.train import accel, metrics, models, text_encoders
+from ds_trainer.train import accel, metrics, models, sharded, text_encoders
 from ds_trainer.train.ema import EMA
 
 log = logging.getLogger("ds_trainer")
@@ -253,11 +253,12 @@ class Sampler:
         on a GPU the text encoders are bf16. With trained encoders the EMA's values are put into the trained module
         for the time of the samples (`EMA.applied`: UNet and encoders together, cast to the module's dtype)."""
         module = self.accelerator.unwrap_model(self.unet)
-        weights: contextlib.AbstractContextManager = contextlib.nullcontext()
+        weights: list[contextlib.AbstractContextManager] = []
         if isinstance(module, text_encoders.Denoiser):
             unet, encoders = module.unet, {name: getattr(module, name) for name in module.encoder_names}
             if self.ema is not None:
-                weights = self.ema.applied(module)
+                weights.append(self.ema.applied(module))
+            weights.append(sharded.gathered(module))  # FSDP2: the pipeline calls the parts one by one
         else:
             unet = ema_unet(self.accelerator, self.unet, self.ema, "samples.ema") if self.ema is not None else module
             encoders = {}
@@ -266,7 +267,9 @@ class Sampler:
         for part in parts:
             part.eval()
         try:
-            with weights, unet_in_its_dtype(unet), _vae_decode_in_its_dtype(self.frozen.vae):
+            with contextlib.ExitStack() as held:
+                for manager in [*weights, unet_in_its_dtype(unet), _vae_decode_in_its_dtype(self.frozen.vae)]:
+                    held.enter_context(manager)
                 yield unet, encoders
         finally:
             for part, mode in zip(parts, modes, strict=True):

@@ -4,6 +4,8 @@ functions, which leave plain tensors (DDP, DeepSpeed) as they are."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -42,3 +44,21 @@ def reshard(module: torch.nn.Module) -> None:
     for unit in module.modules():
         if isinstance(unit, FSDPModule):
             unit.reshard()
+
+
+@contextlib.contextmanager
+def gathered(module: torch.nn.Module) -> Iterator[None]:
+    """Inside, the parameters FSDP2's root unit of `module` holds (those outside every inner unit) are whole, so its
+    submodules can be called on their own (a pipeline calls the UNet and the text encoders of a
+    `text_encoders.Denoiser` one by one; the inner units gather their own as they run). Collective: every rank
+    enters. A no-op outside FSDP2."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(module, FSDPModule):
+        yield
+        return
+    module.unshard()
+    try:
+        yield
+    finally:
+        module.reshard()

@@ -181,11 +181,11 @@ def parameter_groups(cfg: DictConfig, module: torch.nn.Module) -> list[dict[str,
 
 
 def counts(module: torch.nn.Module) -> dict[str, int]:
-    """Trainable parameters by component (the UNet alone: {"unet": n})."""
-    if not isinstance(module, Denoiser):
-        return {"unet": sum(p.numel() for p in module.parameters() if p.requires_grad)}
-    return {name: sum(p.numel() for p in getattr(module, name).parameters() if p.requires_grad)
-            for name in ("unet", *module.encoder_names)}
+    """Trainable parameters by component (the UNet alone: {"unet": n}), whole under ZeRO-3's partitioning too."""
+    def trainable(part: torch.nn.Module) -> int:
+        return sum(int(getattr(p, "ds_numel", p.numel())) for p in part.parameters() if p.requires_grad)
+
+    return {name: trainable(part) for name, part in components(module)}
 
 
 def describe(cfg: DictConfig, module: torch.nn.Module) -> None:
