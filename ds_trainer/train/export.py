@@ -114,4 +114,7 @@ def base_pipeline(cfg: DictConfig, accelerator: Any, frozen: models.Frozen, run_
     """With everything trained as LoRA on sdxl_tiny (random weights nobody else has): the untrained base pipeline on
     rank 0, so that `<run>/lora` can be loaded into it with `load_lora_weights`."""
     if cfg.model.name == "sdxl_tiny" and accelerator.is_main_process:
-        _pipeline(cfg, frozen, run_dir)
+        # Outside ZeRO-3's construction hooks, as `diffusers`: the base of a trained encoder is loaded again here,
+        # on rank 0 alone, and transformers would partition it (a collective the other ranks never join).
+        with models.outside_zero3(accelerator.state.deepspeed_plugin):
+            _pipeline(cfg, frozen, run_dir)

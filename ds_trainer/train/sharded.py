@@ -61,4 +61,4 @@ def gathered(module: torch.nn.Module) -> Iterator[None]:
     try:
         yield
     finally:
-        module.reshard()
+        reshard(module)  # the root unit, and the inner ones a forward under shard-grad-op left whole
