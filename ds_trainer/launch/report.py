@@ -105,9 +105,14 @@ def _fmt(value: Any) -> str:
     return str(value).replace("|", "/").replace("\n", " ")
 
 
+# Columns shown only when some cell has a value: the quality ones when a cell was validated (`validation=on`), what
+# trained when the cells' folders say (runs before it was recorded, or summaries alone, do not).
+OPTIONAL = (*QUALITY, "trained", "trained_params")
+
+
 def columns(table: list[dict[str, Any]]) -> tuple[str, ...]:
-    """The table's columns: the quality ones only when some cell was validated (`validation=on`)."""
-    return tuple(c for c in COLUMNS if c not in QUALITY or any(r.get(c) is not None for r in table))
+    """The table's columns (OPTIONAL ones only where some cell has a value)."""
+    return tuple(c for c in COLUMNS if c not in OPTIONAL or any(r.get(c) is not None for r in table))
 
 
 def _fmt_cell(column: str, value: Any) -> str:

@@ -17,7 +17,7 @@ import torch
 from omegaconf import DictConfig
 
 from ds_trainer.config.adapter_rules import Rule
-from ds_trainer.train import lora_file, text_encoders
+from ds_trainer.train import lora_file, models, text_encoders
 from ds_trainer.train.lora_file import adaptable_names
 
 log = logging.getLogger("ds_trainer")
@@ -223,12 +223,9 @@ def build(cfg: DictConfig, unet: torch.nn.Module, encoders: dict[str, torch.nn.M
     encoders (`text_encoders.take` made them trainable) the UNet and them as one module."""
     if enabled(cfg):
         _inject(cfg, unet)
-        half = {"bf16": torch.bfloat16, "bf16_pure": torch.bfloat16, "fp16": torch.float16}.get(
-            cfg.precision.name.value)
+        half = models.lora_base_dtype(cfg)
         if half is not None:
-            for p in unet.parameters():
-                if not p.requires_grad:
-                    p.data = p.data.to(half)
+            models.cast_frozen(unet, half)
         if cfg.adapter.init_from is not None:
             lora_file.load_into(Path(cfg.adapter.init_from), unet)
             log.info("LoRA initialised from %s", cfg.adapter.init_from)

@@ -60,6 +60,19 @@ def outside_zero3(deepspeed_plugin: Any) -> Iterator[None]:
 FROZEN_DTYPES = {"bf16": "bfloat16", "bf16_pure": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
+def lora_base_dtype(cfg: DictConfig) -> torch.dtype | None:
+    """The 16-bit type the frozen base under a LoRA (the UNet's, a text encoder's) is held in during 16-bit
+    training, as the forward computes in it; None under fp32."""
+    return {"bf16": torch.bfloat16, "bf16_pure": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision.name.value)
+
+
+def cast_frozen(module: torch.nn.Module, dtype: torch.dtype) -> None:
+    """The parameters of `module` that do not train, to `dtype` in place (the trained ones stay fp32)."""
+    for p in module.parameters():
+        if not p.requires_grad:
+            p.data = p.data.to(dtype)
+
+
 def frozen_dtype_name(cfg: DictConfig, kind: str) -> str:
     """The dtype the text encoders (and a VAE without force_upcast) run in: float32 on the CPU (where 16-bit
     is emulated for much of a text encoder and slower), else the run's `precision` (fp16 on GPUs without

@@ -26,6 +26,8 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
+from ds_trainer.train import models
+
 log = logging.getLogger("ds_trainer")
 
 # text_encoders.which -> the pipeline's component names (diffusers' names, also the LoRA file's key prefixes).
@@ -92,10 +94,8 @@ class Spec:
     @classmethod
     def of(cls, cfg: DictConfig) -> Spec:
         te = cfg.text_encoders
-        half = {"bf16": torch.bfloat16, "bf16_pure": torch.bfloat16, "fp16": torch.float16}.get(
-            cfg.precision.name.value)
         return cls(te.mode.value, int(te.rank), int(te.alpha), float(te.dropout), tuple(str(t) for t in te.targets),
-                   half, bool(cfg.train.gradient_checkpointing))
+                   models.lora_base_dtype(cfg), bool(cfg.train.gradient_checkpointing))
 
 
 def prepare_encoder(spec: Spec, name: str, encoder: torch.nn.Module) -> None:
@@ -109,9 +109,7 @@ def prepare_encoder(spec: Spec, name: str, encoder: torch.nn.Module) -> None:
                             target_modules=lora_targets(spec.targets, name, encoder), init_lora_weights="gaussian")
         encoder.add_adapter(config)  # type: ignore[operator]
         if spec.half is not None:
-            for p in encoder.parameters():
-                if not p.requires_grad:
-                    p.data = p.data.to(spec.half)
+            models.cast_frozen(encoder, spec.half)
     else:
         skip = frozen_by_design(name, encoder)
         for n, p in encoder.named_parameters():
