@@ -11,6 +11,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from ds_trainer.config import schema
+
 # (key, value, why, fix): validation turns each into a Problem.
 Rule = tuple[str, object, str, str]
 
@@ -29,9 +31,9 @@ def check(cfg: DictConfig) -> list[Rule]:
 
 
 def _text_encoders(cfg: DictConfig) -> list[Rule]:
-    te = cfg.get("text_encoders")
-    if te is None or te.mode.value == "frozen":
+    if not schema.trains_text_encoders(cfg):
         return []
+    te = cfg.text_encoders
     out: list[Rule] = []
     if te.lr is not None and (not math.isfinite(te.lr) or te.lr <= 0):
         out.append(("text_encoders.lr", te.lr, "the text encoders' learning rate must be a positive number",

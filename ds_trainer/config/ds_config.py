@@ -10,7 +10,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from ds_trainer.config import nvme, optimizers
+from ds_trainer.config import nvme, optimizers, schema
 
 # Keeps DeepSpeed's own periodic stdout logging out of the way; we log steps ourselves.
 _STEPS_PER_PRINT = 2**31 - 1
@@ -73,9 +73,9 @@ def group_lrs(cfg: DictConfig) -> list[float]:
     """The peak LR of each optimizer parameter group: the UNet's, and with trained text encoders theirs
     (`text_encoders.lr`, None: the UNet's)."""
     lr = float(cfg.optimizer.lr)
-    te = cfg.get("text_encoders")
-    if te is None or te.mode.value == "frozen":
+    if not schema.trains_text_encoders(cfg):
         return [lr]
+    te = cfg.text_encoders
     return [lr, lr if te.lr is None else float(te.lr)]
 
 
@@ -89,9 +89,9 @@ def group_warmups(cfg: DictConfig) -> list[int]:
     """The warm-up length of each optimizer parameter group: the schedule's, and with trained text encoders
     `text_encoders.warmup_steps` (None: the schedule's), each at most `train.max_steps`."""
     total, warmup = int(cfg.train.max_steps), warmup_steps(cfg)
-    te = cfg.get("text_encoders")
-    if te is None or te.mode.value == "frozen":
+    if not schema.trains_text_encoders(cfg):
         return [min(warmup, total)]
+    te = cfg.text_encoders
     return [min(warmup, total), min(warmup if te.warmup_steps is None else int(te.warmup_steps), total)]
 
 

@@ -15,6 +15,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from ds_trainer.config import schema
 from ds_trainer.config.ds_config import option_name
 from ds_trainer.config.validation import Problem
 
@@ -59,10 +60,10 @@ def identity(cfg: DictConfig) -> dict[str, Any]:
 
 def text_encoders_shape(cfg: DictConfig) -> dict[str, Any] | None:
     """Which text encoders train and how (None: frozen): the parameters they add to the trained module."""
-    te = cfg.get("text_encoders")
-    mode = str(getattr(te.mode, "value", te.mode)) if te is not None else "frozen"
-    if mode == "frozen":
+    if not schema.trains_text_encoders(cfg):
         return None
+    te = cfg.text_encoders
+    mode = str(getattr(te.mode, "value", te.mode))
     shape: dict[str, Any] = {"mode": mode, "which": str(getattr(te.which, "value", te.which))}
     if mode == "lora":
         shape.update(rank=int(te.rank), targets=[str(t) for t in te.targets])

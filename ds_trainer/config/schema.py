@@ -321,6 +321,14 @@ class TextEncodersConfig:
     targets: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "out_proj"])
 
 
+def trains_text_encoders(cfg: Any) -> bool:
+    """Whether the text encoders train (`text_encoders=lora|full`): False when they are frozen or the group is
+    absent (configs written before it existed). Takes a composed config or a plain dict of one (a config.yaml)."""
+    te = cfg.get("text_encoders")
+    mode = te.get("mode", "frozen") if te is not None else "frozen"
+    return str(getattr(mode, "value", mode)) != "frozen"
+
+
 @dataclass
 class SamplesConfig:
     """`samples` group: images generated during training (ds_trainer/train/sampling.py)."""

@@ -445,8 +445,7 @@ def _encoder_units(cfg: DictConfig) -> list[str]:
     """With trained text encoders (text_encoders=lora|full) each encoder layer is an FSDP unit too. The encoders'
     embeddings, final norms and projection stay in the root unit with the UNet's parts outside its blocks (an encoder
     model made a unit would change class, and transformers 5 finds its hidden-state recorders by class)."""
-    te = cfg.get("text_encoders")
-    return ["CLIPEncoderLayer"] if te is not None and te.mode.value != "frozen" else []
+    return ["CLIPEncoderLayer"] if schema.trains_text_encoders(cfg) else []
 
 
 def fsdp_meaning(cfg: DictConfig) -> dict[str, object]:

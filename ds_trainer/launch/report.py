@@ -17,6 +17,7 @@ from typing import Any
 
 import yaml
 
+from ds_trainer.config import schema
 from ds_trainer.config.ds_config import option_name
 
 COLUMNS = ("cell", "zero", "offload", "resolution", "micro_batch_size", "world_size", "precision", "optimizer",
@@ -73,8 +74,8 @@ def trained(cfg: dict[str, Any]) -> str:
     with it (`+ text encoders lora (both)`)."""
     adapter = (cfg.get("adapter") or {}).get("method", "none")
     out = "unet lora" if adapter == "lora" else "unet"
-    te = cfg.get("text_encoders") or {}
-    if te.get("mode", "frozen") != "frozen":
+    if schema.trains_text_encoders(cfg):
+        te = cfg["text_encoders"]
         out += f" + text encoders {te['mode']} ({te.get('which', 'both')})"
     return out
 

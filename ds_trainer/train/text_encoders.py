@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
+from ds_trainer.config import schema
 from ds_trainer.train import models
 
 log = logging.getLogger("ds_trainer")
@@ -38,8 +39,7 @@ TEXT_KEYS = ("input_ids", "input_ids_2", "embeds_1", "embeds_2", "pooled")
 
 
 def enabled(cfg: DictConfig) -> bool:
-    te = cfg.get("text_encoders")
-    return te is not None and te.mode.value != "frozen"
+    return schema.trains_text_encoders(cfg)
 
 
 def trained(cfg: DictConfig) -> tuple[str, ...]:
