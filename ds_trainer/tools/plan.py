@@ -26,10 +26,8 @@ Method, per part (bytes; P = UNet parameters, N = ranks, L = largest layer's par
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import sys
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import cache
 from typing import Any
@@ -38,7 +36,7 @@ from omegaconf import DictConfig
 
 from ds_trainer.config import buckets, nvme
 from ds_trainer.tools import plan_cache, plan_lora, plan_samples
-from ds_trainer.tools.plan_unet import UNetStats, meta_unet, unet_inputs, unet_stats
+from ds_trainer.tools.plan_unet import UNetStats, meta_unet, saved_bytes, unet_inputs, unet_stats
 
 GIB = 2**30
 CELLS = [("ddp", "none"), ("stage0", "none"), ("stage1", "none"), ("stage2", "none"), ("stage3", "none"),
@@ -70,30 +68,6 @@ class Estimate:
         return self.params + self.grads + self.optimizer + self.activations + self.buffers
 
 
-@contextlib.contextmanager
-def _efficient_attention_counted(count: list[int]) -> Iterator[None]:
-    """Replace SDPA while counting: on meta it would take the math path and save the full attention
-    matrix; memory-efficient kernels keep q, k, v, the output and a log-sum-exp per query."""
-    import torch
-    import torch.nn.functional as F
-
-    real = F.scaled_dot_product_attention
-
-    def counted(q: Any, k: Any, v: Any, *args: Any, **kwargs: Any) -> Any:
-        with torch.no_grad():
-            out = real(q, k, v, *args, **kwargs)
-        out = out.detach().requires_grad_(q.requires_grad or k.requires_grad or v.requires_grad)
-        lse = q.shape[0] * q.shape[1] * q.shape[2] * 4
-        count[0] += sum(t.numel() * t.element_size() for t in (q, k, v, out)) + lse
-        return out
-
-    F.scaled_dot_product_attention = counted  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        F.scaled_dot_product_attention = real
-
-
 @cache  # a pure function of its arguments; the tuner asks for the same few shapes many times
 def activation_bytes(architecture: str, batch: int, width: int, height: int, dtype_bytes: int,
                      checkpointing: bool, cross_dim_tokens: int = 77) -> int:
@@ -112,46 +86,9 @@ def activation_bytes(architecture: str, batch: int, width: int, height: int, dty
         diffusers_logging.set_verbosity(verbosity)
     unet.train()
     unet.disable_gradient_checkpointing()
-    total, segments = [0], list[int]()
-    # A tensor saved by several ops (or through views) counts once: keyed by the tensor a view is of,
-    # kept referenced so its id stays unique. (Meta tensors have no storage address to key on.)
-    # Weights saved for backward (and views of them) are parameters, counted as such already.
-    params = {id(p) for p in unet.parameters()}
-    seen: set[int] = set()
-    keep: list[Any] = []
-
-    def pack(t: Any) -> Any:
-        base = t
-        while base._base is not None:
-            base = base._base
-        if id(base) not in seen and id(base) not in params:
-            seen.add(id(base))
-            keep.append(base)
-            total[0] += base.numel() * base.element_size()
-        return t
-
-    def before(module: Any, args: Any) -> None:
-        module._ds_trainer_start = total[0]
-
-    def after(module: Any, args: Any, out: Any) -> None:
-        segments.append(total[0] - module._ds_trainer_start)
-
-    blocks = [m for m in unet.modules() if isinstance(m, ResnetBlock2D | Transformer2DModel)]
-    handles = [h for m in blocks for h in (m.register_forward_pre_hook(before), m.register_forward_hook(after))]
-    try:
-        with torch.device("meta"), _efficient_attention_counted(total), \
-                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            x, t, enc, cond = unet_inputs(unet.config, batch, height, width, dtype, tokens=cross_dim_tokens)
-            unet(x, t, enc, added_cond_kwargs=cond)
-    finally:
-        for h in handles:
-            h.remove()
-    if not checkpointing:
-        return total[0]
-    # Checkpointing keeps each block's input (counted by the outer forward) and recomputes one block at
-    # a time: the saved total minus what the blocks keep inside, plus the largest block.
-    # (A block's input is the previous block's output, already counted where it was saved.)
-    return total[0] - sum(segments) + max(segments, default=0)
+    x, t, enc, cond = unet_inputs(unet.config, batch, height, width, dtype, tokens=cross_dim_tokens, device="meta")
+    return saved_bytes(unet, (ResnetBlock2D, Transformer2DModel), lambda: unet(x, t, enc, added_cond_kwargs=cond),
+                       checkpointing)
 
 
 def _model_states(zero: str, offload: str, p: int, layer: int, n: int, params_offload: bool,

@@ -4,10 +4,13 @@ parameters only."""
 
 from __future__ import annotations
 
-from functools import cache
+from functools import cache, partial
 from typing import Any
 
 from omegaconf import DictConfig
+
+from ds_trainer.config import schema
+from ds_trainer.tools.plan_unet import saved_bytes
 
 
 @cache
@@ -51,9 +54,9 @@ def _encoders(architecture: str, which: str, mode: str, rank: int, targets: tupl
 
 def encoders(cfg: DictConfig, architecture: str) -> tuple[int, int]:
     """(frozen, trained) parameters the trained text encoders add to the trained module ((0, 0): frozen encoders)."""
-    te = cfg.get("text_encoders")
-    if te is None or te.mode.value == "frozen":
+    if not schema.trains_text_encoders(cfg):
         return 0, 0
+    te = cfg.text_encoders
     return _encoders(architecture, te.which.value, te.mode.value, int(te.rank), tuple(te.targets))
 
 
@@ -100,6 +103,7 @@ def _encoder_activations(architecture: str, which: str, mode: str, rank: int, ta
     checkpointing each layer's input is kept and one layer at a time recomputed."""
     import torch
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+    from transformers.models.clip.modeling_clip import CLIPEncoderLayer
 
     from ds_trainer.train import text_encoders
 
@@ -111,49 +115,11 @@ def _encoder_activations(architecture: str, which: str, mode: str, rank: int, ta
         with torch.device("meta"):
             encoder = classes[name](CLIPTextConfig.from_pretrained(architecture, subfolder=name))
         text_encoders.prepare_encoder(spec, name, encoder)
-        saved, layers = _saved_bytes(encoder.to(dtype), batch)
-        total += saved - sum(layers) + max(layers, default=0) if checkpointing else saved
+        encoder = encoder.to(dtype)
+        tokens = torch.zeros(batch, int(encoder.config.max_position_embeddings), dtype=torch.long, device="meta")
+        total += saved_bytes(encoder, (CLIPEncoderLayer,), partial(encoder, tokens, output_hidden_states=True),
+                             checkpointing)
     return total
-
-
-def _saved_bytes(encoder: Any, batch: int) -> tuple[int, list[int]]:
-    """(bytes saved for backward by a forward of `encoder` on `batch` prompts, those saved inside each layer)."""
-    import torch
-    from transformers.models.clip.modeling_clip import CLIPEncoderLayer
-
-    from ds_trainer.tools.plan import _efficient_attention_counted
-
-    count, layers, seen, keep = [0], list[int](), set[int](), list[torch.Tensor]()
-    params = {id(p) for p in encoder.parameters()}
-    starts: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        base = t
-        while base._base is not None:
-            base = base._base
-        if id(base) not in seen and id(base) not in params:
-            seen.add(id(base))
-            keep.append(base)  # referenced, so its id stays unique
-            count[0] += base.numel() * base.element_size()
-        return t
-
-    def before(module: Any, args: Any) -> None:
-        starts[id(module)] = count[0]
-
-    def after(module: Any, args: Any, out: Any) -> None:
-        layers.append(count[0] - starts[id(module)])
-
-    handles = [h for m in encoder.modules() if isinstance(m, CLIPEncoderLayer)
-               for h in (m.register_forward_pre_hook(before), m.register_forward_hook(after))]
-    try:
-        with torch.device("meta"), _efficient_attention_counted(count), \
-                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            encoder(torch.zeros(batch, int(encoder.config.max_position_embeddings), dtype=torch.long),
-                    output_hidden_states=True)
-    finally:
-        for h in handles:
-            h.remove()
-    return count[0], layers
 
 
 def encoder_activations(cfg: DictConfig, architecture: str, dtype_bytes: int) -> int:
@@ -161,9 +127,9 @@ def encoder_activations(cfg: DictConfig, architecture: str, dtype_bytes: int) ->
     cached)."""
     from ds_trainer.tools import plan_cache
 
-    te = cfg.get("text_encoders")
-    if te is None or te.mode.value == "frozen":
+    if not schema.trains_text_encoders(cfg):
         return 0
+    te = cfg.text_encoders
     return int(plan_cache.cached("encoder_activations", (
         architecture, te.which.value, te.mode.value, int(te.rank), tuple(str(t) for t in te.targets),
         int(cfg.train.micro_batch_size), dtype_bytes, bool(cfg.train.gradient_checkpointing)), _encoder_activations))
