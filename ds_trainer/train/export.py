@@ -3,6 +3,8 @@ run from a single-file checkpoint a whole pipeline."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -30,17 +32,12 @@ def diffusers(cfg: DictConfig, accelerator: Any, unet: Any, optimizer: Any, ema:
     shadow = ema.full(dst=0) if ema else None  # collective: the EMA is sharded across the ranks
     if not accelerator.is_main_process:
         return
-    # Built whole on rank 0 alone: under a live ZeRO-3 config transformers would partition a text encoder as it is
-    # constructed, a collective the other ranks never join.
-    with models.outside_zero3(accelerator.state.deepspeed_plugin):
+    with _alone(accelerator):
         _write(cfg, accelerator.unwrap_model(unet), {**state, **masters}, shadow, frozen, run_dir)
 
 
 def _write(cfg: DictConfig, module: Any, weights: dict[str, torch.Tensor], shadow: dict[str, torch.Tensor] | None,
            frozen: models.Frozen, run_dir: Path) -> None:
-    from transformers.utils import logging as transformers_logging
-
-    transformers_logging.disable_progress_bar()  # a "Writing model shards" bar per text encoder, on the terminal
     whole = not isinstance(module, text_encoders.Denoiser)
     exported: dict[str, Any] = {}
     for name, part in text_encoders.components(module):
@@ -92,9 +89,7 @@ def _pipeline(cfg: DictConfig, frozen: models.Frozen, run_dir: Path, **trained: 
     """`<run>/pipeline`: the trained parts given (`unet`, `text_encoder`, `text_encoder_2`), the rest as loaded
     (the base of a part trained as LoRA)."""
     from diffusers import StableDiffusionXLPipeline
-    from transformers.utils import logging as transformers_logging
 
-    transformers_logging.disable_progress_bar()  # as in `_write`
     if any(p is None or p.dtype != torch.float32 for p in (frozen.vae, frozen.text_encoder, frozen.text_encoder_2)):
         # Training ran them in 16 bits (a GPU run): up-casting those copies would save rounded weights as
         # float32; or an encoder trained and its base is needed. The pipeline gets them as loaded, from the source,
@@ -114,7 +109,17 @@ def base_pipeline(cfg: DictConfig, accelerator: Any, frozen: models.Frozen, run_
     """With everything trained as LoRA on sdxl_tiny (random weights nobody else has): the untrained base pipeline on
     rank 0, so that `<run>/lora` can be loaded into it with `load_lora_weights`."""
     if cfg.model.name == "sdxl_tiny" and accelerator.is_main_process:
-        # Outside ZeRO-3's construction hooks, as `diffusers`: the base of a trained encoder is loaded again here,
-        # on rank 0 alone, and transformers would partition it (a collective the other ranks never join).
-        with models.outside_zero3(accelerator.state.deepspeed_plugin):
+        with _alone(accelerator):  # the base of a trained encoder is loaded again here
             _pipeline(cfg, frozen, run_dir)
+
+
+@contextmanager
+def _alone(accelerator: Any) -> Iterator[None]:
+    """Rank 0 building and saving whole models alone: outside ZeRO-3's construction hooks (under a live ZeRO-3 config
+    transformers would partition a text encoder as it is built, a collective the other ranks never join), and
+    without transformers' "Writing model shards" bar per saved encoder on the terminal."""
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()
+    with models.outside_zero3(accelerator.state.deepspeed_plugin):
+        yield
