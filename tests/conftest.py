@@ -201,6 +201,9 @@ def slurm_jobs(env: dict[str, str], workdir: Path, states: str = "PENDING,RUNNIN
             if Path(folder).resolve().is_relative_to(mine)]
 
 
+ACTIVE_STATES = "PENDING,RUNNING,CONFIGURING,REQUEUED,COMPLETING"
+
+
 def torchrun(ranks: int) -> list[str]:
     """`python -m torch.distributed.run` for `ranks` ranks on this machine, on a free port (not torchrun's
     default 29500, which two tests running side by side would both take)."""

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numerics
 import pytest
-from conftest import require, run_cli, slurm_jobs, wait_until
+from conftest import ACTIVE_STATES, require, run_cli, slurm_jobs, wait_until
 
 from ds_trainer.launch import netns, slurm_local
 
@@ -90,6 +90,7 @@ def test_zero3_and_fsdp_across_two_nodes_equal_a_single_node_two_rank_run(tmp_pa
     # Each rank ran on its own node, with its own address.
     outs = "".join(p.read_text() for p in cells[0].parent.glob(".submitit/*/*_log.out"))
     assert "hostname=dsnode1" in outs and "hostname=dsnode2" in outs
+    assert not slurm_jobs(two_nodes, multi, ACTIVE_STATES)  # the sweep is over: none of its jobs holds the nodes
 
 
 def _start(workdir: Path, env: dict[str, str], *args: str) -> subprocess.Popen:
@@ -154,6 +155,7 @@ def test_a_two_node_job_at_its_time_limit_signal_or_scancelled_comes_back_and_re
     assert _starts_per_node(cell) == {"dsnode1": 3, "dsnode2": 3}  # the whole job came back, twice
     summary = json.loads((cell / "summary.json").read_text())
     assert summary["status"] == "ok" and summary["nodes"] == ["dsnode1", "dsnode2"]
+    assert not slurm_jobs(two_nodes, tmp_path, ACTIVE_STATES)  # the sweep is over: none of its jobs holds a node
 
 
 @pytest.mark.slow
@@ -175,6 +177,7 @@ def test_kill_9_of_one_node_task_brings_the_whole_two_node_job_back(tmp_path: Pa
     assert sorted(set(_steps(cell))) == list(range(1, 21))
     assert _starts_per_node(cell) == {"dsnode1": 2, "dsnode2": 2}
     assert json.loads((cell / "summary.json").read_text())["status"] == "ok"
+    assert not slurm_jobs(two_nodes, tmp_path, ACTIVE_STATES)
 
 
 def _on_node(node: str, cwd: Path, *command: str) -> subprocess.Popen:

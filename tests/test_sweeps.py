@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import run_cli, sigint_at_default, slurm_jobs, wait_until
+from conftest import ACTIVE_STATES, run_cli, sigint_at_default, slurm_jobs, wait_until
 
 from ds_trainer import SWEEPS_DIR
 
@@ -117,6 +117,46 @@ def test_two_cell_sweep_on_a_real_slurm_cluster(workdir: Path, slurm_cluster: di
     """DeepSpeed and FSDP2 side by side in one sweep, each cell a two-task Slurm job."""
     sweep_dir = _two_cell_sweep(workdir, "slurm_localtest", env=slurm_cluster, second="fsdp_full_shard")
     assert list((sweep_dir / ".submitit").glob("*/*.out"))  # submitted through sbatch
+    assert not slurm_jobs(slurm_cluster, workdir, ACTIVE_STATES)  # the sweep is over: none of its jobs holds a node
+
+
+@pytest.mark.multiproc
+def test_a_finished_cells_job_that_slurm_still_lists_is_cancelled_and_a_finished_one_left_alone(
+        tmp_path: Path, slurm_cluster: dict[str, str], monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    # A job whose srun missed the end of its tasks stays RUNNING after its result, until its time limit: on the
+    # two-node cluster one held both nodes for the 10 minutes of its limit after its sweep had returned, and the
+    # next test's job waited for them. The launcher sees such a job off; one that ends by itself is left alone.
+    import submitit
+    from ds_trainer.launch.hydra_plugin import launcher
+
+    monkeypatch.setenv("SLURM_CONF", slurm_cluster["SLURM_CONF"])
+    executor = submitit.AutoExecutor(folder=tmp_path, cluster="slurm")
+    executor.update_parameters(slurm_partition="debug", timeout_min=5, tasks_per_node=1, cpus_per_task=1, mem_gb=1)
+    quick = executor.submit(int, "7")  # first: the cluster's node has two CPUs, one for each sleeper below
+    assert quick.result() == 7
+    wait_until(lambda: launcher.slurm_state(str(quick.job_id)) not in launcher.ACTIVE, "the quick job did not end",
+               deadline=time.time() + 60)
+    stuck, recent = executor.submit(time.sleep, 600), executor.submit(time.sleep, 600)
+    ids = {job: str(job.job_id) for job in (stuck, recent, quick)}
+    try:
+        wait_until(lambda: all(launcher.slurm_state(ids[j]) == "RUNNING" for j in (stuck, recent)),
+                   "the sleeping jobs did not start", deadline=time.time() + 120)
+        now = time.time()
+        leaving = {0: (stuck, now - launcher.LEAVE_AFTER_S), 1: (recent, now), 2: (quick, now)}
+        with caplog.at_level("WARNING"):
+            launcher.see_off(leaving)
+        assert list(leaving) == [1]  # still within its grace: waited for
+        said = [r.getMessage() for r in caplog.records if r.name.endswith("hydra_plugin.launcher")]
+        assert len(said) == 1 and f"job {ids[stuck]} was still RUNNING" in said[0] and "cancelled it" in said[0]
+        wait_until(lambda: launcher.slurm_state(ids[stuck]) not in launcher.ACTIVE, "the stuck job was not cancelled",
+                   deadline=time.time() + 60)
+        assert launcher.slurm_state(ids[stuck]) == "CANCELLED"
+        assert launcher.slurm_state(ids[quick]) == "COMPLETED"
+        assert launcher.slurm_state(ids[recent]) == "RUNNING"
+    finally:
+        for job in (stuck, recent):
+            job.cancel(check=False)
 
 
 def _start_sweep(workdir: Path, env: dict[str, str], *args: str, zero: str = "stage2") -> subprocess.Popen:

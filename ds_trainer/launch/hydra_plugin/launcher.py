@@ -33,6 +33,9 @@ POLL_S = 2.0
 # A job seen finished without a result this long is taken as lost (a result file may show up late on a
 # network file system).
 LOST_AFTER_S = 10.0
+# A job whose result is in but that Slurm still lists as running this long after is cancelled: its srun missed the
+# end of its tasks (seen on the local two-node cluster) and would hold its nodes until the time limit.
+LEAVE_AFTER_S = 30.0
 # squeue states of a job that may still produce a result.
 ACTIVE = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "REQUEUE_FED", "REQUEUE_HOLD",
           "RESIZING", "SUSPENDED", "SIGNALING", "STAGE_OUT", "PREEMPTED", "UNKNOWN"}
@@ -50,6 +53,21 @@ def slurm_state(job_id: str) -> str:
     if out.returncode == 0:
         return states[0] if states else "GONE"
     return "GONE" if "Invalid job id" in out.stderr else "UNKNOWN"
+
+
+def see_off(leaving: dict[int, tuple[Any, float]]) -> None:
+    """`leaving`: cell number -> (its submitit job, when its result came). Forgets the jobs that left Slurm's active
+    states; cancels those still active LEAVE_AFTER_S after their result (their srun missed the end of the tasks),
+    so that no job of a sweep keeps its nodes once the sweep is over."""
+    for num, (job, since) in list(leaving.items()):
+        state = slurm_state(str(job.job_id))  # squeue, not sacct's cached answer
+        if state not in ACTIVE:
+            del leaving[num]
+        elif time.time() - since >= LEAVE_AFTER_S:
+            job.cancel(check=False)
+            log.warning(f"cell #{num}: job {job.job_id} was still {state} {LEAVE_AFTER_S:.0f} s after its result; "
+                        f"cancelled it (scancel) so that it frees its nodes now rather than at its time limit")
+            del leaving[num]
 
 
 def log_tail(path: Path, lines: int = 12) -> str:
@@ -115,7 +133,9 @@ class _Resubmitting(submitit_launcher.BaseSubmititLauncher):
 
     def _wait(self, executor: Any, cells: list[_Cell], resubmits: int) -> None:
         pending = list(cells)
-        while pending:
+        leaving: dict[int, tuple[Any, float]] = {}  # cells with a result whose job Slurm may still list
+        while pending or leaving:
+            see_off(leaving)
             for cell in list(pending):
                 outcome = self._outcome(cell)
                 if outcome is None:
@@ -139,7 +159,9 @@ class _Resubmitting(submitit_launcher.BaseSubmititLauncher):
                     continue
                 cell.result = self._result(cell, outcome)
                 pending.remove(cell)
-            if pending:
+                if self._EXECUTOR == "slurm":
+                    leaving[cell.num] = (cell.job, time.time())
+            if pending or leaving:
                 time.sleep(POLL_S)
 
     def _outcome(self, cell: _Cell) -> str | None:
