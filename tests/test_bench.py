@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -120,3 +121,41 @@ def test_the_script_s_steps_are_timed_when_its_progress_bar_first_shows_them() -
         clock.feed(chunk, at)
     assert clock.seen == {0: 2.0, 1: 5.0, 2: 6.0, 3: 6.5, 4: 7.0, 5: 7.7} and clock.total == 5
     assert _median_s_per_it(clock.seen, warmup=2) == 0.5  # steps 3, 4 and 5: 0.5, 0.5 and 0.7 s
+
+
+@pytest.mark.parametrize(("zero", "ran_as"), [
+    pytest.param("stage3", "DeepSpeed ZeRO-3 (accelerate launch)", id="stage3"),
+    pytest.param("ddp", "plain python", id="ddp"),
+    pytest.param("fsdp_full_shard", "plain python (Accelerate gives a CPU process no FSDP)", id="fsdp"),
+])
+def test_the_script_runs_under_the_run_s_backend_where_accelerate_can_give_it_that_backend(
+        zero: str, ran_as: str, tmp_path: Path) -> None:
+    """The peer of a ZeRO-3 run is the script under ZeRO-3 (as a user would launch it: `accelerate launch` with a
+    DeepSpeed config, the script's own AdamW and LR schedule), not the script alone."""
+    import yaml
+    from conftest import cli_in_process
+
+    from ds_trainer.tools.bench_peer import Peer, backend, cfg_of
+
+    run = tmp_path / "run"
+    code, output = cli_in_process([f"zero={zero}", "dry_run=true", f"hydra.run.dir={run}"], tmp_path)
+    assert code == 0, output
+    probe = tmp_path / "train_text_to_image_sdxl.py"  # stands in for the script: what Accelerate gives it
+    probe.write_text("from accelerate import Accelerator\n"
+                     "a = Accelerator()\n"
+                     "print('RAN', a.distributed_type, a.state.deepspeed_plugin.zero_stage)\n")
+    cmd = Peer(probe, sys.executable, tmp_path / "model", tmp_path / "images").command(run)
+    assert backend(cfg_of(run)) == ran_as
+    if zero != "stage3":
+        assert cmd[1] == str(probe)
+        return
+    assert cmd[1:5] == ["-m", "accelerate.commands.launch", "--config_file", str(run / "peer_accelerate_config.yaml")]
+    ds = json.loads((run / "peer_ds_config.json").read_text())
+    assert "optimizer" not in ds and "scheduler" not in ds  # the script's AdamW and schedule
+    assert ds["zero_optimization"] == json.loads((run / "ds_config.json").read_text())["zero_optimization"]
+    accel = yaml.safe_load((run / "peer_accelerate_config.yaml").read_text())
+    assert accel["deepspeed_config"]["deepspeed_config_file"] == str(run / "peer_ds_config.json")
+    launched = subprocess.run(cmd[:cmd.index(str(probe)) + 1], capture_output=True, text=True, timeout=300,
+                              cwd=tmp_path)
+    assert launched.returncode == 0, launched.stderr[-3000:]
+    assert "RAN DistributedType.DEEPSPEED 3" in launched.stdout

@@ -128,6 +128,7 @@ def test_a_finished_cells_job_that_slurm_still_lists_is_cancelled_and_a_finished
     # two-node cluster one held both nodes for the 10 minutes of its limit after its sweep had returned, and the
     # next test's job waited for them. The launcher sees such a job off; one that ends by itself is left alone.
     import submitit
+
     from ds_trainer.launch.hydra_plugin import launcher
 
     monkeypatch.setenv("SLURM_CONF", slurm_cluster["SLURM_CONF"])

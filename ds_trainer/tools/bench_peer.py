@@ -46,14 +46,12 @@ class Peer:
 
     def command(self, folder: Path) -> list[str]:
         """The script's command line, mirroring the run in `folder` (its resolved config.yaml)."""
-        from omegaconf import OmegaConf
-
-        cfg: Any = OmegaConf.load(folder / "config.yaml")
+        cfg = cfg_of(folder)
         o, t = cfg.optimizer, cfg.train
         precision = {"bf16": "bf16", "bf16_pure": "bf16", "fp16": "fp16"}.get(str(cfg.precision.name), "no")
-        cmd = [self.python, str(self.script), f"--pretrained_model_name_or_path={self.model_dir}",
-               f"--train_data_dir={self.images_dir}", "--caption_column=text", f"--resolution={cfg.resolution.width}",
-               f"--train_batch_size={t.micro_batch_size}",
+        data = [f"--pretrained_model_name_or_path={self.model_dir}", f"--train_data_dir={self.images_dir}",
+                "--caption_column=text", f"--resolution={cfg.resolution.width}"]
+        cmd = [self.python, *launcher(folder, cfg), str(self.script), *data, f"--train_batch_size={t.micro_batch_size}",
                f"--gradient_accumulation_steps={t.gradient_accumulation_steps}",
                f"--max_train_steps={t.max_steps}", f"--learning_rate={o.lr}", f"--adam_beta1={o.betas[0]}",
                f"--adam_beta2={o.betas[1]}", f"--adam_epsilon={o.eps}", f"--adam_weight_decay={o.weight_decay}",
@@ -75,11 +73,53 @@ class Peer:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=folder)
         clock, late = watch(proc, launched + timeout)
         (folder / "peer.log").write_text(shlex.join(cmd) + "\n\n" + clock.text)
-        last = [line.strip() for line in re.split(r"[\r\n]", clock.text) if line.strip()][-1:]
+        lines = [line.strip() for line in re.split(r"[\r\n]", clock.text) if line.strip()]
+        # The error itself, not a launcher's banner after it (accelerate launch ends with torch's ChildFailedError).
+        last = [line for line in lines if re.search(r"\b\w+Error: ", line)][:1] or lines[-1:]
         status = ("ok" if proc.returncode == 0 and clock.total in clock.seen else f"no result within {timeout:.0f} s"
                   if late else f"exit {proc.returncode}: {last[0] if last else '?'}")
         return {"peer_first_step_s": round(clock.seen[1] - launched, 3) if 1 in clock.seen else None,
-                "peer_s_per_it": _median_s_per_it(clock.seen, warmup), "peer_status": status}
+                "peer_s_per_it": _median_s_per_it(clock.seen, warmup), "peer_status": status,
+                "peer_backend": backend(cfg_of(folder))}
+
+
+def cfg_of(folder: Path) -> Any:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.load(folder / "config.yaml")
+
+
+def backend(cfg: Any) -> str:
+    """How the script runs beside the run of `cfg`: under the run's DeepSpeed stage (through `accelerate launch`, as
+    a user of the script would run it), or as a plain Python process."""
+    if str(cfg.resolved.backend) == "deepspeed":
+        return f"DeepSpeed ZeRO-{int(cfg.zero.stage)} (accelerate launch)"
+    if str(cfg.resolved.backend) == "fsdp" and str(cfg.resolved.platform) != "cpu":
+        return "FSDP2 (accelerate launch)"
+    return "plain python" + (" (Accelerate gives a CPU process no FSDP)" if str(cfg.resolved.backend) == "fsdp" else "")
+
+
+def launcher(folder: Path, cfg: Any) -> list[str]:
+    """The arguments that put the script under the run's backend: `-m accelerate.commands.launch --config_file <the
+    run's Accelerate config>` for DeepSpeed (its JSON without the optimizer and scheduler blocks: the script brings
+    torch's AdamW and its own LR schedule) and for FSDP on a GPU; nothing for DDP on one process, and for FSDP on a
+    CPU, where Accelerate would quietly run the script without FSDP."""
+    import yaml
+
+    kind = str(cfg.resolved.backend)
+    if kind == "deepspeed":
+        ds = json.loads((folder / "ds_config.json").read_text())
+        for block in ("optimizer", "scheduler"):
+            ds.pop(block, None)
+        (folder / "peer_ds_config.json").write_text(json.dumps(ds, indent=2))
+        accel = yaml.safe_load((folder / "accelerate_config.yaml").read_text())
+        accel["deepspeed_config"]["deepspeed_config_file"] = str(folder / "peer_ds_config.json")
+    elif kind == "fsdp" and str(cfg.resolved.platform) != "cpu":
+        accel = yaml.safe_load((folder / "accelerate_config.yaml").read_text())
+    else:
+        return []
+    (folder / "peer_accelerate_config.yaml").write_text(yaml.safe_dump(accel, sort_keys=False))
+    return ["-m", "accelerate.commands.launch", "--config_file", str(folder / "peer_accelerate_config.yaml")]
 
 
 def watch(proc: subprocess.Popen[bytes], deadline: float) -> tuple[StepClock, bool]:

@@ -25,7 +25,7 @@ from ds_trainer.tools.bench_cells import Cell, cell_command, run_cell, run_raw
 from ds_trainer.tools.bench_peer import Peer, prepare
 
 FIELDS = ("zero", "pair", "first_step_s", "raw_first_step_s", "s_per_it", "raw_s_per_it", "status")
-PEER_FIELDS = ("peer_first_step_s", "peer_s_per_it", "peer_status")
+PEER_FIELDS = ("peer_first_step_s", "peer_s_per_it", "peer_status", "peer_backend")
 
 
 def _cell(zero: str, args: argparse.Namespace) -> Cell:
@@ -84,8 +84,15 @@ def _lines(rows: list[dict[str, Any]], other: str) -> list[str]:
                  _median(mine, f"{other}_s_per_it"), _median_ratio(mine, "s_per_it", f"{other}_s_per_it")]
         shown = ["" if v is None else f"{v:.3f}" if i in (2, 5) else f"{v:.2f}" if i < 2 else f"{v:.4f}"
                  for i, v in enumerate(cells)]
-        lines.append(f"| {zero} | {len(mine)} | " + " | ".join(shown) + " |")
+        ran = [] if other == "raw" else [next((str(r.get("peer_backend")) for r in rows if r["zero"] == zero), "")]
+        lines.append(f"| {zero} | {len(mine)} | " + " | ".join(shown + ran) + " |")
     return lines
+
+
+def _failures(rows: list[dict[str, Any]]) -> list[str]:
+    """The script's runs that did not finish, one line each (it has no first step there to compare)."""
+    return [f"- {r['zero']} pair {r['pair']}, script under {r.get('peer_backend')}: {r['peer_status']}" for r in rows
+            if r.get("peer_status") not in (None, "ok")]
 
 
 def table(rows: list[dict[str, Any]], command: str, peer_commands: list[str] | None = None) -> str:
@@ -97,9 +104,11 @@ def table(rows: list[dict[str, Any]], command: str, peer_commands: list[str] | N
     if peer_commands:
         lines += ["", "## Against diffusers' train_text_to_image_sdxl.py", "",
                   "The same pretrained folder, images, batch, resolution, steps and AdamW; each side with a cold data "
-                  "cache of its own. A ratio is the median of the pairs' ratios (run / script).", "",
-                  "| zero | pairs | first step (s) | script (s) | ratio | s/it | script s/it | ratio |",
-                  "|---|---|---|---|---|---|---|---|", *_lines(rows, "peer"), "",
+                  "cache of its own, the script under the run's backend where Accelerate can give it that backend. A "
+                  "ratio is the median of the pairs' ratios (run / script), over the pairs where both finished.", "",
+                  "| zero | pairs | first step (s) | script (s) | ratio | s/it | script s/it | ratio | script ran as |",
+                  "|---|---|---|---|---|---|---|---|---|", *_lines(rows, "peer"), "",
+                  *([*_failures(rows), ""] if _failures(rows) else []),
                   "The run and the script of the first pair (the other pairs differ by their folders):", "",
                   *[f"    {c}" for c in peer_commands]]
     return "\n".join(lines) + "\n"
