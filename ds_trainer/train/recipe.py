@@ -213,7 +213,10 @@ def run(cfg: DictConfig, ds: dict[str, Any] | None, run_dir: Path, name: str = "
     """Train as `cfg` says; returns the summary, also written to `summary.json` whatever happens:
     `ok`, `oom` (with what to try next), `interrupted` (a signal, Ctrl-C), `lost` or `error` (with its message)."""
     _single_process_env()
-    op_cache.prepare()  # this environment's compiled ops (never another venv's), no 1.1 s CPU probes per op load
+    if ds is not None:  # this environment's compiled ops (never another venv's), no 1.1 s CPU probes per op load
+        op_cache.prepare()
+    else:  # DDP and FSDP load no DeepSpeed op: importing DeepSpeed to prepare its builds would only cost start-up
+        op_cache.use_environment_folder()
     with stop.Immediate():  # Ctrl-C outside the training loop stops at once (recorded, no traceback)
         return _run(cfg, ds, run_dir, name, memory_plan)
 
