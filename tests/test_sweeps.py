@@ -129,8 +129,8 @@ def test_a_finished_cells_job_that_slurm_still_lists_is_cancelled_and_a_finished
         tmp_path: Path, slurm_cluster: dict[str, str], monkeypatch: pytest.MonkeyPatch,
         caplog: pytest.LogCaptureFixture) -> None:
     # A job whose srun missed the end of its tasks stays RUNNING after its result, until its time limit: on the
-    # two-node cluster one held both nodes for the 10 minutes of its limit after its sweep had returned, and the
-    # next test's job waited for them. The launcher sees such a job off; one that ends by itself is left alone.
+    # two-node cluster one held a CPU on both nodes for the 10 minutes of its limit after its sweep had returned. The
+    # launcher sees such a job off; one that ends by itself is left alone.
     import submitit
 
     from ds_trainer.launch.hydra_plugin import launcher
