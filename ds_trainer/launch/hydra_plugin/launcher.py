@@ -151,6 +151,7 @@ class _Resubmitting(submitit_launcher.BaseSubmititLauncher):
                     why = "stopped on a signal with a checkpoint" if status == "interrupted" else \
                         "lost a rank" if status == "lost" else f"ended {self._state(cell.job)} without a result"
                     old = cell.job.job_id
+                    self._clear(cell, why)
                     cell.job = executor.submit(self, *cell.args)
                     cell.attempt += 1
                     cell.lost_since = None
@@ -163,6 +164,19 @@ class _Resubmitting(submitit_launcher.BaseSubmititLauncher):
                     leaving[cell.num] = (cell.job, time.time())
             if pending or leaving:
                 time.sleep(POLL_S)
+
+    def _clear(self, cell: _Cell, why: str) -> None:
+        """Before a cell's job is submitted again: cancels the old one if Slurm still lists it as running. A rank of it
+        was lost, and its srun may wait for that task's end until the time limit, holding the nodes the new job
+        needs (a job already completing is left to finish)."""
+        if self._EXECUTOR != "slurm":
+            return
+        state = slurm_state(str(cell.job.job_id))
+        if state not in ACTIVE or state == "COMPLETING":
+            return
+        cell.job.cancel(check=False)
+        log.warning(f"cell #{cell.num}: job {cell.job.job_id} {why} but Slurm still listed it {state}; "
+                    f"cancelled it (scancel) so that it frees its nodes for the job that replaces it")
 
     def _outcome(self, cell: _Cell) -> str | None:
         """`done` (the job left a result), `lost` (it ended without one) or None (not over yet)."""
