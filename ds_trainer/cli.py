@@ -97,6 +97,9 @@ def run(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> None:
             print(f"zero=ddp: plain Accelerate data parallel, no DeepSpeed config ({cfg.resolved.platform})")
         print(f"run files written to {run_dir}", file=sys.stderr)
         return
+    from ds_trainer.train import imports
+
+    imports.for_run(str(cfg.resolved.optimizer) == "adamw8bit")
     from ds_trainer.tools import plan
     from ds_trainer.train import adapter, metrics, recipe
 

@@ -148,3 +148,18 @@ def test_ops_compile_without_debug_information_in_every_process_that_loads_them(
     stock = subprocess.run([sys.executable, "-c", code.replace("op_cache.prepare(); ", "")], capture_output=True,
                            text=True, check=True).stdout
     assert "'-g'" in stock and "'-g'" not in lean and "'-O3'" in lean
+
+
+def test_a_run_imports_bitsandbytes_only_when_its_optimizer_is_bitsandbytes() -> None:
+    """diffusers and peft import bitsandbytes whenever it is installed (about 0.7 s: it sets torch.compile up); a run
+    not using its 8-bit AdamW has them take it as absent, and it stays importable for whoever asks for it later."""
+    code = ("import sys; from ds_trainer.train import imports; imports.for_run({uses}); "
+            "from diffusers.utils import is_bitsandbytes_available; import peft.tuners.lora; "
+            "before = 'bitsandbytes' in sys.modules; import bitsandbytes.optim; "
+            "print(before, is_bitsandbytes_available(), bitsandbytes.optim.AdamW8bit.__name__)")
+    without = subprocess.run([sys.executable, "-c", code.format(uses=False)], capture_output=True, text=True)
+    assert without.returncode == 0, without.stderr[-2000:]
+    assert without.stdout.split() == ["False", "False", "AdamW8bit"]
+    with_it = subprocess.run([sys.executable, "-c", code.format(uses=True)], capture_output=True, text=True)
+    assert with_it.returncode == 0, with_it.stderr[-2000:]
+    assert with_it.stdout.split() == ["True", "True", "AdamW8bit"]
