@@ -182,9 +182,18 @@ class _Resubmitting(submitit_launcher.BaseSubmititLauncher):
         """`done` (the job left a result), `lost` (it ended without one) or None (not over yet)."""
         if cell.job.done():
             return "done"
-        if self._EXECUTOR != "slurm" or self._state(cell.job) in ACTIVE:
+        if self._EXECUTOR != "slurm":
             return None
         now = time.time()
+        if self._state(cell.job) in ACTIVE:
+            # submitit counts a job of several tasks done once every task has its result. When one task's rank was
+            # killed (kill -9, the OOM killer, its node lost), rank 0 fails, says so and leaves its result, while
+            # srun may wait for the lost task until the time limit (seen on the two-node cluster): the job is over
+            # with rank 0's result; the launcher cancels it if it is submitted again, else sees it off.
+            if not cell.job.task(0).done():
+                return None
+            cell.lost_since = cell.lost_since or now
+            return "done" if now - cell.lost_since >= LOST_AFTER_S else None
         cell.lost_since = cell.lost_since or now
         return "lost" if now - cell.lost_since >= LOST_AFTER_S else None
 
@@ -193,7 +202,7 @@ class _Resubmitting(submitit_launcher.BaseSubmititLauncher):
         from submitit.core.utils import UncompletedJobError
 
         try:
-            cell.job.results()
+            cell.job.task(0).results()  # rank 0's: its run writes the summary (a lost rank may have none)
         except UncompletedJobError:
             return False
         except Exception:  # noqa: BLE001 - the job raised: that is its result
@@ -228,7 +237,7 @@ class _Resubmitting(submitit_launcher.BaseSubmititLauncher):
         """The cell's JobReturn; a job that failed outside the run is recorded in the cell's summary."""
         if outcome == "done":
             try:
-                result: JobReturn = cell.job.results()[0]
+                result: JobReturn = cell.job.task(0).results()[0]
                 if result.status != JobStatus.FAILED:
                     return result
                 # The task raised (a multi-node run whose ranks could not meet, or that do not share the run
