@@ -19,6 +19,7 @@ from ds_trainer.config import (
     accelerate_file,
     distributed,
     ds_config,
+    optimizers,
     overrides,
     portability,
     rundir,
@@ -99,7 +100,7 @@ def run(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> None:
         return
     from ds_trainer.train import imports
 
-    imports.for_run(str(cfg.resolved.optimizer) == "adamw8bit")
+    imports.for_run(optimizers.CLIENT_PACKAGE.get(str(cfg.resolved.optimizer), ("",))[0] == "bitsandbytes")
     from ds_trainer.tools import plan
     from ds_trainer.train import adapter, metrics, recipe
 

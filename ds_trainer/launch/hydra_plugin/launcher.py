@@ -166,9 +166,9 @@ class _Resubmitting(submitit_launcher.BaseSubmititLauncher):
                 time.sleep(POLL_S)
 
     def _clear(self, cell: _Cell, why: str) -> None:
-        """Before a cell's job is submitted again: cancels the old one if Slurm still lists it as running. A rank of it
-        was lost, and its srun may wait for that task's end until the time limit, holding the nodes the new job
-        needs (a job already completing is left to finish)."""
+        """Before a cell's job is submitted again: cancels the old one if Slurm still lists it as running (a lost rank's
+        srun may wait for that task's end until the time limit), so that it does not hold the nodes the new job
+        needs; a job already completing is left to finish."""
         if self._EXECUTOR != "slurm":
             return
         state = slurm_state(str(cell.job.job_id))
