@@ -100,7 +100,8 @@ def run(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> None:
         return
     from ds_trainer.train import imports
 
-    imports.for_run(optimizers.CLIENT_PACKAGE.get(str(cfg.resolved.optimizer), ("",))[0] == "bitsandbytes")
+    imports.for_run(optimizers.CLIENT_PACKAGE.get(str(cfg.resolved.optimizer), ("",))[0] == "bitsandbytes",
+                    deepspeed=cfg.resolved.backend == "deepspeed")
     from ds_trainer.tools import plan
     from ds_trainer.train import adapter, metrics, recipe
 

@@ -163,3 +163,24 @@ def test_a_run_imports_bitsandbytes_only_when_its_optimizer_is_bitsandbytes() ->
     with_it = subprocess.run([sys.executable, "-c", code.format(uses=True)], capture_output=True, text=True)
     assert with_it.returncode == 0, with_it.stderr[-2000:]
     assert with_it.stdout.split() == ["True", "True", "AdamW8bit"]
+
+
+def test_a_deepspeed_run_sets_torch_compile_up_for_muon_only_when_muon_runs() -> None:
+    """Every ZeRO optimizer imports DeepSpeed's Muon module (to ask whether the optimizer is Muon), whose three
+    `@torch.compile` functions import TorchInductor at that import: about 1 s of CPU in every DeepSpeed process. A run
+    imports it with the torch.compile call deferred to the first call: Inductor is not loaded, and the first call
+    compiles and computes what the function computes (Newton-Schulz: the singular values of the result near 1; the
+    eager function's result within bf16's rounding, 3% measured)."""
+    code = ("import sys, torch; from ds_trainer.train import imports; imports.for_run(False, deepspeed=True); "
+            "from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam; "
+            "from deepspeed.runtime.zero.muon import original_muon as m; "
+            "before = 'torch._inductor.compile_fx' in sys.modules; "
+            "g = torch.randn(16, 8, generator=torch.Generator().manual_seed(0)); "
+            "out = m.zeropower_via_newtonschulz5(g, steps=5).float(); "
+            "eager = m.zeropower_via_newtonschulz5.__wrapped__(g, steps=5).float(); "
+            "s = torch.linalg.svdvals(out); "
+            "print(before, 'torch._inductor.compile_fx' in sys.modules, "
+            "bool(((s > 0.5) & (s < 1.5)).all()), float((out - eager).norm() / eager.norm()) < 0.1)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.splitlines()[-1].split() == ["False", "True", "True", "True"]  # after DeepSpeed's line
