@@ -23,6 +23,8 @@ BAD = [
     (["zero=stage2", "offload=cpu", "offload.params=true"], ["offload.params=True", "zero=stage3"]),
     (["optimizer.name=onebitadam"], ["optimizer.name=onebitadam", "adamw", "1-bit"]),
     (["optimizer.name=muadam"], ["optimizer.name=muadam", "set_base_shapes"]),
+    (["optimizer=muon", "zero=stage3"], ["optimizer.name=muon", "convolution", "adapter=lora",
+                                         "zero.reduce_scatter=false"]),
     (["optimizer=lamb", "offload=cpu"], ["optimizer.name=lamb", "CPU"]),
     (["zero=ddp", "optimizer=lion"], ["optimizer.name=lion", "torch.optim"]),
     (["optimizer.lr=-1"], ["optimizer.lr=-1.0"]),

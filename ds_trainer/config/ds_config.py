@@ -187,7 +187,8 @@ def _zero_block(cfg: DictConfig) -> dict[str, Any]:
                      allgather_bucket_size=int(z.allgather_bucket_size),
                      round_robin_gradients=bool(z.round_robin_gradients))
     if stage == 3:
-        block.update(stage3_prefetch_bucket_size=int(z.stage3_prefetch_bucket_size),
+        block.update(reduce_scatter=bool(z.reduce_scatter),  # DeepSpeed's default (true); Muon needs it off
+                     stage3_prefetch_bucket_size=int(z.stage3_prefetch_bucket_size),
                      stage3_param_persistence_threshold=int(z.stage3_param_persistence_threshold),
                      stage3_max_live_parameters=int(z.stage3_max_live_parameters),
                      stage3_max_reuse_distance=int(z.stage3_max_reuse_distance),

@@ -208,7 +208,21 @@ def _optimizer(cfg: DictConfig, info: hardware.PlatformInfo, out: list[Problem],
     if name in optimizers.MUP:
         out.append(Problem("optimizer.name", name, "muP optimizers need mup's set_base_shapes on a width-scaled "
                            "model family; SDXL's UNet is not one", "optimizer=adamw"))
+    if name == "muon":
+        _muon(cfg, out)
     return name
+
+
+def _muon(cfg: DictConfig, out: list[Problem]) -> None:
+    """DeepSpeed's Muon (0.19.8) on what ds_trainer trains: measured on every stage with the tiny SDXL."""
+    if cfg.adapter.method.value == "none":
+        out.append(Problem("optimizer.name", "muon", "DeepSpeed's Muon gives every weight of two or more dimensions "
+                           "its orthogonalized update, and that update fails on the UNet's 4-D convolution weights "
+                           "(a full UNet stops before its first step under every ZeRO stage); LoRA's adapters are "
+                           "matrices and train with it", "adapter=lora, or optimizer=adamw"))
+    if int(cfg.zero.stage) == 3 and bool(cfg.zero.reduce_scatter):
+        out.append(Problem("zero.reduce_scatter", True, "DeepSpeed's ZeRO-3 runs Muon only without reduce-scatter "
+                           "(it needs each full gradient to orthogonalize it)", "zero.reduce_scatter=false"))
 
 
 def _client_optimizer(cfg: DictConfig, name: str, info: hardware.PlatformInfo, out: list[Problem],
