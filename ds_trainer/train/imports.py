@@ -69,9 +69,9 @@ def muon_compiled_on_first_call() -> None:
 
     Every ZeRO optimizer (and ZeRO-0's bf16 one) imports it at init, to ask whether the optimizer is Muon; at import
     its three decorated functions go through torch.compile, whose set-up imports TorchInductor and functorch's
-    partitioner (about 0.6 s of every DeepSpeed process's start-up here, for functions only Muon calls). torch.compile
-    of a function compiles nothing until the function is called, so deferring the call to torch.compile changes
-    nothing for a Muon run but when that set-up happens."""
+    partitioner (about 1 s of CPU in every DeepSpeed process's start-up here, for functions only Muon calls).
+    torch.compile of a function compiles nothing until the function is called, so deferring the call to torch.compile
+    changes nothing for a Muon run but when that set-up happens."""
     if "deepspeed.runtime.zero.muon.original_muon" in sys.modules:
         return
     from deepspeed.runtime import compiler
