@@ -1,6 +1,8 @@
 """The image an exported pipeline makes with the sampler's settings, computed in a fresh process.
 
-`python tests/sample_reference.py <pipeline> <prompt> <seed> <out.npy> [--bf16-unet] [--lora <folder>]`
+`python tests/sample_reference.py <pipeline> <prompt> <seed> <out.npy> [--bf16-unet] [--lora <folder>]
+[--max-sequence-length N]`: any family's pipeline (DiffusionPipeline picks its class from the folder); the
+bf16 flag casts its UNet or transformer.
 
 A fresh process, because the pytest process is not a clean one: its in-process ZeRO-3 engines
 (test_deepspeed_engines, test_lora) replace `torch.nn.functional.linear` for good, which changes the
@@ -14,7 +16,7 @@ import contextlib
 
 import numpy as np
 import torch
-from diffusers import StableDiffusionXLPipeline
+from diffusers import DiffusionPipeline
 
 from ds_trainer.train import sampling
 
@@ -27,18 +29,24 @@ def main() -> None:
     parser.add_argument("out")
     parser.add_argument("--bf16-unet", action="store_true")
     parser.add_argument("--lora")
+    parser.add_argument("--max-sequence-length", type=int)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    pipe = StableDiffusionXLPipeline.from_pretrained(args.pipeline)
+    pipe = DiffusionPipeline.from_pretrained(args.pipeline)
     pipe.set_progress_bar_config(disable=True)
+    model = pipe.unet if hasattr(pipe, "unet") else pipe.transformer
     context: contextlib.AbstractContextManager = contextlib.nullcontext()
-    if args.bf16_unet:  # DeepSpeed trained (and sampled) the UNet in bf16; the export holds those values in fp32
-        pipe.unet.to(torch.bfloat16)
-        context = sampling.unet_in_its_dtype(pipe.unet)
+    if args.bf16_unet:  # DeepSpeed trained (and sampled) the model in bf16; the export holds those values in fp32
+        # DeepSpeed (0.19) casts the parameters alone and keeps float buffers in fp32 (SD3's position embedding):
+        # so does this copy.
+        for p in model.parameters():
+            p.data = p.data.to(torch.bfloat16)
+        context = sampling.unet_in_its_dtype(model)
     if args.lora:
         pipe.load_lora_weights(args.lora)
     with context:
-        image = sampling.generate(pipe, args.prompt, args.seed, sampling.Settings(2, 5.0, "", 128, 128))
+        extra = (("max_sequence_length", args.max_sequence_length),) if args.max_sequence_length else ()
+        image = sampling.generate(pipe, args.prompt, args.seed, sampling.Settings(2, 5.0, "", 128, 128, extra))
     np.save(args.out, np.asarray(image))
 
 

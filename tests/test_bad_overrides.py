@@ -26,6 +26,13 @@ BAD = [
     (["optimizer=muon", "zero=stage3"], ["optimizer.name=muon", "convolution", "adapter=lora",
                                          "zero.reduce_scatter=false"]),
     (["optimizer=lamb", "offload=cpu"], ["optimizer.name=lamb", "CPU"]),
+    # The model families: SDXL's levers on a flow-matching transformer, flow keys on SDXL, Flux's keys on SD3.
+    (["model=sd3_tiny", "train.min_snr_gamma=5"], ["train.min_snr_gamma=5.0", "model.flow.weighting"]),
+    (["model=flux_tiny", "text_encoders=lora"], ["text_encoders=lora", "text_encoders=frozen"]),
+    (["model.flow.shift=1"], ["model.flow.shift=1", "model.flow is null", "model=sd3_tiny"]),
+    (["model=sd3_tiny", "model.flow.guidance=3.5"], ["model.flow.guidance=3.5", "model.flow.guidance=null"]),
+    (["model=flux_tiny", "model.flow.shift=3"], ["model.flow.shift=3.0", "dynamic_shift", "model.flow.shift=1.0"]),
+    (["model=sd3_tiny", "model.flow.t5_max_length=600"], ["model.flow.t5_max_length=600", "512"]),
     (["zero=ddp", "optimizer=lion"], ["optimizer.name=lion", "torch.optim"]),
     (["optimizer.lr=-1"], ["optimizer.lr=-1.0"]),
     (["optimizer.lr=nan"], ["optimizer.lr=nan", "finite"]),

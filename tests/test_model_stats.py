@@ -1,4 +1,5 @@
-"""The UNet numbers in conf/model/*.yaml (used by torch-free validation) match the built models."""
+"""The numbers in conf/model/*.yaml (used by torch-free validation) match the built trained module (SDXL's UNet,
+SD3's and Flux's transformers), and the blocks it names (FSDP's units) are its own."""
 
 from __future__ import annotations
 
@@ -8,17 +9,26 @@ from omegaconf import OmegaConf
 
 
 @pytest.mark.parametrize("model", [o for g, o in group_options() if g == "model"])
-def test_model_yaml_describes_its_unet(model: str) -> None:
-    torch = pytest.importorskip("torch")
-    from diffusers import AutoencoderKL, UNet2DConditionModel
+def test_model_yaml_describes_its_trained_module(model: str) -> None:
+    pytest.importorskip("torch")
+    from diffusers import AutoencoderKL
+
+    from ds_trainer.train import families
 
     cfg = make_cfg(f"model={model}")
-    arch = cfg.model.architecture
-    with torch.device("meta"):  # no memory, no download: seconds even for the full SDXL
-        unet = UNet2DConditionModel.from_config(UNet2DConditionModel.load_config(f"{arch}/unet"))
-    sizes = [p.numel() for p in unet.parameters()]
+    module = families.of(cfg).meta_trained(cfg)  # on the meta device: no memory, no download, seconds for full sizes
+    sizes = [p.numel() for p in module.parameters()]
     assert (cfg.model.param_count, cfg.model.max_param_numel) == (sum(sizes), max(sizes))
-    vae = OmegaConf.create(AutoencoderKL.load_config(f"{arch}/vae"))
-    factor = 2 ** (len(vae.block_out_channels) - 1) * 2 ** (len(unet.config.down_block_types) - 1)
-    assert cfg.model.downsample_factor == factor
-    assert unet.config.addition_embed_type == "text_time"  # SDXL conditioning
+    vae = OmegaConf.create(AutoencoderKL.load_config(f"{cfg.model.architecture}/vae"))
+    vae_factor = 2 ** (len(vae.block_out_channels) - 1)
+    if cfg.model.family.value == "sdxl":
+        assert module.config.addition_embed_type == "text_time"  # SDXL conditioning
+        assert cfg.model.downsample_factor == vae_factor * 2 ** (len(module.config.down_block_types) - 1)
+    elif cfg.model.family.value == "sd3":  # a transformer: latents cut into patch x patch tokens
+        assert cfg.model.downsample_factor == vae_factor * module.config.patch_size
+        assert vae.latent_channels == module.config.in_channels
+    else:  # Flux: latents packed 2 x 2 into tokens
+        assert cfg.model.downsample_factor == vae_factor * 2
+        assert 4 * vae.latent_channels == module.config.in_channels
+    classes = {type(m).__name__ for m in module.modules()}
+    assert set(cfg.model.blocks) <= classes, (list(cfg.model.blocks), sorted(classes))

@@ -237,6 +237,8 @@ def explain(exc: BaseException, overrides: list[str], multirun: bool) -> Problem
         else:
             fix = f"{key}=<a valid value>"
         return Problem(key, value, why, fix)
+    if isinstance(exc, AssertionError) and "Unexpected type for root: NoneType" in str(exc):
+        return _into_null(exc, overrides)
     if isinstance(exc, MissingConfigException | ConfigCompositionException):
         text = str(exc).splitlines()[0]
         found = re.search(r"'([\w/]+)/([^'/]+)'", text)
@@ -257,6 +259,24 @@ def explain(exc: BaseException, overrides: list[str], multirun: bool) -> Problem
     if isinstance(exc, HydraException):
         return Problem("command line", " ".join(overrides), str(exc).splitlines()[0], "fix the override it names")
     return None
+
+
+def _into_null(exc: AssertionError, overrides: list[str]) -> Problem:
+    """OmegaConf's update of a key under a block that is null here (`model.flow.shift=1` on an SDXL model, which has
+    no flow block): the key OmegaConf was updating (its frame's), its override's value, and what would take it."""
+    key = "command line"
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_name == "update" and isinstance(tb.tb_frame.f_locals.get("key"), str):
+            key = tb.tb_frame.f_locals["key"]
+        tb = tb.tb_next
+    if key == "command line":
+        return Problem(key, " ".join(overrides), "an override sets a key under a block that is null here",
+                       "drop the override, or pick a configuration where its block is set")
+    parent = key.rsplit(".", 1)[0]
+    hint = " (flow matching: model=sd3_tiny and the sd3 family have it)" if parent == "model.flow" else ""
+    return Problem(key, _value_of(key, overrides), f"{parent} is null in this configuration, so it has no "
+                   f"{key.rsplit('.', 1)[-1]}{hint}", f"drop {key}, or pick a configuration where {parent} is set")
 
 
 def _interpolation_problem(exc: BaseException, overrides: list[str]) -> Problem | None:

@@ -87,10 +87,21 @@ def keys() -> list[tuple[str, str, str, str]]:
             for sub in dataclasses.fields(tp):
                 note = notes.get(sub.name, "")
                 rows.append((f"{f.name}.{sub.name}", _type_name(hints[sub.name]), _default(sub), note))
+                block = _optional_block(hints[sub.name])
+                if block is not None:  # a block a group's option may set (model.flow): its keys too
+                    inner_hints, inner_notes = typing.get_type_hints(block), _comments(block)
+                    rows.extend((f"{f.name}.{sub.name}.{leaf.name}", _type_name(inner_hints[leaf.name]),
+                                 _default(leaf), inner_notes.get(leaf.name, "")) for leaf in dataclasses.fields(block))
             rows.append((f.name, "(group)", "", doc))
         else:
             rows.append((f.name, _type_name(tp), _default(f), notes_root.get(f.name, "")))
     return rows
+
+
+def _optional_block(tp: Any) -> type | None:
+    """X of a field typed `X | None` where X is a dataclass, else None."""
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    return args[0] if len(args) == 1 and isinstance(args[0], type) and dataclasses.is_dataclass(args[0]) else None
 
 
 def _flatten(node: Any, prefix: str = "") -> list[str]:

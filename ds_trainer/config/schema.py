@@ -90,6 +90,24 @@ class SaveDtype(str, Enum):
     bf16 = "bf16"
 
 
+class ModelFamily(str, Enum):
+    sdxl = "sdxl"  # UNet, DDPM noise (epsilon or v), CLIP-L + OpenCLIP-bigG, micro-conditioning
+    sd3 = "sd3"  # MMDiT transformer, flow matching, CLIP-L + CLIP-G + T5 (SD3 and SD3.5)
+    flux = "flux"  # Flux.1: packed latents, 3-axis position ids, guidance input, CLIP-L + T5, flow matching
+
+
+class TimestepDensity(str, Enum):
+    logit_normal = "logit_normal"
+    mode = "mode"
+    uniform = "uniform"
+
+
+class LossWeighting(str, Enum):
+    none = "none"
+    sigma_sqrt = "sigma_sqrt"
+    cosmap = "cosmap"
+
+
 class Platform(str, Enum):
     auto = "auto"
     cuda = "cuda"
@@ -195,15 +213,51 @@ class PrecisionConfig:
 
 
 @dataclass
-class ModelConfig:
-    """`model` group: which SDXL to train.
+class FlowConfig:
+    """`model.flow`: the flow-matching training of a diffusion transformer (SD3's family). A sample's noise level
+    sigma is drawn as u from `density` (`logit_normal`: sigmoid of N(logit_mean, logit_std), the SD3 paper's; `mode`
+    with `mode_scale`; `uniform`), looked up in the 1000-entry table sigma_i = (1000 - i) / 1000 shifted by
+    `shift` (shift * s / (1 + (shift - 1) * s): SD3's 3.0 favours noisier steps), the latents noised as
+    (1 - sigma) x0 + sigma noise and the transformer's prediction compared with noise - x0, weighted by
+    `weighting` (`none`; `sigma_sqrt`: 1/sigma^2; `cosmap`: 2 / (pi (1 - 2 sigma + 2 sigma^2)))."""
 
-    `param_count`, `max_param_numel` and `downsample_factor` describe the UNet so the torch-free
-    validation can size NVMe buffers and swap and check resolutions; a test checks them against
-    the built model.
+    # How a sample's u (its noise level's place in the table) is drawn: SD3's paper and diffusers' SD3 script use
+    # logit_normal.
+    density: TimestepDensity = TimestepDensity.logit_normal
+    # logit_normal: u = sigmoid(N(logit_mean, logit_std)).
+    logit_mean: float = 0.0
+    logit_std: float = 1.0
+    # mode: u = 1 - v - mode_scale (cos(pi v / 2)^2 - 1 + v) for v uniform.
+    mode_scale: float = 1.29
+    # The per-sample loss weight: none, sigma_sqrt (1/sigma^2), cosmap.
+    weighting: LossWeighting = LossWeighting.none
+    # sigma' = shift sigma / (1 + (shift - 1) sigma) on the table (SD3: 3.0; 1.0: no shift).
+    shift: float = 3.0
+    # Flux's resolution-dependent shift instead of `shift` (which must then be 1.0): mu = 0.5 at 256 image tokens to
+    # 1.15 at 4096, linear in between and beyond, and sigma' = e^mu / (e^mu + 1/sigma - 1), as its sampler shifts.
+    dynamic_shift: bool = False
+    # The guidance a guidance-distilled transformer (Flux.1-dev: guidance_embeds) is given in training (diffusers'
+    # Flux scripts: 3.5; 1.0 is also used); null for a model without that input.
+    guidance: float | None = None
+    # Tokens of T5 per caption (the pipeline's max_sequence_length; SD3's own default is 256).
+    t5_max_length: int = 256
+
+
+@dataclass
+class ModelConfig:
+    """`model` group: which model to train, of which family (`sdxl`: a UNet; `sd3`: SD3/SD3.5's MMDiT, `flux`:
+    Flux.1's transformer, both trained by flow matching, which `flow` sets).
+
+    `param_count`, `max_param_numel` and `downsample_factor` describe the trained module (UNet or transformer)
+    so the torch-free validation can size NVMe buffers and swap and check resolutions (the VAE's factor times the
+    transformer's patch); a test checks them against the built model.
     """
 
     name: str = MISSING
+    # What the model is: its frozen parts and how they encode, its trained module, loss, pipeline (ds_trainer/families).
+    family: ModelFamily = ModelFamily.sdxl
+    # The sd3 family's flow-matching training (null for SDXL): its keys below.
+    flow: FlowConfig | None = None
     # A local diffusers folder, a hub id, or a single-file SDXL checkpoint (.safetensors/.ckpt, original
     # layout; `architecture` gives its configs); None builds the architecture in `architecture`.
     pretrained: str | None = None
@@ -216,6 +270,9 @@ class ModelConfig:
     param_count: int = MISSING
     max_param_numel: int = MISSING
     downsample_factor: int = MISSING
+    # The trained module's repeated blocks: FSDP's units (zero.fsdp_wrap follows them), the planner's checkpointed
+    # layers. SDXL's UNet: its attention and ResNet blocks; SD3's transformer: JointTransformerBlock.
+    blocks: list[str] = field(default_factory=lambda: ["BasicTransformerBlock", "ResnetBlock2D"])
 
 
 @dataclass

@@ -17,7 +17,7 @@ import torch
 from omegaconf import DictConfig
 
 from ds_trainer.config.adapter_rules import Rule
-from ds_trainer.train import lora_file, models, text_encoders
+from ds_trainer.train import families, lora_file, models, text_encoders
 from ds_trainer.train.lora_file import adaptable_names
 
 log = logging.getLogger("ds_trainer")
@@ -45,15 +45,7 @@ def _inject(cfg: DictConfig, unet: torch.nn.Module) -> None:
 
 
 def _meta_unet(cfg: DictConfig) -> torch.nn.Module:
-    from diffusers import UNet2DConditionModel
-
-    from ds_trainer.train.models import _source
-
-    path, kwargs = _source(cfg)
-    with torch.device("meta"):
-        unet: torch.nn.Module = UNet2DConditionModel.from_config(
-            UNet2DConditionModel.load_config(path, subfolder="unet", **kwargs))
-    return unet
+    return families.of(cfg).meta_trained(cfg)
 
 
 def inspect(cfg: DictConfig) -> tuple[list[Rule], int]:
@@ -116,7 +108,7 @@ def _inspect_unet(cfg: DictConfig) -> tuple[list[Rule], int]:
     _inject(cfg, unet)
     count = sum(p.numel() for p in unet.parameters() if p.requires_grad)
     if cfg.adapter.init_from is not None:
-        why = lora_file.mismatch(Path(cfg.adapter.init_from), unet)
+        why = lora_file.mismatch(Path(cfg.adapter.init_from), unet, families.component_of(unet))
         if why:
             return [("adapter.init_from", cfg.adapter.init_from, why,
                      "the adapter.rank and adapter.targets the file was trained with, or another file")], count
@@ -227,7 +219,7 @@ def build(cfg: DictConfig, unet: torch.nn.Module, encoders: dict[str, torch.nn.M
         if half is not None:
             models.cast_frozen(unet, half)
         if cfg.adapter.init_from is not None:
-            lora_file.load_into(Path(cfg.adapter.init_from), unet)
+            lora_file.load_into(Path(cfg.adapter.init_from), unet, families.component_of(unet))
             log.info("LoRA initialised from %s", cfg.adapter.init_from)
         count, total = sum(p.numel() for p in unet.parameters() if p.requires_grad), sum(
             p.numel() for p in unet.parameters())

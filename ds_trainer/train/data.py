@@ -1,5 +1,5 @@
 """Training data: synthetic or a folder of captioned images, SDXL micro-conditioning, and the
-on-disk cache of VAE latents and text embeddings the training loop reads."""
+on-disk cache of VAE latents and text embeddings (as the model family encodes them) the training loop reads."""
 
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 from ds_trainer.config import buckets as bucket_geometry
 from ds_trainer.config import holdout
 from ds_trainer.errors import DataError
-from ds_trainer.train import buckets, models, text_encoders
+from ds_trainer.train import buckets, families, models, text_encoders
+from ds_trainer.train.families.base import Family
 
 log = logging.getLogger(__name__)
 
@@ -343,6 +344,9 @@ class LatentCache:
         # The encoders' dtype is part of what a latent is: a cache built on a GPU in bf16 and one built on a CPU
         # in float32 must not be mixed in a shared cache_dir.
         model["encoders_dtype"] = models.frozen_dtype_name(cfg, str(cfg.resolved.platform or "cpu"))
+        if str(getattr(cfg.model, "family", "sdxl")).split(".")[-1] == "sdxl":  # SDXL's keys as before families
+            model.pop("family", None)
+            model.pop("flow", None)
         # A trained encoder's samples hold its token ids instead of its embeddings: another cache. (Absent when
         # both are frozen, so the caches built before text-encoder training keep their keys.)
         trained = text_encoders.trained(cfg)
@@ -357,6 +361,7 @@ class LatentCache:
         if self.names is not None:  # one manifest per set of samples: the folder is shared by many sets
             self.manifest = self.dir / f"manifest-{hashlib.sha256('|'.join(self.names).encode()).hexdigest()[:16]}.json"
         self.n = len(data)
+        self.family = families.of(cfg)
 
     @property
     def complete(self) -> bool:
@@ -369,8 +374,7 @@ class LatentCache:
               device: torch.device, batch_size: int = 8) -> int:
         """Encode this rank's share of the samples not cached yet; returns how many it encoded.
         Samples are encoded in batches of one shape (one bucket folder)."""
-        from ds_trainer.train.models import encode_images, text_inputs
-
+        family = self.family
         self.dir.mkdir(parents=True, exist_ok=True)
         todo = sorted((i for i in range(rank, self.n, world) if not self.path(i).exists()),
                       key=lambda i: (self.path(i).parent.name, i))
@@ -380,11 +384,11 @@ class LatentCache:
             for start in range(0, len(group), batch_size):
                 part = group[start:start + batch_size]
                 chunk = [data[i] for i in part]
-                latents = encode_images(frozen, torch.stack([e.pixels for e in chunk]))
-                text = text_inputs(frozen, [e.caption for e in chunk], device)
+                latents = family.encode_images(frozen, torch.stack([e.pixels for e in chunk]))
+                text = family.text_inputs(frozen, [e.caption for e in chunk], device)
                 for j, index in enumerate(part):
                     item = {"latents": latents[j].to("cpu", torch.float32).clone(),
-                            **{key: _on_cpu(value[j]) for key, value in text.items()},
+                            **{key: _on_cpu(value[j], family.storage_dtype(key)) for key, value in text.items()},
                             "time_ids": chunk[j].time_ids.clone()}
                     tmp = self.path(index).with_suffix(f".tmp{os.getpid()}")
                     torch.save(item, tmp)
@@ -406,22 +410,28 @@ class LatentCache:
 
 
 def encode_batch(data: SyntheticImages | FolderImages, frozen: Any, indices: list[int],
-                 device: torch.device) -> dict[str, torch.Tensor]:
-    """The same tensors as LatentCache.load, computed now (data.cache=false)."""
-    from ds_trainer.train.models import encode_images, text_inputs
+                 device: torch.device, family: Family | None = None) -> dict[str, torch.Tensor]:
+    """The same tensors as LatentCache.load, computed now (data.cache=false), as `family` encodes them (SDXL's
+    when not given)."""
+    if family is None:
+        from ds_trainer.train.families.sdxl import SDXL
 
+        family = SDXL()
     examples = [data[i] for i in indices]
-    latents = encode_images(frozen, torch.stack([e.pixels for e in examples]))
-    text = text_inputs(frozen, [e.caption for e in examples], device)
+    latents = family.encode_images(frozen, torch.stack([e.pixels for e in examples]))
+    text = family.text_inputs(frozen, [e.caption for e in examples], device)
     # On the CPU in float32, as the cache holds them: the step draws its noise on the CPU, and on a GPU the
     # encoders' CUDA tensors would meet it there (diffusers' add_noise moves only the schedule's tensors).
-    return {"latents": latents.to("cpu", torch.float32), **{key: _on_cpu(value) for key, value in text.items()},
+    return {"latents": latents.to("cpu", torch.float32),
+            **{key: _on_cpu(value, family.storage_dtype(key)) for key, value in text.items()},
             "time_ids": torch.stack([e.time_ids for e in examples])}
 
 
-def _on_cpu(value: torch.Tensor) -> torch.Tensor:
-    """A tensor as the cache holds it: on the CPU, float32 if floating (token ids stay integers), not a view."""
-    return value.to("cpu", torch.float32 if value.is_floating_point() else value.dtype).clone()
+def _on_cpu(value: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A tensor as the cache holds it: on the CPU, float32 if floating (or the family's `dtype` for it: SD3's long
+    text sequence in bf16), token ids as integers, not a view."""
+    floating = dtype or torch.float32
+    return value.to("cpu", floating if value.is_floating_point() else value.dtype).clone()
 
 
 class Loader:
@@ -438,6 +448,7 @@ class Loader:
                  frozen: Any, rank: int, world: int, device: torch.device,
                  start: tuple[int, int] | None = None) -> None:
         self.data, self.cache, self.frozen, self.device = data, cache, frozen, device
+        self.family = families.of(cfg)
         self.rank, self.world = rank, world
         self.micro, self.seed = int(cfg.train.micro_batch_size), int(cfg.train.seed)
         self.plan = data.plan if isinstance(data, FolderImages) else None
@@ -474,7 +485,7 @@ class Loader:
             indices = self.plan.samples(position, self.micro)
         else:
             indices = sample_indices(position, self.micro, len(self.data), self.seed)
-        batch = self.cache.load(indices) if self.cache is not None else encode_batch(self.data, self.frozen, indices,
-                                                                                      self.device)
+        batch = self.cache.load(indices) if self.cache is not None else \
+            encode_batch(self.data, self.frozen, indices, self.device, self.family)
         batch["position"] = torch.arange(position, position + self.micro)
         return batch

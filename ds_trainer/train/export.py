@@ -1,4 +1,5 @@
-"""The end of a run: the UNet (and EMA UNet) and fully trained text encoders in diffusers format; for sdxl_tiny and a
+"""The end of a run: the UNet or transformer (and its EMA) and fully trained text encoders in diffusers format; for a
+tiny model and a
 run from a single-file checkpoint a whole pipeline."""
 
 from __future__ import annotations
@@ -12,15 +13,15 @@ import torch
 from omegaconf import DictConfig
 
 from ds_trainer.config import checkpoint_file
-from ds_trainer.train import models, portable, text_encoders
+from ds_trainer.train import families, models, portable, text_encoders
 from ds_trainer.train.ema import EMA
 
 
-def diffusers(cfg: DictConfig, accelerator: Any, unet: Any, optimizer: Any, ema: EMA | None, frozen: models.Frozen,
+def diffusers(cfg: DictConfig, accelerator: Any, unet: Any, optimizer: Any, ema: EMA | None, frozen: Any,
               run_dir: Path) -> None:
     """Collective: under ZeRO-3 every rank takes part in gathering the weights (`get_state_dict`, the fp32
     masters); rank 0 writes `<run>/unet` and `<run>/unet_ema` (a fully trained text encoder also to
-    `<run>/text_encoder[_2]` and `..._ema`) and, for sdxl_tiny, `<run>/pipeline`. Parts trained as LoRA are the
+    `<run>/text_encoder[_2]` and `..._ema`) and, for a tiny model, `<run>/pipeline`. Parts trained as LoRA are the
     LoRA file's (`adapter.Trained.export`); the pipeline holds their base.
 
     The weights are exported at their most precise: in 16-bit training DeepSpeed's module holds bf16/fp16 copies and
@@ -37,7 +38,7 @@ def diffusers(cfg: DictConfig, accelerator: Any, unet: Any, optimizer: Any, ema:
 
 
 def _write(cfg: DictConfig, module: Any, weights: dict[str, torch.Tensor], shadow: dict[str, torch.Tensor] | None,
-           frozen: models.Frozen, run_dir: Path) -> None:
+           frozen: Any, run_dir: Path) -> None:
     whole = not isinstance(module, text_encoders.Denoiser)
     exported: dict[str, Any] = {}
     for name, part in text_encoders.components(module):
@@ -54,20 +55,27 @@ def _write(cfg: DictConfig, module: Any, weights: dict[str, torch.Tensor], shado
             model.load_state_dict({k: v.float() for k, v in {**trained, **values}.items()})
             model.save_pretrained(run_dir / folder)
             exported[folder] = model
-    if cfg.model.name == "sdxl_tiny" or checkpoint_file.is_single_file(cfg.model.pretrained):
-        parts = {name: exported.get(f"{name}_ema", exported.get(name)) for name in ("unet", *_ENCODERS)}
+    if _whole_pipeline(cfg):
+        component = families.of(cfg).component
+        parts = {name: exported.get(f"{name}_ema", exported.get(name)) for name in (component, *_ENCODERS)}
         _pipeline(cfg, frozen, run_dir, **{k: v for k, v in parts.items() if v is not None})
 
 
 _ENCODERS = ("text_encoder", "text_encoder_2")
 
 
+def _whole_pipeline(cfg: DictConfig) -> bool:
+    """A tiny model (random weights nobody else has) and a run from a single-file checkpoint export a whole
+    pipeline; a run from a diffusers folder or hub id exports the trained parts, to put into the source's."""
+    return str(cfg.model.name).endswith("_tiny") or checkpoint_file.is_single_file(cfg.model.pretrained)
+
+
 def _fresh(part: Any) -> Any:
     """A float32 model of `part`'s class and config, to load exported weights into (on the CPU)."""
-    from diffusers import UNet2DConditionModel
+    from diffusers import ModelMixin
 
-    if isinstance(part, UNet2DConditionModel):
-        return UNet2DConditionModel.from_config(part.config)  # type: ignore[attr-defined]
+    if isinstance(part, ModelMixin):  # a UNet, a transformer
+        return type(part).from_config(part.config)  # type: ignore[attr-defined]
     model = type(part)(part.config)
     return model.to(torch.float32)
 
@@ -85,30 +93,26 @@ def _masters(accelerator: Any, unet: Any, optimizer: Any) -> dict[str, torch.Ten
             if keep and values[0] is not None}
 
 
-def _pipeline(cfg: DictConfig, frozen: models.Frozen, run_dir: Path, **trained: Any) -> None:
-    """`<run>/pipeline`: the trained parts given (`unet`, `text_encoder`, `text_encoder_2`), the rest as loaded
-    (the base of a part trained as LoRA)."""
-    from diffusers import StableDiffusionXLPipeline
-
-    if any(p is None or p.dtype != torch.float32 for p in (frozen.vae, frozen.text_encoder, frozen.text_encoder_2)):
+def _pipeline(cfg: DictConfig, frozen: Any, run_dir: Path, **trained: Any) -> None:
+    """`<run>/pipeline`: the trained parts given (`unet` or `transformer`, `text_encoder`, `text_encoder_2`), the rest
+    as loaded (the base of a part trained as LoRA)."""
+    family = families.of(cfg)
+    slots = [frozen.vae, *(getattr(frozen, name) for name in (*_ENCODERS, "text_encoder_3") if hasattr(frozen, name))]
+    if any(p is None or p.dtype != torch.float32 for p in slots):
         # Training ran them in 16 bits (a GPU run): up-casting those copies would save rounded weights as
         # float32; or an encoder trained and its base is needed. The pipeline gets them as loaded, from the source,
         # on the CPU.
-        frozen = models.load_frozen(cfg)
-    for part in (frozen.vae, frozen.text_encoder, frozen.text_encoder_2):
+        frozen = family.load_frozen(cfg)
+    for part in frozen.modules():
         part.to("cpu")
-    pipe = StableDiffusionXLPipeline(vae=frozen.vae, text_encoder=trained.get("text_encoder", frozen.text_encoder),
-                                     text_encoder_2=trained.get("text_encoder_2", frozen.text_encoder_2),
-                                     tokenizer=frozen.tokenizer, tokenizer_2=frozen.tokenizer_2,
-                                     unet=trained["unet"] if "unet" in trained else models.load_unet(cfg).eval(),
-                                     scheduler=models.inference_scheduler(cfg))
-    pipe.save_pretrained(run_dir / "pipeline")  # type: ignore[attr-defined]
+    pipe = family.pipeline(cfg, frozen, trained)
+    pipe.save_pretrained(run_dir / "pipeline")
 
 
-def base_pipeline(cfg: DictConfig, accelerator: Any, frozen: models.Frozen, run_dir: Path) -> None:
-    """With everything trained as LoRA on sdxl_tiny (random weights nobody else has): the untrained base pipeline on
+def base_pipeline(cfg: DictConfig, accelerator: Any, frozen: Any, run_dir: Path) -> None:
+    """With everything trained as LoRA on a tiny model (random weights nobody else has): the untrained base pipeline on
     rank 0, so that `<run>/lora` can be loaded into it with `load_lora_weights`."""
-    if cfg.model.name == "sdxl_tiny" and accelerator.is_main_process:
+    if str(cfg.model.name).endswith("_tiny") and accelerator.is_main_process:
         with _alone(accelerator):  # the base of a trained encoder is loaded again here
             _pipeline(cfg, frozen, run_dir)
 

@@ -87,11 +87,10 @@ def write(folder: Path, module: Any, weights: dict[str, torch.Tensor], dtype: to
     """Write `weights` (named like the module's parameters) as a diffusers LoRA file, atomically: the UNet's
     adapters under `unet.`, a trained text encoder's under `text_encoder.` / `text_encoder_2.`, each part's peft
     config in the file's metadata, so that one `load_lora_weights` call loads them all."""
-    from diffusers import StableDiffusionXLPipeline
     from diffusers.utils import convert_state_dict_to_diffusers
     from peft.utils import get_peft_model_state_dict
 
-    from ds_trainer.train import text_encoders
+    from ds_trainer.train import families, text_encoders
 
     kwargs: dict[str, Any] = {}
     whole = not isinstance(module, text_encoders.Denoiser)
@@ -101,12 +100,15 @@ def write(folder: Path, module: Any, weights: dict[str, torch.Tensor], dtype: to
         if not mine or not text_encoders.is_lora(part):
             continue  # a fully trained component: exported as a model, not in the LoRA file
         peft_sd = get_peft_model_state_dict(part, state_dict=mine)
-        kwargs[f"{name}_lora_layers"] = {k: v.to(dtype).contiguous()
-                                         for k, v in convert_state_dict_to_diffusers(peft_sd).items()}
+        # A transformer's keys stay peft's (`...to_q.lora_A.weight`), as diffusers' SD3 loader reads them.
+        layers = peft_sd if name == "transformer" else convert_state_dict_to_diffusers(peft_sd)
+        kwargs[f"{name}_lora_layers"] = {k: v.to(dtype).contiguous() for k, v in layers.items()}
         kwargs[f"{name}_lora_adapter_metadata"] = part.peft_config["default"].to_dict()
     tmp = folder / ".partial"
     tmp.mkdir(parents=True, exist_ok=True)
-    StableDiffusionXLPipeline.save_lora_weights(tmp, **kwargs, safe_serialization=True)
+    trained = module.unet if isinstance(module, text_encoders.Denoiser) else module
+    pipeline = families.of_module(trained).lora_pipeline()
+    pipeline.save_lora_weights(tmp, **kwargs, safe_serialization=True)
     final = folder / WEIGHT_NAME
     os.replace(tmp / WEIGHT_NAME, final)
     tmp.rmdir()
@@ -115,7 +117,8 @@ def write(folder: Path, module: Any, weights: dict[str, torch.Tensor], dtype: to
 
 def read(path: Path, component: str = "unet") -> dict[str, torch.Tensor]:
     """A diffusers-format LoRA file (or its folder) as peft-named tensors of one component (`...to_q.lora_A.weight`):
-    the UNet's (`unet.` keys), or a text encoder's (`text_encoder.`, `text_encoder_2.`). Empty if it has none."""
+    the UNet's (`unet.` keys), a transformer's (`transformer.`), or a text encoder's (`text_encoder.`,
+    `text_encoder_2.`). Empty if it has none."""
     from diffusers.utils import convert_state_dict_to_peft, convert_unet_state_dict_to_peft
     from safetensors.torch import load_file
 
@@ -124,6 +127,8 @@ def read(path: Path, component: str = "unet") -> dict[str, torch.Tensor]:
     mine = {k.removeprefix(f"{component}."): v for k, v in state.items() if k.startswith(f"{component}.")}
     if component == "unet":
         return dict(convert_unet_state_dict_to_peft(mine))
+    if component == "transformer":  # written with peft's names
+        return mine
     return dict(convert_state_dict_to_peft(mine)) if mine else {}
 
 
@@ -133,7 +138,9 @@ def read_module(path: Path, module: torch.nn.Module) -> dict[str, torch.Tensor]:
     from ds_trainer.train import text_encoders
 
     if not isinstance(module, text_encoders.Denoiser):
-        return read(path)
+        from ds_trainer.train.families.base import component_of
+
+        return read(path, component_of(module))
     return {f"{name}.{k}": v for name, part in text_encoders.components(module) if text_encoders.is_lora(part)
             for k, v in read(path, name).items()}
 
@@ -147,12 +154,12 @@ def mismatch(path: Path, module: torch.nn.Module, component: str = "unet") -> st
         found = {k: tuple(v.shape) for k, v in read(path, component).items()}
     except Exception as exc:  # noqa: BLE001 - any unreadable file is the user's to replace
         return f"cannot be read as a diffusers LoRA file ({type(exc).__name__}: {exc})"
-    if not found and component == "unet":
-        return "holds no UNet LoRA tensors (no `unet.` keys)"
+    if not found and component in ("unet", "transformer"):
+        return f"holds no {'UNet' if component == 'unet' else 'transformer'} LoRA tensors (no `{component}.` keys)"
     if not found:
         return (f"holds no LoRA tensors for {component} (no `{component}.` keys): it was trained with that encoder "
                 "frozen")
-    targets = "adapter.targets" if component == "unet" else "text_encoders.targets"
+    targets = "adapter.targets" if component in ("unet", "transformer") else "text_encoders.targets"
     wanted = {k: tuple(v.shape) for k, v in get_peft_model_state_dict(module).items()}
     missing, extra = sorted(set(wanted) - set(found)), sorted(set(found) - set(wanted))
     if missing or extra:

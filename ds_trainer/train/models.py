@@ -1,4 +1,5 @@
-"""SDXL components: the trained UNet and the frozen VAE, text encoders and tokenizers.
+"""SDXL components (families/sdxl.py) and what every family shares (the source of weights, frozen parts kept out
+of ZeRO-3, dtypes): the trained UNet and the frozen VAE, text encoders and tokenizers.
 
 `model.pretrained` (a local diffusers folder, a hub id, or a single-file SDXL checkpoint: see
 single_file.py) loads weights, `model.vae` replaces the VAE; without it every part is
@@ -32,7 +33,11 @@ class Frozen:
 
     def modules(self) -> list[Any]:
         """The frozen modules (the VAE and the encoders that do not train)."""
-        return [m for m in (self.vae, self.text_encoder, self.text_encoder_2) if m is not None]
+        return [m for m in (self.vae, *self.encoders())]
+
+    def encoders(self) -> list[Any]:
+        """The frozen text encoders (those that do not train)."""
+        return [m for m in (self.text_encoder, self.text_encoder_2) if m is not None]
 
 
 def _source(cfg: DictConfig) -> tuple[str, dict[str, Any]]:

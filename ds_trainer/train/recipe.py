@@ -1,4 +1,5 @@
-"""The SDXL training recipe, top to bottom: setup, loop, save.
+"""The training recipe, top to bottom: setup, loop, save. What is model-specific (the frozen parts and how they
+encode, the trained module, the loss, the pipeline) the model's family provides (ds_trainer/families).
 
 Only the trained module goes through `accelerator.prepare`, with the optimizer and scheduler the DeepSpeed
 JSON defines (DummyOptim/DummyScheduler stand in for them): the UNet, or with `text_encoders=lora|full` the UNet
@@ -31,6 +32,7 @@ from ds_trainer.train import (
     checkpoint,
     data,
     export,
+    families,
     group_schedule,
     metrics,
     models,
@@ -319,7 +321,7 @@ def _train(cfg: DictConfig, ds: dict[str, Any] | None, run_dir: Path, accelerato
         torch.cuda.empty_cache()
     # adapter=lora: inject, freeze, cast the base; else the whole UNet. With trained text encoders the model is
     # the UNet and those encoders as one module (text_encoders.Denoiser), which "unet" names from here on.
-    trained = adapter.build(cfg, models.load_unet(cfg), encoders)
+    trained = adapter.build(cfg, families.of(cfg).load_trained(cfg), encoders)
     unet = trained.module
     # Under another layout than the checkpoint's (stage, offload, ranks, batch split) its portable state
     # carries over; otherwise DeepSpeed's native load (`_resume`).
@@ -383,7 +385,7 @@ def _train(cfg: DictConfig, ds: dict[str, Any] | None, run_dir: Path, accelerato
 
     # --- the loop: one call per optimizer step
     with StopRequest(terminal=accelerator.is_main_process) as request:
-        train_step = TrainStep(cfg, accelerator, unet, optimizer, scheduler, ema, models.noise_scheduler(cfg),
+        train_step = TrainStep(cfg, accelerator, unet, optimizer, scheduler, ema, families.of(cfg).schedule(cfg),
                                loader, request, tracker, progress, deepspeed=ds is not None, save_due=saver.due)
         validator = validate.Validator(cfg, accelerator, unet, ema, vset, tracker, train_step.dtype, eval_weights) \
             if vset is not None else None
@@ -417,16 +419,15 @@ def _train(cfg: DictConfig, ds: dict[str, Any] | None, run_dir: Path, accelerato
                 export.base_pipeline(cfg, accelerator, frozen, run_dir)
 
 
-def _load_frozen(cfg: DictConfig, accelerator: Any, kind: str) -> tuple[models.Frozen, dict[str, torch.nn.Module]]:
+def _load_frozen(cfg: DictConfig, accelerator: Any, kind: str) -> tuple[Any, dict[str, torch.nn.Module]]:
     """The VAE and frozen text encoders, outside ZeRO-3, on the training device, in the precision's dtype (float32
     on the CPU; the VAE in float32 when its config asks, as SDXL's does); and the encoders that train
     (`text_encoders=lora|full`), taken out of them in float32 (they go into the trained module)."""
-    frozen = models.load_frozen(cfg, accelerator.state.deepspeed_plugin)
+    frozen = families.of(cfg).load_frozen(cfg, accelerator.state.deepspeed_plugin)
     encoders = text_encoders.take(cfg, frozen)
     dtype = getattr(torch, models.frozen_dtype_name(cfg, kind))
-    for encoder in (frozen.text_encoder, frozen.text_encoder_2):
-        if encoder is not None:
-            encoder.to(accelerator.device, dtype)
+    for encoder in frozen.encoders():
+        encoder.to(accelerator.device, dtype)
     frozen.vae.to(accelerator.device, torch.float32 if frozen.vae.config.force_upcast or kind == "cpu" else dtype)
     return frozen, encoders
 

@@ -10,9 +10,9 @@ agree on everything that decides their forwards, and fail with a message rather 
 
 Sampling leaves training untouched: the noise comes from private generators, torch's global RNG state
 is restored, the UNet's train/eval mode is restored, nothing records gradients. The pipeline is
-diffusers' StableDiffusionXLPipeline around the training UNet (or a UNet built on the EMA shadow) with
-the frozen VAE and text encoders and the exported scheduler, so the exported pipeline reproduces an
-image with `generate` (see docs/samples.md).
+the model family's (diffusers' StableDiffusionXLPipeline, StableDiffusion3Pipeline) around the training UNet or
+transformer (or one built on the EMA shadow) with the frozen VAE and text encoders and the exported
+scheduler, so the exported pipeline reproduces an image with `generate` (see docs/samples.md).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from omegaconf import DictConfig
 
 from ds_trainer.config import samples
 from ds_trainer.errors import TrainingError
-from ds_trainer.train import accel, metrics, models, sharded, text_encoders
+from ds_trainer.train import accel, families, metrics, sharded, text_encoders
 from ds_trainer.train.ema import EMA
 
 log = logging.getLogger("ds_trainer")
@@ -47,21 +47,24 @@ class Settings:
     negative_prompt: str
     width: int
     height: int
+    extra: tuple[tuple[str, Any], ...] = ()  # the family's own arguments (SD3: T5's max_sequence_length)
 
 
 def settings(cfg: DictConfig) -> Settings:
     width, height = samples.size(cfg)
     s = cfg.samples
-    return Settings(int(s.steps), float(s.guidance_scale), str(s.negative_prompt), width, height)
+    return Settings(int(s.steps), float(s.guidance_scale), str(s.negative_prompt), width, height,
+                    tuple(sorted(families.of(cfg).call_kwargs(cfg).items())))
 
 
 def generate(pipe: Any, prompt: str, seed: int, s: Settings) -> Any:
-    """One image (PIL) from an SDXL pipeline: the call the sampler makes, and the one that reproduces its
+    """One image (PIL) from the family's pipeline: the call the sampler makes, and the one that reproduces its
     images from the exported pipeline. The latents come from a CPU generator, so the device does not
-    change them; an empty negative prompt means SDXL's zeroed unconditional embedding."""
+    change them; an empty negative prompt means SDXL's zeroed unconditional embedding (SD3's pipeline encodes
+    an empty one)."""
     return pipe(prompt=prompt, negative_prompt=s.negative_prompt or None, num_inference_steps=s.steps,
                 guidance_scale=s.guidance_scale, width=s.width, height=s.height,
-                generator=torch.Generator().manual_seed(int(seed))).images[0]
+                generator=torch.Generator().manual_seed(int(seed)), **dict(s.extra)).images[0]
 
 
 def _cast(value: Any, dtype: torch.dtype) -> Any:
@@ -72,19 +75,26 @@ def _cast(value: Any, dtype: torch.dtype) -> Any:
     return value
 
 
+# The floating inputs of a UNet's or a transformer's forward besides its timestep.
+_CONDITIONING = ("hidden_states", "encoder_hidden_states", "added_cond_kwargs", "pooled_projections")
+
+
 @contextlib.contextmanager
 def unet_in_its_dtype(unet: torch.nn.Module) -> Iterator[None]:
     """Run a 16-bit UNet (as DeepSpeed trains it) inside a float32 pipeline: its latents, text embeddings
     and added conditions are cast to the UNet's dtype, its prediction back to the latents' dtype; the
     timestep is left alone (Euler's float timesteps would round in bf16). Training casts the same way."""
-    dtype: torch.dtype = unet.conv_in.weight.dtype  # type: ignore[union-attr,assignment]
+    model: Any = unet
+    # The input layer of a UNet, SD3's transformer, Flux's transformer
+    first = model.conv_in if hasattr(model, "conv_in") else model.x_embedder if hasattr(model, "x_embedder") \
+        else model.pos_embed.proj
+    dtype: torch.dtype = first.weight.dtype
     seen: list[torch.dtype] = []
 
     def before(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        seen.append(args[0].dtype)
-        kwargs = {k: _cast(v, dtype) if k in ("encoder_hidden_states", "added_cond_kwargs") else v
-                  for k, v in kwargs.items()}
-        return (args[0].to(dtype), *args[1:]), kwargs
+        seen.append(args[0].dtype if args else kwargs["hidden_states"].dtype)
+        kwargs = {k: _cast(v, dtype) if k in _CONDITIONING else v for k, v in kwargs.items()}
+        return ((args[0].to(dtype), *args[1:]) if args else args), kwargs
 
     def after(module: Any, args: tuple, output: Any) -> Any:
         back = seen.pop()
@@ -146,14 +156,12 @@ def _grid(images: list[Any], columns: int) -> Any:
 
 
 def ema_unet(accelerator: Any, unet: Any, ema: EMA, key: str) -> Any:
-    """A UNet on the EMA shadow (its tensors, not a copy, when the shadow is on the device): the same weights the
-    export writes to `unet_ema` and the exported pipeline uses. Collective (the shadow is gathered from its
-    shards on every rank); `key` names the setting that asked for it in the error."""
-    from diffusers import UNet2DConditionModel
-
-    config = accelerator.unwrap_model(unet).config
+    """A UNet (or a family's transformer) on the EMA shadow (its tensors, not a copy, when the shadow is on the
+    device): the same weights the export writes to `unet_ema` and the exported pipeline uses. Collective (the
+    shadow is gathered from its shards on every rank); `key` names the setting that asked for it in the error."""
+    module = accelerator.unwrap_model(unet)
     with torch.device("meta"):
-        model = UNet2DConditionModel.from_config(config)
+        model = type(module).from_config(module.config)
     missing = set(model.state_dict()) - set(ema.names)
     if missing:
         raise TrainingError(f"{key}=true: the EMA holds only the trained parameters, not {len(missing)} "
@@ -165,7 +173,7 @@ def ema_unet(accelerator: Any, unet: Any, ema: EMA, key: str) -> Any:
 class Sampler:
     """Samples at the steps `config.samples.due` names. Collective: every rank calls `after_step`."""
 
-    def __init__(self, cfg: DictConfig, accelerator: Any, unet: Any, ema: EMA | None, frozen: models.Frozen,
+    def __init__(self, cfg: DictConfig, accelerator: Any, unet: Any, ema: EMA | None, frozen: Any,
                  run_dir: Path, tracker: metrics.Tracker, progress: Any,
                  weights: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> None:
         self.cfg, self.accelerator, self.unet, self.frozen = cfg, accelerator, unet, frozen
@@ -291,13 +299,8 @@ class Sampler:
                 torch.cuda.empty_cache()
 
     def _pipeline(self, unet: Any, encoders: dict[str, Any]) -> Any:
-        from diffusers import StableDiffusionXLPipeline
-
-        f = self.frozen
-        pipe = StableDiffusionXLPipeline(vae=f.vae, text_encoder=encoders.get("text_encoder", f.text_encoder),
-                                         text_encoder_2=encoders.get("text_encoder_2", f.text_encoder_2),
-                                         tokenizer=f.tokenizer, tokenizer_2=f.tokenizer_2, unet=unet,
-                                         scheduler=models.inference_scheduler(self.cfg))
+        family = families.of(self.cfg)
+        pipe = family.pipeline(self.cfg, self.frozen, {family.component: unet, **encoders})
         pipe.set_progress_bar_config(disable=True)  # type: ignore[attr-defined]
         return pipe
 

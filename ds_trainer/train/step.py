@@ -1,5 +1,5 @@
-"""One optimizer step: its micro-batches, backward, the optimizer and LR step, EMA, the stop signal and
-the metrics. `TrainStep.__call__` is the body of the recipe's loop.
+"""One optimizer step: its micro-batches (the model family's loss), backward, the optimizer and LR step, EMA, the stop
+signal and the metrics. `TrainStep.__call__` is the body of the recipe's loop.
 
 Noise and timesteps of a sample come from a generator seeded by (seed, the sample's position in the run's
 sample sequence), and the data of a micro-batch is a function of its index, so a resumed run repeats an
@@ -16,52 +16,10 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from ds_trainer.train import metrics, text_encoders
+from ds_trainer.train import families, metrics
 from ds_trainer.train.data import Loader
 from ds_trainer.train.ema import EMA
 from ds_trainer.train.stop import StopRequest
-
-
-def diffusion_loss(cfg: DictConfig, unet: Any, noise_sched: Any, batch: dict[str, torch.Tensor],
-                   gens: list[torch.Generator], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """The denoising loss of one micro-batch (epsilon or v-prediction, optional min-SNR weighting);
-    `gens` holds one generator per sample, which draws its noise and timestep."""
-    latents = batch["latents"]
-    noise = torch.stack([torch.randn(latents.shape[1:], generator=g) for g in gens])
-    if cfg.train.noise_offset:
-        noise += cfg.train.noise_offset * torch.stack([torch.randn((latents.shape[1], 1, 1), generator=g)
-                                                       for g in gens])
-    steps = noise_sched.config.num_train_timesteps
-    t = torch.cat([torch.randint(0, steps, (1,), generator=g) for g in gens])
-    per_sample = denoising_losses(unet, noise_sched, batch, noise, t, device, dtype)
-    if cfg.train.min_snr_gamma:
-        from diffusers.training_utils import compute_snr
-
-        snr = compute_snr(noise_sched, t).to(device)
-        clipped = snr.clamp(max=float(cfg.train.min_snr_gamma))
-        prediction_type = noise_sched.config.prediction_type
-        per_sample = per_sample * (clipped / snr if prediction_type == "epsilon" else clipped / (snr + 1))
-    return per_sample.mean()
-
-
-def denoising_losses(unet: Any, noise_sched: Any, batch: dict[str, torch.Tensor], noise: torch.Tensor,
-                     t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """Each sample's mean squared error (fp32) between the UNet's prediction for its latents noised with `noise` at
-    timestep `t` and the target of the scheduler's prediction type (the noise, or the velocity)."""
-    latents = batch["latents"]
-    noisy = noise_sched.add_noise(latents, noise, t)
-    prediction_type = noise_sched.config.prediction_type
-    target = noise if prediction_type == "epsilon" else noise_sched.get_velocity(latents, noise, t)
-    if "prompt_embeds" in batch:  # the text encoders are frozen: their cached conditioning
-        cond = {"text_embeds": batch["pooled"].to(device, dtype), "time_ids": batch["time_ids"].to(device, dtype)}
-        pred = unet(noisy.to(device, dtype), t.to(device), batch["prompt_embeds"].to(device, dtype),
-                    added_cond_kwargs=cond).sample
-    else:  # a text encoder trains: the model (text_encoders.Denoiser) encodes the token ids itself
-        text = {key: value.to(device, dtype) if value.is_floating_point() else value.to(device)
-                for key, value in batch.items() if key in text_encoders.TEXT_KEYS}
-        pred = unet(noisy.to(device, dtype), t.to(device), text, batch["time_ids"].to(device, dtype)).sample
-    per_sample = torch.nn.functional.mse_loss(pred.float(), target.to(device).float(), reduction="none")
-    return per_sample.mean(dim=list(range(1, per_sample.ndim)))
 
 
 @dataclass(frozen=True)
@@ -92,6 +50,7 @@ class TrainStep:
     save_due: Callable[[], bool] = lambda: False  # rank 0's clock decides for every rank
 
     def __post_init__(self) -> None:
+        self.family = families.of(self.cfg)  # its loss: SDXL's denoising, SD3's flow matching
         self.device = self.accelerator.device
         self.dtype = next(self.unet.parameters()).dtype if self.deepspeed else torch.float32
         self.accum = int(self.cfg.train.gradient_accumulation_steps)
@@ -139,7 +98,8 @@ class TrainStep:
     def _micro_step(self, b: int, batch: dict[str, torch.Tensor], logging: bool) -> torch.Tensor:
         gens = [torch.Generator().manual_seed(self.seed * 1_000_003 + int(i)) for i in batch["position"]]
         with self.accelerator.accumulate(self.unet), self.accelerator.autocast():
-            loss = diffusion_loss(self.cfg, self.unet, self.noise_sched, batch, gens, self.device, self.dtype)
+            loss = self.family.training_loss(self.cfg, self.unet, self.noise_sched, batch, gens, self.device,
+                                                 self.dtype)
             self.accelerator.backward(loss)
             if not self.deepspeed and self.accelerator.sync_gradients and (self.clip > 0 or logging):
                 # DeepSpeed clips inside its step; DDP clips here (an infinite limit only measures).

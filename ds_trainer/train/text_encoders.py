@@ -207,10 +207,13 @@ def is_lora(part: torch.nn.Module) -> bool:
 
 
 def components(module: torch.nn.Module) -> Iterable[tuple[str, torch.nn.Module]]:
-    """(pipeline component name, module) of everything that trains: the UNet alone, or a Denoiser's parts."""
+    """(pipeline component name, module) of everything that trains: the UNet (or a family's transformer) alone, or a
+    Denoiser's parts."""
+    from ds_trainer.train.families.base import component_of
+
     if isinstance(module, Denoiser):
         yield "unet", module.unet
         for name in module.encoder_names:
             yield name, getattr(module, name)
     else:
-        yield "unet", module
+        yield component_of(module), module

@@ -27,10 +27,9 @@ import torch
 from omegaconf import DictConfig
 
 from ds_trainer.config import holdout
-from ds_trainer.train import data, metrics, models, text_encoders
+from ds_trainer.train import data, families, metrics, text_encoders
 from ds_trainer.train.ema import EMA
 from ds_trainer.train.sampling import ema_unet, plain_linear
-from ds_trainer.train.step import denoising_losses
 
 log = logging.getLogger("ds_trainer")
 
@@ -42,13 +41,14 @@ class ValidationSet:
     start (while the frozen encoders are on the device). `build_cache` builds a latent cache collectively (the
     recipe's, so the validation images are encoded once across runs, like the training ones)."""
 
-    def __init__(self, cfg: DictConfig, accelerator: Any, frozen: models.Frozen,
+    def __init__(self, cfg: DictConfig, accelerator: Any, frozen: Any,
                  build_cache: Callable[[Any], data.LatentCache | None]) -> None:
         self.cfg = cfg
         images = data.validation_set(cfg, accelerator)
         self.names = images.names()
-        self.noise_sched = models.noise_scheduler(cfg)
-        self.timesteps = holdout.timesteps(cfg, int(self.noise_sched.config.num_train_timesteps))
+        self.family = families.of(cfg)
+        self.noise_sched = self.family.schedule(cfg)
+        self.timesteps = holdout.timesteps(cfg, self.family.num_train_timesteps(self.noise_sched))
         pairs = [(i, j) for i in range(len(images)) for j in range(len(self.timesteps))]
         rank, world = accelerator.process_index, accelerator.num_processes
         self.mine = pairs[rank::world]
@@ -57,8 +57,8 @@ class ValidationSet:
         wanted = sorted({i for i, _ in self.mine} | {0})  # image 0: the padding forward of a rank without pairs
         self.items: dict[int, Item] = {}
         for index in wanted:  # one by one: with buckets the images differ in shape
-            loaded = cache.load([index]) if cache is not None else data.encode_batch(images, frozen, [index],
-                                                                                       accelerator.device)
+            loaded = cache.load([index]) if cache is not None else \
+                data.encode_batch(images, frozen, [index], accelerator.device, self.family)
             self.items[index] = {key: value[0] for key, value in loaded.items()}
         batch = int(cfg.validation.batch_size) or int(cfg.train.micro_batch_size)
         # Forwards of one shape (a bucket) each, in a fixed order: the same sums on every evaluation.
@@ -143,7 +143,7 @@ class Validator:
                     real = k < len(self.vset.chunks)
                     chunk = self.vset.chunks[k] if real else [(0, 0)]
                     batch, noise, t = self.vset.batch(chunk)
-                    losses = denoising_losses(model, self.vset.noise_sched, batch, noise, t, device, dtype)
+                    losses = self.vset.family.losses(model, self.vset.noise_sched, batch, noise, t, device, dtype)
                     if real:
                         totals += torch.tensor([losses.double().sum().item(), len(chunk)], dtype=torch.float64)
         finally:

@@ -1,0 +1,62 @@
+"""What a model family provides to the recipe (families/__init__.py says where each is used)."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+from omegaconf import DictConfig
+
+
+class Family(Protocol):
+    name: str
+    component: str  # the trained module's pipeline component: "unet" or "transformer"
+
+    def load_frozen(self, cfg: DictConfig, deepspeed_plugin: Any = None) -> Any:
+        """The VAE, text encoders and tokenizers, eval mode, gradients off, built outside ZeRO-3. The object has
+        `vae`, the encoders as attributes named like the pipeline's components, and `modules()`/`encoders()`."""
+
+    def load_trained(self, cfg: DictConfig) -> torch.nn.Module:
+        """The module to train, in float32, in train mode (gradient checkpointing as `train` asks)."""
+
+    def meta_trained(self, cfg: DictConfig) -> torch.nn.Module:
+        """The same module on the meta device (no memory): for checks before training."""
+
+    def text_inputs(self, frozen: Any, prompts: list[str], device: torch.device) -> dict[str, torch.Tensor]:
+        """What a batch carries for its captions (cached on disk with the latents)."""
+
+    def encode_images(self, frozen: Any, pixels: torch.Tensor) -> torch.Tensor:
+        """Images in [-1, 1] to the latents the trained module sees (the VAE's mean, scaled and shifted)."""
+
+    def storage_dtype(self, key: str) -> torch.dtype | None:
+        """The dtype the cache keeps a floating tensor of the batch in (None: float32)."""
+
+    def schedule(self, cfg: DictConfig) -> Any:
+        """The training noise schedule."""
+
+    def num_train_timesteps(self, schedule: Any) -> int:
+        """The schedule's timesteps (validation scores at evenly spaced ones)."""
+
+    def training_loss(self, cfg: DictConfig, model: Any, schedule: Any, batch: dict[str, torch.Tensor],
+                      gens: list[torch.Generator], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """The loss of one micro-batch; `gens` holds one generator per sample, which draws its noise and timestep."""
+
+    def losses(self, model: Any, schedule: Any, batch: dict[str, torch.Tensor], noise: torch.Tensor,
+               t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """Each sample's unweighted mean squared error at timestep index `t` with `noise` (validation's measure)."""
+
+    def pipeline(self, cfg: DictConfig, frozen: Any, trained: dict[str, Any]) -> Any:
+        """The diffusers pipeline on the frozen parts and `trained` ({component: module}; the trained module is
+        built from the source when absent)."""
+
+    def call_kwargs(self, cfg: DictConfig) -> dict[str, Any]:
+        """Keyword arguments every pipeline call of this family takes beyond the sampling settings."""
+
+    def lora_pipeline(self) -> Any:
+        """The pipeline class whose `save_lora_weights` / `load_lora_weights` the LoRA file is written for."""
+
+
+def component_of(module: Any) -> str:
+    """The pipeline component a trained module is (`unet`, `transformer`): its name in a diffusers folder and its
+    keys' prefix in a LoRA file."""
+    return "transformer" if type(module).__name__.endswith("Transformer2DModel") else "unet"

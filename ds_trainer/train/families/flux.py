@@ -1,0 +1,183 @@
+"""Flux.1: FluxTransformer2DModel (double- and single-stream blocks) trained by flow matching (train/flow.py) with
+the resolution-dependent shift its sampler uses, on the VAE's latents shifted and scaled, then packed 2 x 2 into
+tokens with their 3-axis position ids (text tokens at 0); the guidance-distilled dev model is given `model.flow
+.guidance` as its guidance input. Captions: CLIP-L's pooled output and T5's sequence, as FluxPipeline encodes them
+(T5's sequence cached in bf16). FluxPipeline samples and is exported.
+
+The text encoders stay frozen here (diffusers' Flux scripts train CLIP's LoRA at most, T5 never).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+
+from ds_trainer import console
+from ds_trainer.train import flow, models
+
+
+@dataclass
+class Frozen:
+    vae: Any
+    text_encoder: Any  # CLIP-L (CLIPTextModel): its pooled output
+    text_encoder_2: Any  # T5 (T5EncoderModel): the sequence
+    tokenizer: Any
+    tokenizer_2: Any
+
+    def modules(self) -> list[Any]:
+        return [m for m in (self.vae, *self.encoders()) if m is not None]
+
+    def encoders(self) -> list[Any]:
+        return [m for m in (self.text_encoder, self.text_encoder_2) if m is not None]
+
+
+def pack(latents: torch.Tensor) -> torch.Tensor:
+    """(B, C, H, W) latents to (B, H/2 * W/2, 4C) tokens, each a 2 x 2 patch (FluxPipeline's layout)."""
+    b, c, h, w = latents.shape
+    return latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(b, (h // 2) * (w // 2), c * 4)
+
+
+def image_ids(height: int, width: int) -> torch.Tensor:
+    """The position ids of the packed tokens of (height x width) latents: (0, row, column) per token."""
+    ids = torch.zeros(height // 2, width // 2, 3)
+    ids[..., 1] += torch.arange(height // 2)[:, None]
+    ids[..., 2] += torch.arange(width // 2)[None, :]
+    return ids.reshape(-1, 3)
+
+
+class Flux:
+    name = "flux"
+    component = "transformer"
+
+    def __init__(self, cfg: DictConfig | None = None) -> None:
+        f = cfg.model.flow if cfg is not None else None
+        self._t5_length = int(f.t5_max_length) if f is not None else 512
+        self._guidance = float(f.guidance) if f is not None and f.guidance is not None else None
+
+    def load_frozen(self, cfg: DictConfig, deepspeed_plugin: Any = None) -> Frozen:
+        from diffusers import AutoencoderKL
+        from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer, T5Config, T5EncoderModel, T5Tokenizer
+
+        console.adopt()
+        path, kwargs = models._source(cfg)
+        with models.outside_zero3(deepspeed_plugin):
+            tokenizers = [CLIPTokenizer.from_pretrained(path, subfolder="tokenizer", **kwargs),
+                          T5Tokenizer.from_pretrained(path, subfolder="tokenizer_2", **kwargs)]
+            if cfg.model.pretrained:
+                vae = AutoencoderKL.from_pretrained(path, subfolder="vae", **kwargs)
+                encoders = [CLIPTextModel.from_pretrained(path, subfolder="text_encoder", **kwargs),
+                            T5EncoderModel.from_pretrained(path, subfolder="text_encoder_2", **kwargs)]
+            else:
+                torch.manual_seed(int(cfg.train.seed))
+                vae = AutoencoderKL.from_config(AutoencoderKL.load_config(path, subfolder="vae"))
+                encoders = [CLIPTextModel(CLIPTextConfig.from_pretrained(path, subfolder="text_encoder")),
+                            T5EncoderModel(T5Config.from_pretrained(path, subfolder="text_encoder_2"))]
+        for module in (vae, *encoders):
+            module.requires_grad_(False)
+            module.eval()
+        return Frozen(vae, *encoders, *tokenizers)
+
+    def load_trained(self, cfg: DictConfig) -> torch.nn.Module:
+        from diffusers import FluxTransformer2DModel
+
+        from ds_trainer.errors import TrainingError
+
+        path, kwargs = models._source(cfg)
+        if cfg.model.pretrained:
+            model = FluxTransformer2DModel.from_pretrained(path, subfolder="transformer", torch_dtype=torch.float32,
+                                                           **kwargs)
+        else:
+            torch.manual_seed(int(cfg.train.seed))
+            config = FluxTransformer2DModel.load_config(path, subfolder="transformer")
+            model = FluxTransformer2DModel.from_config(config)
+        takes = bool(model.config.guidance_embeds)
+        if takes != (self._guidance is not None):
+            fix = "model.flow.guidance=3.5 (the dev model's training value)" if takes else "model.flow.guidance=null"
+            raise TrainingError(f"model.flow.guidance={self._guidance}: this Flux transformer "
+                                f"{'takes' if takes else 'has no'} guidance input (guidance_embeds={takes}); {fix}")
+        if cfg.train.gradient_checkpointing:
+            model.enable_gradient_checkpointing()
+        model.train()
+        return model  # type: ignore[no-any-return]
+
+    def meta_trained(self, cfg: DictConfig) -> torch.nn.Module:
+        from diffusers import FluxTransformer2DModel
+
+        path, kwargs = models._source(cfg)
+        with torch.device("meta"):
+            model: torch.nn.Module = FluxTransformer2DModel.from_config(
+                FluxTransformer2DModel.load_config(path, subfolder="transformer", **kwargs))
+        return model
+
+    @torch.no_grad()
+    def text_inputs(self, frozen: Frozen, prompts: list[str], device: torch.device) -> dict[str, torch.Tensor]:
+        """`pooled` (CLIP-L's pooled output) and `prompt_embeds` (T5's sequence)."""
+        pooled = frozen.text_encoder(models.token_ids(frozen.tokenizer, prompts).to(device)).pooler_output
+        ids = frozen.tokenizer_2(prompts, padding="max_length", max_length=self._t5_length, truncation=True,
+                                 return_tensors="pt").input_ids
+        return {"prompt_embeds": frozen.text_encoder_2(ids.to(device))[0], "pooled": pooled}
+
+    @torch.no_grad()
+    def encode_images(self, frozen: Frozen, pixels: torch.Tensor) -> torch.Tensor:
+        vae = frozen.vae
+        latents = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist.mean
+        return (latents - vae.config.shift_factor) * vae.config.scaling_factor
+
+    def storage_dtype(self, key: str) -> torch.dtype | None:
+        return torch.bfloat16 if key == "prompt_embeds" else None
+
+    def schedule(self, cfg: DictConfig) -> flow.Schedule:
+        return flow.Schedule.of(cfg)
+
+    def num_train_timesteps(self, schedule: flow.Schedule) -> int:
+        return schedule.num_train_timesteps
+
+    def training_loss(self, cfg: DictConfig, model: Any, schedule: flow.Schedule, batch: dict[str, torch.Tensor],
+                      gens: list[torch.Generator], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        latents = batch["latents"]
+        noise = torch.stack([torch.randn(latents.shape[1:], generator=g) for g in gens])
+        t = schedule.draw(gens)
+        per_sample = self.losses(model, schedule, batch, noise, t, device, dtype)
+        sigma = schedule.sigma(t, self._tokens(latents))
+        return (per_sample * schedule.weights(sigma).to(device)).mean()
+
+    @staticmethod
+    def _tokens(latents: torch.Tensor) -> int:
+        return (latents.shape[-2] // 2) * (latents.shape[-1] // 2)
+
+    def losses(self, model: Any, schedule: flow.Schedule, batch: dict[str, torch.Tensor], noise: torch.Tensor,
+               t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        latents = batch["latents"]
+        height, width = latents.shape[-2:]
+        sigma = schedule.sigma(t, self._tokens(latents))
+        noisy = pack(flow.noisy(latents, noise, sigma))
+        text = batch["prompt_embeds"]
+        guidance = torch.full((len(t),), self._guidance, device=device) if self._guidance is not None else None
+        pred = model(hidden_states=noisy.to(device, dtype), timestep=sigma.to(device),  # Flux's timestep is sigma
+                     guidance=guidance, pooled_projections=batch["pooled"].to(device, dtype),
+                     encoder_hidden_states=text.to(device, dtype), txt_ids=torch.zeros(text.shape[1], 3, device=device),
+                     img_ids=image_ids(height, width).to(device)).sample
+        target = pack(flow.target(latents, noise))
+        per_sample = torch.nn.functional.mse_loss(pred.float(), target.to(device).float(), reduction="none")
+        return per_sample.mean(dim=list(range(1, per_sample.ndim)))
+
+    def pipeline(self, cfg: DictConfig, frozen: Frozen, trained: dict[str, Any]) -> Any:
+        from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
+
+        path, kwargs = models._source(cfg)
+        return FluxPipeline(
+            transformer=trained["transformer"] if "transformer" in trained else self.load_trained(cfg).eval(),
+            scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(path, subfolder="scheduler", **kwargs),
+            vae=frozen.vae, text_encoder=frozen.text_encoder, tokenizer=frozen.tokenizer,
+            text_encoder_2=frozen.text_encoder_2, tokenizer_2=frozen.tokenizer_2)
+
+    def call_kwargs(self, cfg: DictConfig) -> dict[str, Any]:
+        return {"max_sequence_length": self._t5_length}
+
+    def lora_pipeline(self) -> Any:
+        from diffusers import FluxPipeline
+
+        return FluxPipeline

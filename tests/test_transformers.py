@@ -1,0 +1,258 @@
+"""The diffusion transformers: SD3 (`model=sd3_tiny`, the sd3 family) and Flux.1 (`model=flux_tiny`). Flow matching
+checked against its formulas, then for each model one chain of runs that shares the work. A full fine-tune on two
+ranks under ZeRO-3 (bf16, 60 steps on two images, samples and export at the end, validation, a checkpoint at step 30)
+is the reference; DDP on one rank and FSDP full shard on two resume its step 30 checkpoint (its portable state) and
+train the same 30 steps; LoRA trains under ZeRO-2 and its file loads into the family's diffusers pipeline
+(StableDiffusion3Pipeline, FluxPipeline). SDXL's tests run through the same family layer (families/sdxl.py)
+unchanged."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import numerics
+import pytest
+from conftest import make_cfg, run_cli, run_dirs, torchrun
+
+torch = pytest.importorskip("torch")
+
+PROMPT = "a red square on a blue background"
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # exact pixel comparisons: the same kernels in the run and the reference
+MODELS = ["sd3_tiny", "flux_tiny"]
+COMMON = ["logger=none", "data.num_samples=2", "scheduler=constant", "optimizer.lr=3e-3",
+          "train.max_steps=60", "train.checkpoint_every=30", "validation=on", "validation.every=30"]
+REFERENCE = ["zero=stage3", "train.micro_batch_size=1", "train.export=true", "samples=on", "samples.every=0",
+             "samples.steps=2", f"samples.prompts=[{PROMPT}]"]
+
+
+RESUMED = ("ddp", "fsdp_x2")
+
+
+def _train(cwd: Path, ranks: int, *overrides: str) -> Path:
+    cwd.mkdir(parents=True, exist_ok=True)
+    if ranks == 1:
+        result = run_cli(*COMMON, *overrides, cwd=cwd, env=ONE_THREAD, timeout=900)
+    else:
+        result = subprocess.run([*torchrun(ranks), "-m", "ds_trainer", *COMMON, *overrides], cwd=cwd,
+                                env={**os.environ, **ONE_THREAD}, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (run_dir,) = run_dirs(cwd)
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def runs(module_tmp: Callable[[str], Path]) -> Callable[[str, str], Path]:
+    """The chains' runs by model and name, each trained the first time a test asks for it."""
+    root, done = module_tmp("transformers"), {}
+
+    def get(model: str, name: str) -> Path:
+        if (model, name) not in done:
+            resume = f"resume={get(model, 'zero3_x2') / 'checkpoints' / 'step_00000030'}" if name in RESUMED else ""
+            ranks, overrides = {
+                "zero3_x2": (2, REFERENCE),
+                "ddp": (1, ["zero=ddp", "train.micro_batch_size=2", resume]),
+                "fsdp_x2": (2, ["zero=fsdp_full_shard", "train.micro_batch_size=1", resume]),
+                "lora": (1, ["zero=stage2", "adapter=lora", "train.micro_batch_size=2", "optimizer.lr=5e-3",
+                             "train.max_steps=60", "train.export=true", "validation=none"]),
+            }[name]
+            done[model, name] = _train(root / model / name, ranks, f"model={model}", *overrides)
+        return done[model, name]
+    return get
+
+
+def _losses(run_dir: Path) -> dict[int, float]:
+    rows = map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+    return {row["step"]: row["loss"] for row in rows if "loss" in row}
+
+
+def _weights(folder: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(folder / "diffusion_pytorch_model.safetensors")
+
+
+def _falls(losses: dict[int, float]) -> tuple[float, float]:
+    values = [losses[s] for s in sorted(losses)]
+    return sum(values[:10]) / 10, sum(values[-10:]) / 10
+
+
+# --- flow matching, against the formulas (SD3 paper; diffusers' training_utils and FlowMatchEulerDiscreteScheduler)
+
+def test_the_noise_levels_are_sd3s_shifted_table_and_the_samplers() -> None:
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    from ds_trainer.train import flow
+
+    schedule = flow.Schedule.of(make_cfg("model=sd3_tiny"))
+    for i in (0, 1, 250, 500, 999):
+        s = (1000 - i) / 1000
+        assert schedule.sigmas[i].item() == pytest.approx(3 * s / (1 + 2 * s), abs=1e-7)  # shift 3
+    # The scheduler the exported pipeline samples with holds the same table (its timesteps are sigma * 1000, what
+    # the transformer is given in training).
+    sampler = FlowMatchEulerDiscreteScheduler.from_pretrained(make_cfg("model=sd3_tiny").model.architecture,
+                                                              subfolder="scheduler")
+    assert torch.allclose(schedule.sigmas, sampler.sigmas[:1000].float(), atol=1e-6)
+    assert torch.allclose(schedule.sigmas * 1000, sampler.timesteps[:1000].float(), atol=1e-3)
+    x0, noise = torch.full((1, 2, 2, 2), 2.0), torch.full((1, 2, 2, 2), -1.0)
+    assert torch.equal(flow.noisy(x0, noise, torch.tensor([0.25])), torch.full((1, 2, 2, 2), 0.75 * 2 - 0.25))
+    assert torch.equal(flow.target(x0, noise), torch.full((1, 2, 2, 2), -3.0))  # noise - x0
+    sigma = torch.tensor([0.5, 0.25])
+    assert torch.allclose(flow.loss_weights("sigma_sqrt", sigma), torch.tensor([4.0, 16.0]))
+    assert torch.allclose(flow.loss_weights("cosmap", sigma), 2 / (math.pi * (1 - 2 * sigma + 2 * sigma ** 2)))
+    assert torch.equal(flow.loss_weights("none", sigma), torch.ones(2))
+
+
+@pytest.mark.parametrize("density", ["logit_normal", "mode", "uniform"])
+def test_timestep_densities_follow_their_formulas(density: str) -> None:
+    from ds_trainer.train import flow
+
+    cfg = make_cfg("model=sd3_tiny", f"model.flow.density={density}", "model.flow.shift=1.0")
+    schedule = flow.Schedule.of(cfg)
+    n = 4000
+    index = schedule.draw([torch.Generator().manual_seed(k) for k in range(n)])
+    u = index.double() / 1000  # the table's place: u in [0, 1), 1/1000 resolution
+    # The probability that u < q, from the density's formula alone (for mode: the share of a fine uniform grid of v
+    # that the map sends below q; for logit_normal: Phi(logit q)).
+    for q in (0.1, 0.3, 0.5, 0.8):
+        if density == "logit_normal":
+            expected = 0.5 * (1 + math.erf(math.log(q / (1 - q)) / math.sqrt(2)))
+        elif density == "mode":
+            v = torch.linspace(0, 1, 200_001, dtype=torch.float64)
+            mapped = 1 - v - 1.29 * (torch.cos(math.pi * v / 2) ** 2 - 1 + v)
+            expected = float((mapped < q).double().mean())
+        else:
+            expected = q
+        got = float((u < q).double().mean())
+        assert abs(got - expected) < 4 * math.sqrt(expected * (1 - expected) / n) + 1e-3, (q, got, expected)
+    # Each sample's level comes from its own generator: the same sample draws the same level in any batch.
+    again = schedule.draw([torch.Generator().manual_seed(k) for k in (7, 3)])
+    assert again.tolist() == [index[7].item(), index[3].item()]
+
+
+def test_fluxs_shift_follows_the_image_and_packing_is_the_pipelines() -> None:
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
+
+    from ds_trainer.train import flow
+    from ds_trainer.train.families import flux
+
+    assert flow.mu(256) == pytest.approx(0.5) and flow.mu(4096) == pytest.approx(1.15)  # Flux's two anchors
+    schedule = flow.Schedule.of(make_cfg("model=flux_tiny"))
+    index = torch.tensor([0, 300, 500, 900, 999])
+    s = (1000 - index.double()) / 1000  # unshifted (model.flow.shift=1.0)
+    for tokens in (64, 1024, 4096):
+        m = 0.5 + (tokens - 256) * 0.65 / 3840
+        expected = math.exp(m) / (math.exp(m) + 1 / s - 1)
+        assert torch.allclose(schedule.sigma(index, tokens).double(), expected, atol=1e-6)
+        # What the exported scheduler does to the same levels when the pipeline samples an image of `tokens` tokens.
+        sampler = FlowMatchEulerDiscreteScheduler.from_pretrained(make_cfg("model=flux_tiny").model.architecture,
+                                                                  subfolder="scheduler")
+        assert torch.allclose(schedule.sigma(index, tokens).double(), sampler.time_shift(m, 1.0, s), atol=1e-6)
+    latents = torch.randn(2, 4, 8, 6)
+    assert torch.equal(flux.pack(latents), FluxPipeline._pack_latents(latents, 2, 4, 8, 6))
+    assert torch.equal(flux.image_ids(8, 6), FluxPipeline._prepare_latent_image_ids(2, 4, 3, "cpu", torch.float32))
+
+
+# --- the chain
+
+
+# What each model's cache holds per sample: T5's sequence (after CLIP's 77 states for SD3) in bf16 at T5's width,
+# the pooled text (SD3: CLIP-L and CLIP-G joined; Flux: CLIP-L's), the latents (SD3: 16 channels; Flux: 4, packed
+# into 16 per token in the step).
+CACHED = {"sd3_tiny": {"prompt_embeds": (77 + 32, 64), "pooled": (64,), "latents": (16, 16, 16)},
+          "flux_tiny": {"prompt_embeds": (32, 64), "pooled": (32,), "latents": (4, 16, 16)}}
+PIPELINES = {"sd3_tiny": "StableDiffusion3Pipeline", "flux_tiny": "FluxPipeline"}
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+@pytest.mark.parametrize("model", MODELS)
+def test_trains_under_zero3_on_two_ranks_and_exports_a_pipeline_diffusers_loads(runs: Callable[[str, str], Path],
+                                                                                 model: str) -> None:
+    run_dir = runs(model, "zero3_x2")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "ok" and summary["world_size"] == 2
+    first, last = _falls(_losses(run_dir))
+    assert last < 0.8 * first, (first, last)
+    vals = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if "val_loss" in line]
+    assert [v["step"] for v in vals] == [30, 60] and vals[1]["val_loss"] < vals[0]["val_loss"]
+    assert f"family: {model.split('_')[0]}" in (run_dir / "config.yaml").read_text()
+    cached = sorted((run_dir.parents[2] / "cache").glob(f"{model}-*/00000000.pt"))  # training's and validation's
+    assert len(cached) == 2
+    for item in (torch.load(path, weights_only=True) for path in cached):
+        assert {key: tuple(item[key].shape) for key in CACHED[model]} == CACHED[model]
+        assert item["prompt_embeds"].dtype == torch.bfloat16
+    # The last sample is the exported pipeline's image (bf16 weights, one thread, the same CPU generator): the
+    # export is what trained, and the family's diffusers pipeline loads and generates it.
+    import numpy as np
+    from PIL import Image
+
+    out = run_dir / "reference.npy"
+    cmd = [sys.executable, str(Path(__file__).with_name("sample_reference.py")), str(run_dir / "pipeline"), PROMPT,
+           "0", str(out), "--bf16-unet", "--max-sequence-length", "32"]
+    result = subprocess.run(cmd, env={**os.environ, **ONE_THREAD}, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    expected = np.load(out)
+    got = np.asarray(Image.open(run_dir / "samples" / "step_00000060" / "0_0.png").convert("RGB"))
+    assert got.shape == (128, 128, 3) and got.std() > 1 and (got == expected).all()
+    model_index = json.loads((run_dir / "pipeline" / "model_index.json").read_text())
+    assert model_index["_class_name"] == PIPELINES[model]
+    assert numerics.mean_abs_difference(_weights(run_dir / "transformer"),
+                                        _weights(run_dir / "pipeline" / "transformer")) == 0
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("layout", ["ddp", "fsdp_x2"])
+def test_zero3_checkpoint_resumes_under_ddp_and_fsdp_within_noise(runs: Callable[[str, str], Path], model: str,
+                                                                   layout: str) -> None:
+    """ZeRO-3 on two ranks -> DDP on one (micro batch 2) or FSDP full shard on two: the same 30 steps from the
+    portable state give the reference's losses and weights to bf16 compute noise. Measured for SD3: losses within
+    0.02% (DDP) and 0.1% (FSDP) at every step, weights apart by 0.7% (DDP) and 6% (FSDP) of what the 30 steps moved
+    them; a resume that lost the Adam state (resume_optimizer=reset) is 1.5% off in loss and 81% in weights. Flux:
+    losses within 0.26% (DDP) and 0.33% (FSDP), weights apart by 1.3% and 1.4%; with the Adam state lost, 117% off
+    in loss."""
+    from safetensors.torch import load_file
+
+    reference, run_dir = runs(model, "zero3_x2"), runs(model, layout)
+    got, expected = _losses(run_dir), _losses(reference)
+    assert sorted(got) == list(range(31, 61))
+    for step in got:
+        assert got[step] == pytest.approx(expected[step], rel=7e-3), step
+    start = {}  # the fp32 masters at step 30, where the resumed runs started
+    for shard in sorted((reference / "checkpoints" / "step_00000030" / "portable").glob("state-*.safetensors")):
+        start.update({k.removeprefix("fp32/"): v for k, v in load_file(shard).items() if k.startswith("fp32/")})
+    # The trained parameters (SD3's export also holds its position embedding, a buffer)
+    final, trained = ({k: w[k] for k in start} for w in (_weights(run_dir / "transformer"),
+                                                         _weights(reference / "transformer")))
+    moved = numerics.mean_abs_difference(trained, start)
+    apart = numerics.mean_abs_difference(final, trained)
+    assert apart < 0.25 * moved, (apart, moved)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", MODELS)
+def test_lora_trains_and_loads_with_load_lora_weights(runs: Callable[[str, str], Path], model: str) -> None:
+    import diffusers
+    from safetensors.torch import load_file
+
+    run_dir = runs(model, "lora")
+    first, last = _falls(_losses(run_dir))
+    assert last < 0.9 * first, (first, last)
+    lora = load_file(run_dir / "lora" / "pytorch_lora_weights.safetensors")
+    assert lora and all(k.startswith("transformer.") for k in lora)
+    assert any(k.endswith("lora_B.weight") and v.abs().max() > 0 for k, v in lora.items())  # B starts at zero
+    pipe = getattr(diffusers, PIPELINES[model]).from_pretrained(run_dir / "pipeline")  # the untrained base
+    pipe.set_progress_bar_config(disable=True)
+    call = {"prompt": PROMPT, "num_inference_steps": 2, "height": 64, "width": 64, "max_sequence_length": 32,
+            "output_type": "np"}
+    base = pipe(**call, generator=torch.Generator().manual_seed(0)).images[0]
+    pipe.load_lora_weights(run_dir / "lora")
+    adapted = pipe(**call, generator=torch.Generator().manual_seed(0)).images[0]
+    assert abs(adapted - base).max() > 1e-3  # every adapted module found its tensors, and they change the image
