@@ -145,3 +145,32 @@ def test_trained_text_encoders_add_their_model_states_and_activations(base: plan
     lora = plan.estimate(make_cfg(*cell, "text_encoders=lora", "train.gradient_checkpointing=true"), "ddp", "none", 1)
     plain = plan.estimate(make_cfg(*cell, "train.gradient_checkpointing=true"), "ddp", "none", 1)
     assert 0 < lora.activations - plain.activations < added / 4  # one layer recomputed at a time
+
+
+def test_a_diffusion_transformers_activations_scale_with_its_tokens_and_checkpointing_cuts_them() -> None:
+    """SD3.5's transformer (MMDiT-X, joint blocks), counted like the UNet: memory-efficient attention keeps
+    activations about linear in the image tokens (4096 at 1024 px against 1024 at 512, beside the caption's 333)."""
+    arch = make_cfg("model=sd35_medium").model.architecture
+    tokens = 77 + 256
+    one = plan.activation_bytes(arch, 1, 1024, 1024, 2, False, tokens)
+    small = plan.activation_bytes(arch, 1, 512, 512, 2, False, tokens)
+    ckpt = plan.activation_bytes(arch, 1, 1024, 1024, 2, True, tokens)
+    assert 2.5 < one / small < 4.0
+    assert ckpt < one / 5
+    assert 4 * 2**30 < one < 40 * 2**30  # SD3.5 Medium at 1024 px, batch 1, bf16
+    assert plan.unet_stats(arch).params == 2_243_171_520
+
+
+def test_the_readmes_table_of_full_size_models_is_the_planners_and_deepspeeds() -> None:
+    """The README's per-GPU figures for SDXL and SD3.5 are what `python -m ds_trainer.tools.plan_table` prints now:
+    DeepSpeed's estimator and the planner's model states agree in every cell, and the training peak adds what the
+    estimator leaves out (activations, DeepSpeed's buffers)."""
+    from pathlib import Path
+
+    from ds_trainer.tools import plan_table
+
+    table = plan_table.markdown()
+    assert table in (Path(__file__).parents[1] / "README.md").read_text()
+    for row in table.splitlines()[2:]:
+        _, _, deepspeed, states, peak = [cell.strip() for cell in row.split("|")[1:-1]]
+        assert deepspeed == states and float(peak) > float(states)

@@ -36,7 +36,15 @@ from omegaconf import DictConfig
 
 from ds_trainer.config import buckets, nvme
 from ds_trainer.tools import plan_cache, plan_lora, plan_samples
-from ds_trainer.tools.plan_unet import UNetStats, meta_unet, saved_bytes, unet_inputs, unet_stats
+from ds_trainer.tools.plan_unet import (  # noqa: F401 (unet_inputs: imported from here by callers)
+    UNetStats,
+    blocks_of,
+    forward_of,
+    meta_unet,
+    saved_bytes,
+    unet_inputs,
+    unet_stats,
+)
 
 GIB = 2**30
 CELLS = [("ddp", "none"), ("stage0", "none"), ("stage1", "none"), ("stage2", "none"), ("stage3", "none"),
@@ -71,10 +79,9 @@ class Estimate:
 @cache  # a pure function of its arguments; the tuner asks for the same few shapes many times
 def activation_bytes(architecture: str, batch: int, width: int, height: int, dtype_bytes: int,
                      checkpointing: bool, cross_dim_tokens: int = 77) -> int:
-    """Bytes autograd keeps for backward in one UNet forward (see the module docstring)."""
+    """Bytes autograd keeps for backward in one forward of the trained module, a UNet or a transformer (see the module
+    docstring); `cross_dim_tokens`: the text tokens it attends to."""
     import torch
-    from diffusers.models.resnet import ResnetBlock2D
-    from diffusers.models.transformers.transformer_2d import Transformer2DModel
     from diffusers.utils import logging as diffusers_logging
 
     dtype = {2: torch.bfloat16, 4: torch.float32}[dtype_bytes]
@@ -86,9 +93,8 @@ def activation_bytes(architecture: str, batch: int, width: int, height: int, dty
         diffusers_logging.set_verbosity(verbosity)
     unet.train()
     unet.disable_gradient_checkpointing()
-    x, t, enc, cond = unet_inputs(unet.config, batch, height, width, dtype, tokens=cross_dim_tokens, device="meta")
-    return saved_bytes(unet, (ResnetBlock2D, Transformer2DModel), lambda: unet(x, t, enc, added_cond_kwargs=cond),
-                       checkpointing)
+    forward = forward_of(unet, batch, height, width, dtype, "meta", cross_dim_tokens)
+    return saved_bytes(unet, blocks_of(unet), forward, checkpointing, block_inputs=hasattr(unet, "transformer_blocks"))
 
 
 def _model_states(zero: str, offload: str, p: int, layer: int, n: int, params_offload: bool,
@@ -135,6 +141,12 @@ def _architecture(cfg: DictConfig) -> str:
     return str(cfg.model.pretrained or cfg.model.architecture)
 
 
+def _tokens(cfg: DictConfig) -> tuple[int, ...]:
+    """The text tokens the trained module attends to, where they are not SDXL's 77: SD3's CLIP 77 and T5's."""
+    flow = cfg.model.get("flow")
+    return (77 + int(flow.t5_max_length),) if flow is not None else ()
+
+
 def _trained_module(cfg: DictConfig, unet_params: int) -> tuple[int, int]:
     """(frozen, trained) parameters of the module the backend wraps: the UNet (its LoRA's frozen base and adapters),
     and the text encoders that train with it (text_encoders=lora|full: their frozen base and what trains; their
@@ -170,9 +182,9 @@ def estimate(cfg: DictConfig, zero: str, offload: str, world_size: int, activati
         params += plan_samples.frozen_bytes(_architecture(cfg), "cuda", precision)
     act_bytes = 4 if precision == "fp32" else 2
     width, height = buckets.largest(cfg)  # with aspect-ratio buckets the largest one bounds memory
-    activations = plan_cache.cached("activation_bytes", (_architecture(cfg), int(cfg.train.micro_batch_size), width,
-                                                         height, act_bytes, bool(cfg.train.gradient_checkpointing)),
-                                    activation_bytes)
+    shape = (_architecture(cfg), int(cfg.train.micro_batch_size), width, height, act_bytes,
+             bool(cfg.train.gradient_checkpointing))
+    activations = plan_cache.cached("activation_bytes", shape + _tokens(cfg), activation_bytes)
     activations = int((activations + plan_lora.encoder_activations(cfg, _architecture(cfg), act_bytes))
                       * activation_factor)
     z = cfg.zero

@@ -15,12 +15,11 @@ from ds_trainer.tools.plan_unet import saved_bytes
 
 @cache
 def _count(architecture: str, rank: int, alpha: int, targets: tuple[str, ...]) -> int:
-    import torch
-    from diffusers import UNet2DConditionModel
     from peft import LoraConfig
 
-    with torch.device("meta"):
-        unet = UNet2DConditionModel.from_config(UNet2DConditionModel.load_config(architecture, subfolder="unet"))
+    from ds_trainer.tools.plan_unet import build_meta
+
+    unet = build_meta(architecture)  # its own: adapters are added to it
     unet.requires_grad_(False)
     unet.add_adapter(LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets)))
     return sum(p.numel() for p in unet.parameters() if p.requires_grad)

@@ -16,6 +16,7 @@ buffers), plus:
 from __future__ import annotations
 
 from functools import cache
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig
@@ -57,7 +58,7 @@ def _working_set(module: Any, run: Any, held_in: list[Any]) -> int:
 
 @cache
 @cache  # a function of its arguments (a meta-device forward): the tuner and the plan table ask again and again
-def _activations(architecture: str, width: int, height: int, batch: int, dtype_bytes: int) -> int:
+def _activations(architecture: str, width: int, height: int, batch: int, dtype_bytes: int, tokens: int = 77) -> int:
     import torch
     from diffusers import AutoencoderKL
 
@@ -66,9 +67,10 @@ def _activations(architecture: str, width: int, height: int, batch: int, dtype_b
     dtype = {2: torch.bfloat16, 4: torch.float32}[dtype_bytes]
     unet = plan_unet.meta_unet(architecture).to(dtype)
     with torch.device("meta"), torch.no_grad():
-        x, t, enc, cond = plan_unet.unet_inputs(unet.config, batch, height, width, dtype)
-        unet_peak = _working_set(unet, lambda: unet(x, t, enc, added_cond_kwargs=cond),
-                                 [unet.conv_in, *unet.down_blocks])
+        forward = plan_unet.forward_of(unet, batch, height, width, dtype, tokens=tokens)
+        # A UNet keeps its down blocks' outputs for the skip connections; a transformer keeps nothing across blocks.
+        unet_peak = _working_set(unet, forward, [unet.conv_in, *unet.down_blocks] if hasattr(unet, "down_blocks")
+                                 else [])
         vae = AutoencoderKL.from_config(AutoencoderKL.load_config(architecture, subfolder="vae"))
         latents = torch.randn(1, int(vae.config.latent_channels), height // 8, width // 8)
         vae_peak = _working_set(vae, lambda: vae.decode(latents), [])
@@ -77,20 +79,41 @@ def _activations(architecture: str, width: int, height: int, batch: int, dtype_b
 
 @cache
 def frozen_bytes(architecture: str, kind: str, precision: str = "bf16") -> int:
-    """The VAE and both text encoders as training loads them (in the precision's dtype on a GPU, float32 on
-    the CPU; the VAE in float32 when its config asks)."""
+    """The VAE and the text encoders (SDXL's two CLIPs; SD3's two and T5; Flux's CLIP-L and T5) as training loads
+    them (in the precision's dtype on a GPU, float32 on the CPU; the VAE in float32 when its config asks)."""
     import torch
     from diffusers import AutoencoderKL
-    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
     with torch.device("meta"):
         vae = AutoencoderKL.from_config(AutoencoderKL.load_config(architecture, subfolder="vae"))
-        te1 = CLIPTextModel(CLIPTextConfig.from_pretrained(architecture, subfolder="text_encoder"))
-        te2 = CLIPTextModelWithProjection(CLIPTextConfig.from_pretrained(architecture, subfolder="text_encoder_2"))
+        encoders = [_encoder(architecture, name) for name in ("text_encoder", "text_encoder_2", "text_encoder_3")
+                    if name != "text_encoder_3" or (Path(architecture) / name).is_dir()]
     half = 4 if kind == "cpu" or precision == "fp32" else 2
     vae_bytes = 4 if vae.config.force_upcast or kind == "cpu" else half
     count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
-    return count(vae) * vae_bytes + (count(te1) + count(te2)) * half
+    return count(vae) * vae_bytes + sum(count(e) for e in encoders) * half
+
+
+def _encoder(architecture: str, name: str) -> Any:
+    """A text encoder of the folder on the meta device, by its config: T5 (SD3's third, Flux's second) or CLIP, with
+    the projection where its config names that class (SDXL's second, SD3's first two)."""
+    import torch
+    from transformers import (
+        CLIPTextConfig,
+        CLIPTextModel,
+        CLIPTextModelWithProjection,
+        PretrainedConfig,
+        T5Config,
+        T5EncoderModel,
+    )
+
+    found, _ = PretrainedConfig.get_config_dict(architecture, subfolder=name)
+    with torch.device("meta"):
+        if found.get("model_type") == "t5":
+            return T5EncoderModel(T5Config.from_pretrained(architecture, subfolder=name))
+        projected = "CLIPTextModelWithProjection" in (found.get("architectures") or []) or name == "text_encoder_2"
+        cls = CLIPTextModelWithProjection if projected else CLIPTextModel
+        return cls(CLIPTextConfig.from_pretrained(architecture, subfolder=name))
 
 
 def peak(cfg: DictConfig, resident: int, unet_params: int, architecture: str, kind: str = "cuda") -> int | None:
@@ -113,7 +136,12 @@ def _validation(cfg: DictConfig, resident: int, unet_params: int, architecture: 
     batch = int(cfg.validation.batch_size) or int(cfg.train.micro_batch_size)
     ema = 4 * unet_params if cfg.train.ema and cfg.validation.ema and cfg.adapter.method.value == "none" else 0
     dtype_bytes = 4 if cfg.precision.name.value == "fp32" or ema else 2
-    return resident + ema + _activations(architecture, width, height, batch, dtype_bytes)
+    return resident + ema + _activations(architecture, width, height, batch, dtype_bytes, _tokens(cfg))
+
+
+def _tokens(cfg: DictConfig) -> int:
+    flow = cfg.model.get("flow")
+    return 77 + int(flow.t5_max_length) if flow is not None else 77
 
 
 def _sampling(cfg: DictConfig, resident: int, unet_params: int, architecture: str, kind: str) -> int | None:
@@ -128,7 +156,7 @@ def _sampling(cfg: DictConfig, resident: int, unet_params: int, architecture: st
     if ema:
         dtype_bytes = 4  # the EMA UNet samples in float32
     frozen = frozen_bytes(architecture, kind, cfg.precision.name.value)
-    return resident + frozen + ema + _activations(architecture, width, height, batch, dtype_bytes)
+    return resident + frozen + ema + _activations(architecture, width, height, batch, dtype_bytes, _tokens(cfg))
 
 
 def describe(sampling: int, training: int) -> str:

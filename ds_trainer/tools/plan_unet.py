@@ -1,8 +1,9 @@
-"""The UNet the planner measures, built on the meta device from an architecture folder (no memory, no download):
-its parameter count and largest layer, and random inputs of a given image size. The planner (plan.py), its
-sampling part (plan_samples.py) and the bench's raw loop (bench_cells.py) all build on it. Also the counter of what
-autograd saves in a meta-device forward (`saved_bytes`), which measures the UNet's and the trained text encoders'
-activations (plan_lora.py)."""
+"""The trained module the planner measures (SDXL's UNet, or SD3's or Flux's transformer when the architecture folder
+holds a `transformer/`), built on the meta device from an architecture folder (no memory, no download): its
+parameter count and largest layer, random inputs of a given image size, and a forward of it (`forward_of`). The
+planner (plan.py), its sampling part (plan_samples.py) and the bench's raw loop (bench_cells.py) all build on it.
+Also the counter of what autograd saves in a meta-device forward (`saved_bytes`), which measures the trained
+module's and the trained text encoders' activations (plan_lora.py)."""
 
 from __future__ import annotations
 
@@ -28,13 +29,72 @@ def unet_stats(architecture: str) -> UNetStats:
     return UNetStats(params, largest)
 
 
+def is_transformer(architecture: str) -> bool:
+    """Whether the folder's trained module is a diffusion transformer (SD3's `transformer/`), not a UNet."""
+    from pathlib import Path
+
+    return (Path(architecture) / "transformer" / "config.json").is_file()
+
+
 @cache
 def meta_unet(architecture: str) -> Any:
-    import torch
-    from diffusers import UNet2DConditionModel
+    """The trained module on the meta device, shared (cached): callers that change it build their own
+    (`build_meta`)."""
+    return build_meta(architecture)
 
+
+def build_meta(architecture: str) -> Any:
+    import diffusers
+    import torch
+
+    folder = "transformer" if is_transformer(architecture) else "unet"
+    config = diffusers.UNet2DConditionModel.load_config(architecture, subfolder=folder)
+    cls = getattr(diffusers, str(config.get("_class_name", "UNet2DConditionModel")))  # SD3's, Flux's transformer
     with torch.device("meta"):
-        return UNet2DConditionModel.from_config(UNet2DConditionModel.load_config(architecture, subfolder="unet"))
+        return cls.from_config(config)
+
+
+def blocks_of(model: Any) -> tuple[Any, ...]:
+    """The classes gradient checkpointing recomputes one at a time: the UNet's ResNet and transformer blocks, the
+    transformer's joint blocks."""
+    if hasattr(model, "single_transformer_blocks"):  # Flux: double- and single-stream blocks
+        from diffusers.models.transformers.transformer_flux import FluxSingleTransformerBlock, FluxTransformerBlock
+
+        return (FluxTransformerBlock, FluxSingleTransformerBlock)
+    if hasattr(model, "transformer_blocks"):
+        from diffusers.models.attention import JointTransformerBlock
+
+        return (JointTransformerBlock,)
+    from diffusers.models.resnet import ResnetBlock2D
+    from diffusers.models.transformers.transformer_2d import Transformer2DModel
+
+    return (ResnetBlock2D, Transformer2DModel)
+
+
+def forward_of(model: Any, batch: int, height: int, width: int, dtype: Any = None, device: Any = None,
+               tokens: int = 77) -> Callable[[], Any]:
+    """A forward of `model` (a UNet or a transformer) on random inputs for images of height x width pixels with
+    `tokens` text tokens (SDXL: CLIP's 77; SD3: 77 + T5's; Flux: T5's)."""
+    import torch
+
+    if not hasattr(model, "transformer_blocks"):
+        x, t, enc, cond = unet_inputs(model.config, batch, height, width, dtype, device, tokens)
+        return lambda: model(x, t, enc, added_cond_kwargs=cond)
+    c, kw = model.config, {"dtype": dtype, "device": device}
+    if hasattr(model, "single_transformer_blocks"):  # Flux: 2 x 2 patches of latents as tokens, 3-axis ids
+        image = (height // 16) * (width // 16)
+        flux = {"hidden_states": torch.randn(batch, image, int(c.in_channels), **kw),
+                "encoder_hidden_states": torch.randn(batch, tokens, int(c.joint_attention_dim), **kw),
+                "pooled_projections": torch.randn(batch, int(c.pooled_projection_dim), **kw),
+                "timestep": torch.rand(batch, device=device), "txt_ids": torch.zeros(tokens, 3, device=device),
+                "img_ids": torch.zeros(image, 3, device=device),
+                "guidance": torch.full((batch,), 3.5, device=device) if c.guidance_embeds else None}
+        return lambda: model(**flux)
+    inputs = {"hidden_states": torch.randn(batch, int(c.in_channels), height // 8, width // 8, **kw),
+              "encoder_hidden_states": torch.randn(batch, tokens, int(c.joint_attention_dim), **kw),
+              "pooled_projections": torch.randn(batch, int(c.pooled_projection_dim), **kw),
+              "timestep": torch.rand(batch, device=device) * 1000}
+    return lambda: model(**inputs)
 
 
 def unet_inputs(config: Any, batch: int, height: int, width: int, dtype: Any = None, device: Any = None,
@@ -51,9 +111,11 @@ def unet_inputs(config: Any, batch: int, height: int, width: int, dtype: Any = N
     return latents, torch.randint(0, 1000, (batch,), device=device), embeds, cond
 
 
-def saved_bytes(module: Any, blocks: tuple[Any, ...], forward: Callable[[], Any], checkpointing: bool) -> int:
+def saved_bytes(module: Any, blocks: tuple[Any, ...], forward: Callable[[], Any], checkpointing: bool,
+                block_inputs: bool = False) -> int:
     """Bytes autograd keeps for backward in `forward()` of `module` (built on the meta device), with checkpointing of
-    its `blocks` or without."""
+    its `blocks` or without. `block_inputs`: with checkpointing, count what each block is given (a transformer's
+    blocks follow one another directly, and checkpointing keeps every block's inputs for its recomputation)."""
     import torch
 
     total, segments = [0], list[int]()
@@ -64,6 +126,7 @@ def saved_bytes(module: Any, blocks: tuple[Any, ...], forward: Callable[[], Any]
     seen: set[int] = set()
     keep: list[Any] = []
     starts: dict[int, int] = {}
+    inputs, given = [0], set[int]()
 
     def pack(t: Any) -> Any:
         base = t
@@ -75,14 +138,19 @@ def saved_bytes(module: Any, blocks: tuple[Any, ...], forward: Callable[[], Any]
             total[0] += base.numel() * base.element_size()
         return t
 
-    def before(block: Any, args: Any) -> None:
+    def before(block: Any, args: Any, kwargs: dict[str, Any]) -> None:
         starts[id(block)] = total[0]
+        for value in (*args, *kwargs.values()):
+            if isinstance(value, torch.Tensor) and value.is_floating_point() and id(value) not in given:
+                given.add(id(value))
+                keep.append(value)
+                inputs[0] += value.numel() * value.element_size()
 
     def after(block: Any, args: Any, out: Any) -> None:
         segments.append(total[0] - starts[id(block)])
 
     handles = [h for m in module.modules() if isinstance(m, blocks)
-               for h in (m.register_forward_pre_hook(before), m.register_forward_hook(after))]
+               for h in (m.register_forward_pre_hook(before, with_kwargs=True), m.register_forward_hook(after))]
     try:
         with torch.device("meta"), efficient_attention_counted(total), \
                 torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -95,7 +163,7 @@ def saved_bytes(module: Any, blocks: tuple[Any, ...], forward: Callable[[], Any]
     # Checkpointing keeps each block's input (counted by the outer forward) and recomputes one block at
     # a time: the saved total minus what the blocks keep inside, plus the largest block.
     # (A block's input is the previous block's output, already counted where it was saved.)
-    return total[0] - sum(segments) + max(segments, default=0)
+    return total[0] - sum(segments) + max(segments, default=0) + (inputs[0] if block_inputs else 0)
 
 
 @contextlib.contextmanager
@@ -107,9 +175,12 @@ def efficient_attention_counted(count: list[int]) -> Iterator[None]:
 
     real = F.scaled_dot_product_attention
 
-    def counted(q: Any, k: Any, v: Any, *args: Any, **kwargs: Any) -> Any:
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        # Positional (torch's own callers, SDXL's and SD3's processors) or by name (diffusers' attention dispatch,
+        # Flux's processors).
+        q, k, v = (args[i] if len(args) > i else kwargs[name] for i, name in enumerate(("query", "key", "value")))
         with torch.no_grad():
-            out = real(q, k, v, *args, **kwargs)
+            out = real(*args, **kwargs)
         out = out.detach().requires_grad_(q.requires_grad or k.requires_grad or v.requires_grad)
         lse = q.shape[0] * q.shape[1] * q.shape[2] * 4
         count[0] += sum(t.numel() * t.element_size() for t in (q, k, v, out)) + lse
