@@ -42,6 +42,7 @@ from ds_trainer.tools.plan_unet import (  # noqa: F401 (unet_inputs: imported fr
     forward_of,
     meta_unet,
     saved_bytes,
+    text_tokens,
     unet_inputs,
     unet_stats,
 )
@@ -142,9 +143,9 @@ def _architecture(cfg: DictConfig) -> str:
 
 
 def _tokens(cfg: DictConfig) -> tuple[int, ...]:
-    """The text tokens the trained module attends to, where they are not SDXL's 77: SD3's CLIP 77 and T5's."""
-    flow = cfg.model.get("flow")
-    return (77 + int(flow.t5_max_length),) if flow is not None else ()
+    """The text tokens of a transformer (plan_unet.text_tokens) as part of the activations' cache key; SDXL's key
+    has none (its 77)."""
+    return (text_tokens(cfg),) if cfg.model.get("flow") is not None else ()
 
 
 def _trained_module(cfg: DictConfig, unet_params: int) -> tuple[int, int]:
@@ -254,8 +255,8 @@ def checkpoint_bytes(cfg: DictConfig) -> tuple[int, int]:
     portable = (4 + (8 if name in (*optimizers.FP32_MOMENTS, "adamw8bit") else 0)) * trained  # 8-bit: dequantized
     ema = 4 * trained if cfg.train.ema else 0
     export = 4 * (stats.params + encoders) * (2 if cfg.train.ema else 1)
-    if cfg.model.name == "sdxl_tiny" or checkpoint_file.is_single_file(cfg.model.pretrained):
-        export += 4 * stats.params  # the pipeline's own UNet (its encoders and VAE are not counted)
+    if str(cfg.model.name).endswith("_tiny") or checkpoint_file.is_single_file(cfg.model.pretrained):
+        export += 4 * stats.params  # the whole pipeline's own UNet or transformer (its encoders and VAE not counted)
     return engine + portable + ema, (export if cfg.train.export else 0)
 
 

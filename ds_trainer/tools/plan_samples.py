@@ -21,6 +21,8 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from ds_trainer.tools.plan_unet import text_tokens
+
 GIB = 2**30
 
 
@@ -136,12 +138,7 @@ def _validation(cfg: DictConfig, resident: int, unet_params: int, architecture: 
     batch = int(cfg.validation.batch_size) or int(cfg.train.micro_batch_size)
     ema = 4 * unet_params if cfg.train.ema and cfg.validation.ema and cfg.adapter.method.value == "none" else 0
     dtype_bytes = 4 if cfg.precision.name.value == "fp32" or ema else 2
-    return resident + ema + _activations(architecture, width, height, batch, dtype_bytes, _tokens(cfg))
-
-
-def _tokens(cfg: DictConfig) -> int:
-    flow = cfg.model.get("flow")
-    return 77 + int(flow.t5_max_length) if flow is not None else 77
+    return resident + ema + _activations(architecture, width, height, batch, dtype_bytes, text_tokens(cfg))
 
 
 def _sampling(cfg: DictConfig, resident: int, unet_params: int, architecture: str, kind: str) -> int | None:
@@ -156,7 +153,7 @@ def _sampling(cfg: DictConfig, resident: int, unet_params: int, architecture: st
     if ema:
         dtype_bytes = 4  # the EMA UNet samples in float32
     frozen = frozen_bytes(architecture, kind, cfg.precision.name.value)
-    return resident + frozen + ema + _activations(architecture, width, height, batch, dtype_bytes, _tokens(cfg))
+    return resident + frozen + ema + _activations(architecture, width, height, batch, dtype_bytes, text_tokens(cfg))
 
 
 def describe(sampling: int, training: int) -> str:

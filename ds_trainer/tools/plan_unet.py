@@ -29,6 +29,15 @@ def unet_stats(architecture: str) -> UNetStats:
     return UNetStats(params, largest)
 
 
+def text_tokens(cfg: Any) -> int:
+    """The text tokens the trained module attends to: SDXL's CLIP 77, SD3's CLIP 77 and T5's after them, Flux's T5
+    alone (its CLIP gives the pooled vector only)."""
+    flow = cfg.model.get("flow")
+    if flow is None:
+        return 77
+    return int(flow.t5_max_length) + (77 if cfg.model.family.value == "sd3" else 0)
+
+
 def is_transformer(architecture: str) -> bool:
     """Whether the folder's trained module is a diffusion transformer (SD3's `transformer/`), not a UNet."""
     from pathlib import Path
