@@ -33,6 +33,8 @@ BAD = [
     (["model=sd3_tiny", "model.flow.guidance=3.5"], ["model.flow.guidance=3.5", "model.flow.guidance=null"]),
     (["model=flux_tiny", "model.flow.shift=3"], ["model.flow.shift=3.0", "dynamic_shift", "model.flow.shift=1.0"]),
     (["model=sd3_tiny", "model.flow.t5_max_length=600"], ["model.flow.t5_max_length=600", "512"]),
+    (["model=sd3_tiny", "model.transformer=/nonexistent/sd3.5_medium.safetensors"],
+     ["model.transformer=/nonexistent/sd3.5_medium.safetensors", "no such file"]),
     (["zero=ddp", "optimizer=lion"], ["optimizer.name=lion", "torch.optim"]),
     (["optimizer.lr=-1"], ["optimizer.lr=-1.0"]),
     (["optimizer.lr=nan"], ["optimizer.lr=nan", "finite"]),

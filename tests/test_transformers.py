@@ -3,7 +3,8 @@ checked against its formulas, then for each model one chain of runs that shares 
 ranks under ZeRO-3 (bf16, 60 steps on two images, samples and export at the end, validation, a checkpoint at step 30)
 is the reference; DDP on one rank (SD3) and FSDP full shard on two (Flux) resume its step 30 checkpoint (its
 portable state) and train the same 30 steps (the other two pairs in `make test-long`); LoRA trains under ZeRO-2 and
-its file loads into the family's diffusers pipeline (StableDiffusion3Pipeline, FluxPipeline). A kill -9 mid-save
+its file loads into the family's diffusers pipeline (StableDiffusion3Pipeline, FluxPipeline), SD3's on a transformer
+read from a single file in Stability's layout (`model.transformer`, whose wrong files are named). A kill -9 mid-save
 resumes to the uninterrupted run's transformer and EMA bit for bit (Flux under ZeRO-3 with CPU offload; SD3 under
 ZeRO-2 mid-step and Flux under FSDP in `make test-long`). SDXL's tests run through the same family layer
 (families/sdxl.py) unchanged."""
@@ -14,6 +15,7 @@ import json
 import math
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -66,9 +68,40 @@ def runs(module_tmp: Callable[[str], Path]) -> Callable[[str, str], Path]:
                 "lora": (1, ["zero=stage2", "adapter=lora", "train.micro_batch_size=2", "optimizer.lr=5e-3",
                              "train.max_steps=60", "train.export=true", "validation=none"]),
             }[name]
+            if (model, name) == ("sd3_tiny", "lora"):  # SD3's LoRA trains on a transformer read from a single file
+                overrides = [*overrides, f"model.transformer={_single_file(root, SINGLE_FILE_SEED)}"]
             done[model, name] = _train(root / model / name, ranks, f"model={model}", *overrides)
         return done[model, name]
     return get
+
+
+SINGLE_FILE_SEED = 7  # not the runs' seed: a run that ignored the file would train other weights
+
+
+def _transformer(model: str, seed: int, **config: object) -> torch.nn.Module:
+    """The tiny model's transformer as diffusers builds it from `seed` (with `config` changed)."""
+    from ds_trainer.train import families
+
+    if not config:
+        cfg = make_cfg(f"model={model}", f"train.seed={seed}")
+        return families.of(cfg).load_trained(cfg)
+    module = families.of(make_cfg(f"model={model}")).meta_trained(make_cfg(f"model={model}"))
+    torch.manual_seed(seed)
+    return type(module).from_config({**module.config, **config})
+
+
+def _single_file(root: Path, seed: int, model: str = "sd3_tiny", name: str = "", **config: object) -> Path:
+    """`model`'s transformer (from `seed`, `config` changed) written in its makers' layout (transformer_files.py)."""
+    import transformer_files
+    from safetensors.torch import save_file
+
+    module = _transformer(model, seed, **config)
+    c = module.config
+    state = (transformer_files.sd3(module.state_dict(), c.num_layers) if model == "sd3_tiny" else
+             transformer_files.flux(module.state_dict(), c.num_layers, c.num_single_layers))
+    path = root / f"{name or model}_{seed}.safetensors"
+    save_file({k: v.contiguous() for k, v in state.items()}, path)
+    return path
 
 
 def _losses(run_dir: Path) -> dict[int, float]:
@@ -192,6 +225,10 @@ def test_trains_under_zero3_on_two_ranks_and_exports_a_pipeline_diffusers_loads(
     for item in (torch.load(path, weights_only=True) for path in cached):
         assert {key: tuple(item[key].shape) for key in CACHED[model]} == CACHED[model]
         assert item["prompt_embeds"].dtype == torch.bfloat16
+    # The planner sizes the attention by the text tokens the cache holds (SD3: CLIP's and T5's; Flux: T5's alone)
+    from ds_trainer.tools import plan_unet
+
+    assert plan_unet.text_tokens(make_cfg(f"model={model}")) == CACHED[model]["prompt_embeds"][0]
     # The last sample is the exported pipeline's image (bf16 weights, one thread, the same CPU generator): the
     # export is what trained, and the family's diffusers pipeline loads and generates it.
     import numpy as np
@@ -258,12 +295,81 @@ def test_lora_trains_and_loads_with_load_lora_weights(runs: Callable[[str, str],
     assert any(k.endswith("lora_B.weight") and v.abs().max() > 0 for k, v in lora.items())  # B starts at zero
     pipe = getattr(diffusers, PIPELINES[model]).from_pretrained(run_dir / "pipeline")  # the untrained base
     pipe.set_progress_bar_config(disable=True)
+    if model == "sd3_tiny":  # its base is the single file's transformer: what was written, not the seed's own
+        written = _transformer(model, SINGLE_FILE_SEED).state_dict()
+        assert f"/sd3_tiny_{SINGLE_FILE_SEED}.safetensors" in (run_dir / "config.yaml").read_text()
+        assert numerics.mean_abs_difference(pipe.transformer.state_dict(), written) == 0
     call = {"prompt": PROMPT, "num_inference_steps": 2, "height": 64, "width": 64, "max_sequence_length": 32,
             "output_type": "np"}
     base = pipe(**call, generator=torch.Generator().manual_seed(0)).images[0]
     pipe.load_lora_weights(run_dir / "lora")
     adapted = pipe(**call, generator=torch.Generator().manual_seed(0)).images[0]
     assert abs(adapted - base).max() > 1e-3  # every adapted module found its tensors, and they change the image
+
+
+def test_a_transformer_reads_from_its_makers_single_file_and_other_files_are_named(tmp_path: Path) -> None:
+    """`model.transformer=<file>`: SD3.5's transformer in Stability's layout loads to the weights it was written from
+    (diffusers' single-file loader, configs from the repo, offline); a file of another family, depth, variant or
+    format, or one diffusers cannot read for this model, is named before a run, with the fix."""
+    from ds_trainer.config import validation
+    from ds_trainer.train import families
+
+    path = _single_file(tmp_path, 5)
+    cfg = make_cfg("model=sd3_tiny", f"model.transformer={path}")
+    assert not validation.check(cfg).problems
+    loaded = families.of(cfg).load_trained(cfg)
+    assert loaded.training and next(loaded.parameters()).dtype == torch.float32
+    assert numerics.mean_abs_difference(loaded.state_dict(), _transformer("sd3_tiny", 5).state_dict()) == 0
+
+    from safetensors.torch import save_file
+
+    diffusers_format = tmp_path / "diffusion_pytorch_model.safetensors"
+    save_file(_transformer("sd3_tiny", 5).state_dict(), diffusers_format)
+    cases = {
+        _single_file(tmp_path, 5, "flux_tiny"): "a Flux.1 transformer (Black Forest Labs' layout), not sd3's",
+        _single_file(tmp_path, 5, name="deeper", num_layers=3): "3 joint_blocks, the architecture 2",
+        _single_file(tmp_path, 5, name="sd3_medium", dual_attention_layers=[], qk_norm=None):
+            "blocks none with a second attention",
+        _single_file(tmp_path, 5, name="wider", num_attention_heads=8): "a transformer 64 wide, the architecture 32",
+        diffusers_format: "a diffusers-format transformer",
+        tmp_path / "missing.safetensors": "no such file",
+        tmp_path / "sd3.ckpt": "one .safetensors file"}
+    for file, why in cases.items():
+        problems = validation.check(make_cfg("model=sd3_tiny", f"model.transformer={file}")).problems
+        assert [p.key for p in problems] == ["model.transformer"] and why in problems[0].why, (file, problems)
+        assert problems[0].fix.startswith("model.transformer=/path/to/sd3.5_medium.safetensors")
+    (flux,) = validation.check(make_cfg("model=flux_tiny", f"model.transformer={path}")).problems
+    assert "reads Flux.1's width (3072) only" in flux.why and flux.fix.startswith("model=flux_dev")
+    (sdxl,) = validation.check(make_cfg(f"model.transformer={path}")).problems
+    assert "model.pretrained=" in sdxl.fix
+
+
+@pytest.mark.long
+def test_a_flux_transformer_at_flux1s_width_reads_from_black_forest_labs_layout(tmp_path: Path) -> None:
+    """Flux.1's width (3072; one block of each kind, 530 M parameters in bf16): diffusers' loader, which splits the
+    single-stream blocks at that width, gives the weights the file was written from, through model.transformer."""
+    import transformer_files
+    from diffusers import FluxTransformer2DModel
+    from safetensors.torch import save_file
+
+    from ds_trainer.config import validation
+    from ds_trainer.train import families
+
+    config = {"patch_size": 1, "in_channels": 64, "num_layers": 1, "num_single_layers": 1, "attention_head_dim": 128,
+              "num_attention_heads": 24, "joint_attention_dim": 64, "pooled_projection_dim": 32,
+              "axes_dims_rope": [16, 56, 56], "guidance_embeds": True}
+    torch.manual_seed(0)
+    module = FluxTransformer2DModel(**config).to(torch.bfloat16)
+    arch = tmp_path / "arch"
+    shutil.copytree(make_cfg("model=flux_tiny").model.architecture, arch)
+    module.save_config(arch / "transformer")
+    path = tmp_path / "flux1.safetensors"
+    save_file({k: v.contiguous() for k, v in transformer_files.flux(module.state_dict(), 1, 1).items()}, path)
+    cfg = make_cfg("model=flux_tiny", f"model.architecture={arch}", f"model.transformer={path}")
+    assert not validation.check(cfg).problems
+    loaded = families.of(cfg).load_trained(cfg)
+    expected = {k: v.float() for k, v in module.state_dict().items()}
+    assert numerics.mean_abs_difference(loaded.state_dict(), expected) == 0
 
 
 def _kill_args(model: str, zero: str, offload: str) -> list[str]:

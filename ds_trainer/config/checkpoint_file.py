@@ -1,6 +1,7 @@
-"""Single-file SDXL checkpoints (`model.pretrained=<file>.safetensors|.ckpt`, the original Stability
-layout that model sites ship): recognising one from its key names. Torch-free: a `.safetensors`
-file's keys are read from its JSON header before a run; a `.ckpt` is checked when it is loaded.
+"""Single-file checkpoints: SDXL's (`model.pretrained=<file>.safetensors|.ckpt`, the original Stability
+layout that model sites ship) and the transformers' (`model.transformer=<file>.safetensors`: SD3/SD3.5 in
+Stability's MMDiT layout, Flux.1 in Black Forest Labs'), recognised from their key names and shapes. Torch-free: a
+`.safetensors` file's header is read before a run; a `.ckpt` is checked when it is loaded.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import json
 from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 from omegaconf import DictConfig
 
@@ -24,14 +26,19 @@ def is_single_file(path: str | None) -> bool:
     return bool(path) and Path(str(path)).suffix.lower() in SUFFIXES and not Path(str(path)).is_dir()
 
 
-def safetensors_keys(path: Path) -> list[str]:
-    """The tensor names of a .safetensors file, from its header (8 bytes of length, then JSON)."""
+def safetensors_header(path: Path) -> dict[str, Any]:
+    """Each tensor's entry (dtype, shape, offsets) in a .safetensors file's header (8 bytes of length, then JSON)."""
     with path.open("rb") as f:
         length = int.from_bytes(f.read(8), "little")
         if not 0 < length < 1 << 30:
             raise ValueError("no safetensors header")
         header = json.loads(f.read(length))
-    return [key for key in header if key != "__metadata__"]
+    return {key: value for key, value in header.items() if key != "__metadata__"}
+
+
+def safetensors_keys(path: Path) -> list[str]:
+    """The tensor names of a .safetensors file."""
+    return list(safetensors_header(path))
 
 
 def what_it_is(keys: Iterable[str]) -> str | None:
@@ -73,3 +80,87 @@ def problems(cfg: DictConfig) -> list[tuple[str, object, str, str]]:
     if vae and not Path(vae).exists():
         out.append(("model.vae", vae, "does not exist", "model.vae=/path/to/sdxl_vae.safetensors (or a VAE folder)"))
     return out
+
+
+# A key each family's original layout has (diffusers' single-file loaders detect the families by these).
+TRANSFORMER_MARKS = {"sd3": "joint_blocks.0.context_block.adaLN_modulation.1.bias",
+                     "flux": "double_blocks.0.img_attn.norm.key_norm.scale"}
+FAMILY_NAMES = {"sd3": "an SD3/SD3.5 transformer (Stability's MMDiT layout)",
+                "flux": "a Flux.1 transformer (Black Forest Labs' layout)"}
+# diffusers' Flux single-file converter splits the single-stream blocks' fused projection at Flux.1's width.
+FLUX_WIDTH = 3072
+
+
+def _blocks(keys: set[str], prefix: str) -> set[int]:
+    return {int(k.split(".")[1]) for k in keys if k.startswith(prefix) and k.split(".")[1].isdigit()}
+
+
+def transformer_mismatch(header: dict[str, Any], family: str, arch: dict[str, Any]) -> str | None:
+    """None when `header` (a .safetensors header) holds the transformer `arch` (its diffusers config) describes,
+    in the original layout of `family` that diffusers' single-file loader reads; else what it holds instead."""
+    shapes = {k.removeprefix(UNET): v.get("shape", []) for k, v in header.items()}
+    keys = set(shapes)
+    found = next((f for f, mark in TRANSFORMER_MARKS.items() if mark in keys), None)
+    if found is None:
+        if any(k.startswith(("transformer_blocks.", "single_transformer_blocks.")) for k in keys):
+            return ("a diffusers-format transformer (keys like transformer_blocks.*), not one in its makers' layout: "
+                    "a diffusers folder goes to model.pretrained")
+        if any(k.startswith(("input_blocks.", "down_blocks.")) for k in keys):
+            return "a UNet (SDXL or older Stable Diffusion), not a transformer"
+        heads = ", ".join(f"{p}.* ({n})" for p, n in Counter(k.split(".")[0] for k in keys).most_common(4))
+        return f"no {family} transformer (its keys start with: {heads or 'nothing, it is empty'})"
+    if found != family:
+        return f"{FAMILY_NAMES[found]}, not {family}'s"
+    width = int(arch["num_attention_heads"]) * int(arch["attention_head_dim"])
+    if family == "sd3":
+        layers = {"joint_blocks": (len(_blocks(keys, "joint_blocks.")), int(arch["num_layers"]))}
+        file_width = shapes.get("x_embedder.proj.weight", [0])[0]
+        dual = sorted(_blocks({k for k in keys if ".attn2." in k}, "joint_blocks."))
+        if dual != sorted(arch.get("dual_attention_layers") or []):
+            return (f"blocks {dual or 'none'} with a second attention (SD3.5 Medium's MMDiT-X), the architecture "
+                    f"{sorted(arch.get('dual_attention_layers') or []) or 'none'}: another SD3 model")
+        if any(".ln_q." in k for k in keys) != bool(arch.get("qk_norm")):
+            return f"a transformer {'with' if any('.ln_q.' in k for k in keys) else 'without'} QK-norm, the " \
+                   f"architecture {'with' if arch.get('qk_norm') else 'without'} (SD3.5 has it, SD3 not)"
+    else:
+        layers = {"double_blocks": (len(_blocks(keys, "double_blocks.")), int(arch["num_layers"])),
+                  "single_blocks": (len(_blocks(keys, "single_blocks.")), int(arch["num_single_layers"]))}
+        file_width = shapes.get("img_in.weight", [0])[0]
+        guided = "guidance_in.in_layer.weight" in keys
+        if guided != bool(arch.get("guidance_embeds")):
+            return (f"a Flux transformer {'with' if guided else 'without'} a guidance input (FLUX.1-dev has one, "
+                    f"schnell not), the architecture {'with' if arch.get('guidance_embeds') else 'without'}")
+    for name, (theirs, ours) in layers.items():
+        if theirs != ours:
+            return f"{theirs} {name}, the architecture {ours}: another model's transformer"
+    if file_width != width:
+        return f"a transformer {file_width} wide, the architecture {width}: another model's transformer"
+    return None
+
+
+def transformer_problems(cfg: DictConfig) -> list[tuple[str, object, str, str]]:
+    """(key, value, why, fix) for a `model.transformer` file that cannot be loaded as the model's transformer."""
+    path, family = cfg.model.transformer, cfg.model.family.value
+    example = {"sd3": "sd3.5_medium.safetensors", "flux": "flux1-dev.safetensors"}.get(family, "<file>.safetensors")
+    fix = f"model.transformer=/path/to/{example} (for model={cfg.model.name}), or model.transformer=null"
+    if family == "sdxl":
+        return [("model.transformer", path, "is for the transformer families (sd3, flux); an SDXL checkpoint file is "
+                 "read through model.pretrained", "model.transformer=null model.pretrained=/path/to/sd_xl_base_1.0"
+                 ".safetensors")]
+    if Path(path).suffix.lower() != ".safetensors":
+        return [("model.transformer", path, "is read as one .safetensors file (as SD3.5 and Flux.1 ship)", fix)]
+    if not Path(path).is_file():
+        return [("model.transformer", path, "no such file", fix)]
+    arch = json.loads((Path(cfg.model.architecture) / "transformer" / "config.json").read_text())
+    width = int(arch["num_attention_heads"]) * int(arch["attention_head_dim"])
+    if family == "flux" and width != FLUX_WIDTH:
+        return [("model.transformer", path, f"model={cfg.model.name}'s transformer is {width} wide; diffusers' Flux "
+                 f"single-file loader reads Flux.1's width ({FLUX_WIDTH}) only", "model=flux_dev (or a diffusers "
+                 "folder in model.pretrained)")]
+    try:
+        found = transformer_mismatch(safetensors_header(Path(path)), family, arch)
+    except (OSError, ValueError) as exc:
+        found = f"not a readable safetensors file ({exc})"
+    if found:
+        return [("model.transformer", path, f"is not model={cfg.model.name}'s transformer: it is {found}", fix)]
+    return []

@@ -265,6 +265,10 @@ class ModelConfig:
     variant: str | None = None
     # A VAE to use instead of the model's: a diffusers folder or a single .safetensors/.ckpt file.
     vae: str | None = None
+    # SD3/SD3.5 and Flux: the trained transformer from one .safetensors file in its makers' layout (Stability's
+    # sd3.5_medium.safetensors, Black Forest Labs' flux1-dev.safetensors, a fine-tune shared that way) instead of
+    # `pretrained`'s; the rest (VAE, text encoders) comes from `pretrained` (or the architecture when null).
+    transformer: str | None = None
     # Folder of diffusers/transformers configs kept in the repo (ds_trainer/assets/<name>).
     architecture: str = MISSING
     param_count: int = MISSING

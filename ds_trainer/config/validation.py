@@ -171,9 +171,12 @@ def _resolution(cfg: DictConfig, out: list[Problem]) -> None:
 
 def _family(cfg: DictConfig, out: list[Problem]) -> None:
     """What a model family trains with: SD3's and Flux's flow matching needs `model.flow`, SDXL's DDPM noise refuses
-    it; SDXL's own levers (noise offset, min-SNR, trained text encoders, a replacement VAE, single files) on the
-    transformers are refused; Flux's resolution-dependent shift and guidance input are Flux's."""
+    it; SDXL's own levers (noise offset, min-SNR, trained text encoders, a replacement VAE, a whole single-file
+    checkpoint) on the transformers are refused, their `model.transformer` file is checked; Flux's
+    resolution-dependent shift and guidance input are Flux's."""
     family, flow = cfg.model.family.value, cfg.model.flow
+    if cfg.model.get("transformer"):
+        out.extend(Problem(*p) for p in checkpoint_file.transformer_problems(cfg))
     if family == "sdxl":
         if flow is not None:
             out.append(Problem("model.flow", "{...}", "model.family=sdxl trains with DDPM noise (its scheduler's "
@@ -222,10 +225,10 @@ def _family(cfg: DictConfig, out: list[Problem]) -> None:
                            "scale and shift)",
                            "model.vae=null"))
     if checkpoint_file.is_single_file(cfg.model.pretrained):
-        out.append(Problem("model.pretrained", cfg.model.pretrained, "a single-file checkpoint is read for SDXL only; "
-                           f"model={cfg.model.name} loads a diffusers folder or hub id",
+        out.append(Problem("model.pretrained", cfg.model.pretrained, f"model={cfg.model.name} loads its VAE and text "
+                           "encoders from a diffusers folder or hub id; its transformer alone may come from one file",
                            "model.pretrained=<a diffusers folder or hub id> (stabilityai/stable-diffusion-3.5-medium, "
-                           "black-forest-labs/FLUX.1-dev)"))
+                           "black-forest-labs/FLUX.1-dev) model.transformer=<the file>"))
 
 
 def _optimizer(cfg: DictConfig, info: hardware.PlatformInfo, out: list[Problem], warnings: list[str]) -> str | None:

@@ -127,18 +127,35 @@ def load_unet(cfg: DictConfig) -> Any:
 
     from ds_trainer.train import single_file
 
+    single = single_file.checkpoint(cfg) if checkpoint_file.is_single_file(cfg.model.pretrained) else None
+    return trained_module(cfg, UNet2DConditionModel, "unet", single)
+
+
+def trained_module(cfg: DictConfig, cls: Any, subfolder: str, single: Any = None) -> Any:
+    """The module to train (a diffusers model class whose folder in a pipeline is `subfolder`) in fp32, train mode,
+    with gradient checkpointing as `train` asks: from `single` (a single file's path or tensors in its makers'
+    layout, its config from the architecture) or `model.pretrained`, else built with random weights."""
     path, kwargs = _source(cfg)
-    if checkpoint_file.is_single_file(cfg.model.pretrained):
-        unet = single_file.unet(cfg)
+    if single is not None:
+        model = cls.from_single_file(single, config=str(cfg.model.architecture), subfolder=subfolder,
+                                     local_files_only=True, torch_dtype=torch.float32)
     elif cfg.model.pretrained:
-        unet = UNet2DConditionModel.from_pretrained(path, subfolder="unet", torch_dtype=torch.float32, **kwargs)
+        model = cls.from_pretrained(path, subfolder=subfolder, torch_dtype=torch.float32, **kwargs)
     else:
         torch.manual_seed(int(cfg.train.seed))
-        unet = UNet2DConditionModel.from_config(UNet2DConditionModel.load_config(path, subfolder="unet"))
+        model = cls.from_config(cls.load_config(path, subfolder=subfolder))
     if cfg.train.gradient_checkpointing:
-        unet.enable_gradient_checkpointing()
-    unet.train()
-    return unet
+        model.enable_gradient_checkpointing()
+    model.train()
+    return model
+
+
+def meta_module(cfg: DictConfig, cls: Any, subfolder: str) -> torch.nn.Module:
+    """The module `trained_module` builds, on the meta device (no memory): for checks before training."""
+    path, kwargs = _source(cfg)
+    with torch.device("meta"):
+        model: torch.nn.Module = cls.from_config(cls.load_config(path, subfolder=subfolder, **kwargs))
+    return model
 
 
 def noise_scheduler(cfg: DictConfig) -> Any:

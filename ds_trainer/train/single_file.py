@@ -31,14 +31,6 @@ def checkpoint(cfg: DictConfig) -> dict[str, torch.Tensor]:
     return state
 
 
-def unet(cfg: DictConfig) -> Any:
-    """The UNet of the checkpoint file, in fp32."""
-    from diffusers import UNet2DConditionModel
-
-    return UNet2DConditionModel.from_single_file(checkpoint(cfg), config=str(cfg.model.architecture),
-                                                 subfolder="unet", local_files_only=True, torch_dtype=torch.float32)
-
-
 def text_encoders(cfg: DictConfig, state: dict[str, torch.Tensor]) -> tuple[Any, Any]:
     """CLIP ViT-L and OpenCLIP bigG (with projection) from the checkpoint's conditioner."""
     from diffusers.loaders.single_file_utils import create_diffusers_clip_model_from_ldm

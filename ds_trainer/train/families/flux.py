@@ -10,28 +10,24 @@ The text encoders stay frozen here (diffusers' Flux scripts train CLIP's LoRA at
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from omegaconf import DictConfig
 
 from ds_trainer import console
 from ds_trainer.train import flow, models
+from ds_trainer.train.families.flow_family import FlowFamily, FrozenParts, per_sample_mse
 
 
 @dataclass
-class Frozen:
+class Frozen(FrozenParts):
+    ENCODERS: ClassVar[tuple[str, ...]] = ("text_encoder", "text_encoder_2")
     vae: Any
     text_encoder: Any  # CLIP-L (CLIPTextModel): its pooled output
     text_encoder_2: Any  # T5 (T5EncoderModel): the sequence
     tokenizer: Any
     tokenizer_2: Any
-
-    def modules(self) -> list[Any]:
-        return [m for m in (self.vae, *self.encoders()) if m is not None]
-
-    def encoders(self) -> list[Any]:
-        return [m for m in (self.text_encoder, self.text_encoder_2) if m is not None]
 
 
 def pack(latents: torch.Tensor) -> torch.Tensor:
@@ -48,9 +44,8 @@ def image_ids(height: int, width: int) -> torch.Tensor:
     return ids.reshape(-1, 3)
 
 
-class Flux:
+class Flux(FlowFamily):
     name = "flux"
-    component = "transformer"
 
     def __init__(self, cfg: DictConfig | None = None) -> None:
         f = cfg.model.flow if cfg is not None else None
@@ -85,32 +80,18 @@ class Flux:
 
         from ds_trainer.errors import TrainingError
 
-        path, kwargs = models._source(cfg)
-        if cfg.model.pretrained:
-            model = FluxTransformer2DModel.from_pretrained(path, subfolder="transformer", torch_dtype=torch.float32,
-                                                           **kwargs)
-        else:
-            torch.manual_seed(int(cfg.train.seed))
-            config = FluxTransformer2DModel.load_config(path, subfolder="transformer")
-            model = FluxTransformer2DModel.from_config(config)
+        model = models.trained_module(cfg, FluxTransformer2DModel, "transformer", cfg.model.get("transformer"))
         takes = bool(model.config.guidance_embeds)
         if takes != (self._guidance is not None):
             fix = "model.flow.guidance=3.5 (the dev model's training value)" if takes else "model.flow.guidance=null"
             raise TrainingError(f"model.flow.guidance={self._guidance}: this Flux transformer "
                                 f"{'takes' if takes else 'has no'} guidance input (guidance_embeds={takes}); {fix}")
-        if cfg.train.gradient_checkpointing:
-            model.enable_gradient_checkpointing()
-        model.train()
         return model  # type: ignore[no-any-return]
 
     def meta_trained(self, cfg: DictConfig) -> torch.nn.Module:
         from diffusers import FluxTransformer2DModel
 
-        path, kwargs = models._source(cfg)
-        with torch.device("meta"):
-            model: torch.nn.Module = FluxTransformer2DModel.from_config(
-                FluxTransformer2DModel.load_config(path, subfolder="transformer", **kwargs))
-        return model
+        return models.meta_module(cfg, FluxTransformer2DModel, "transformer")
 
     @torch.no_grad()
     def text_inputs(self, frozen: Frozen, prompts: list[str], device: torch.device) -> dict[str, torch.Tensor]:
@@ -120,39 +101,15 @@ class Flux:
                                  return_tensors="pt").input_ids
         return {"prompt_embeds": frozen.text_encoder_2(ids.to(device))[0], "pooled": pooled}
 
-    @torch.no_grad()
-    def encode_images(self, frozen: Frozen, pixels: torch.Tensor) -> torch.Tensor:
-        vae = frozen.vae
-        latents = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist.mean
-        return (latents - vae.config.shift_factor) * vae.config.scaling_factor
-
-    def storage_dtype(self, key: str) -> torch.dtype | None:
-        return torch.bfloat16 if key == "prompt_embeds" else None
-
-    def schedule(self, cfg: DictConfig) -> flow.Schedule:
-        return flow.Schedule.of(cfg)
-
-    def num_train_timesteps(self, schedule: flow.Schedule) -> int:
-        return schedule.num_train_timesteps
-
-    def training_loss(self, cfg: DictConfig, model: Any, schedule: flow.Schedule, batch: dict[str, torch.Tensor],
-                      gens: list[torch.Generator], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-        latents = batch["latents"]
-        noise = torch.stack([torch.randn(latents.shape[1:], generator=g) for g in gens])
-        t = schedule.draw(gens)
-        per_sample = self.losses(model, schedule, batch, noise, t, device, dtype)
-        sigma = schedule.sigma(t, self._tokens(latents))
-        return (per_sample * schedule.weights(sigma).to(device)).mean()
-
-    @staticmethod
-    def _tokens(latents: torch.Tensor) -> int:
+    def image_tokens(self, latents: torch.Tensor) -> int:
+        """The packed tokens of the latents (2 x 2 patches): what Flux's noise levels shift with."""
         return (latents.shape[-2] // 2) * (latents.shape[-1] // 2)
 
     def losses(self, model: Any, schedule: flow.Schedule, batch: dict[str, torch.Tensor], noise: torch.Tensor,
                t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         latents = batch["latents"]
         height, width = latents.shape[-2:]
-        sigma = schedule.sigma(t, self._tokens(latents))
+        sigma = schedule.sigma(t, self.image_tokens(latents))
         noisy = pack(flow.noisy(latents, noise, sigma))
         text = batch["prompt_embeds"]
         guidance = torch.full((len(t),), self._guidance, device=device) if self._guidance is not None else None
@@ -160,9 +117,7 @@ class Flux:
                      guidance=guidance, pooled_projections=batch["pooled"].to(device, dtype),
                      encoder_hidden_states=text.to(device, dtype), txt_ids=torch.zeros(text.shape[1], 3, device=device),
                      img_ids=image_ids(height, width).to(device)).sample
-        target = pack(flow.target(latents, noise))
-        per_sample = torch.nn.functional.mse_loss(pred.float(), target.to(device).float(), reduction="none")
-        return per_sample.mean(dim=list(range(1, per_sample.ndim)))
+        return per_sample_mse(pred, pack(flow.target(latents, noise)))
 
     def pipeline(self, cfg: DictConfig, frozen: Frozen, trained: dict[str, Any]) -> Any:
         from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline

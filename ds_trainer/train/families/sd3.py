@@ -11,19 +11,21 @@ per caption in bf16).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from omegaconf import DictConfig
 
 from ds_trainer import console
 from ds_trainer.train import flow, models
+from ds_trainer.train.families.flow_family import FlowFamily, FrozenParts, per_sample_mse
 
 ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")
 
 
 @dataclass
-class Frozen:
+class Frozen(FrozenParts):
+    ENCODERS: ClassVar[tuple[str, ...]] = ENCODERS
     vae: Any
     text_encoder: Any  # CLIP-L (CLIPTextModelWithProjection)
     text_encoder_2: Any  # CLIP-G (CLIPTextModelWithProjection)
@@ -32,16 +34,9 @@ class Frozen:
     tokenizer_2: Any
     tokenizer_3: Any
 
-    def modules(self) -> list[Any]:
-        return [m for m in (self.vae, *self.encoders()) if m is not None]
 
-    def encoders(self) -> list[Any]:
-        return [m for m in (self.text_encoder, self.text_encoder_2, self.text_encoder_3) if m is not None]
-
-
-class SD3:
+class SD3(FlowFamily):
     name = "sd3"
-    component = "transformer"
 
     def __init__(self, cfg: DictConfig | None = None) -> None:
         flow_cfg = cfg.model.flow if cfg is not None else None
@@ -83,26 +78,13 @@ class SD3:
     def load_trained(self, cfg: DictConfig) -> torch.nn.Module:
         from diffusers import SD3Transformer2DModel
 
-        path, kwargs = models._source(cfg)
-        if cfg.model.pretrained:
-            model = SD3Transformer2DModel.from_pretrained(path, subfolder="transformer", torch_dtype=torch.float32,
-                                                          **kwargs)
-        else:
-            torch.manual_seed(int(cfg.train.seed))
-            model = SD3Transformer2DModel.from_config(SD3Transformer2DModel.load_config(path, subfolder="transformer"))
-        if cfg.train.gradient_checkpointing:
-            model.enable_gradient_checkpointing()
-        model.train()
-        return model  # type: ignore[no-any-return]
+        return models.trained_module(cfg, SD3Transformer2DModel, "transformer",  # type: ignore[no-any-return]
+                                     cfg.model.get("transformer"))
 
     def meta_trained(self, cfg: DictConfig) -> torch.nn.Module:
         from diffusers import SD3Transformer2DModel
 
-        path, kwargs = models._source(cfg)
-        with torch.device("meta"):
-            model: torch.nn.Module = SD3Transformer2DModel.from_config(
-                SD3Transformer2DModel.load_config(path, subfolder="transformer", **kwargs))
-        return model
+        return models.meta_module(cfg, SD3Transformer2DModel, "transformer")
 
     @torch.no_grad()
     def text_inputs(self, frozen: Frozen, prompts: list[str], device: torch.device,
@@ -123,29 +105,6 @@ class SD3:
         clip = torch.nn.functional.pad(clip, (0, t5.shape[-1] - clip.shape[-1]))
         return {"prompt_embeds": torch.cat([clip, t5.to(clip.dtype)], dim=-2), "pooled": torch.cat(pooled, dim=-1)}
 
-    @torch.no_grad()
-    def encode_images(self, frozen: Frozen, pixels: torch.Tensor) -> torch.Tensor:
-        vae = frozen.vae
-        latents = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist.mean
-        return (latents - vae.config.shift_factor) * vae.config.scaling_factor
-
-    def storage_dtype(self, key: str) -> torch.dtype | None:
-        return torch.bfloat16 if key == "prompt_embeds" else None
-
-    def schedule(self, cfg: DictConfig) -> flow.Schedule:
-        return flow.Schedule.of(cfg)
-
-    def num_train_timesteps(self, schedule: flow.Schedule) -> int:
-        return schedule.num_train_timesteps
-
-    def training_loss(self, cfg: DictConfig, model: Any, schedule: flow.Schedule, batch: dict[str, torch.Tensor],
-                      gens: list[torch.Generator], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-        latents = batch["latents"]
-        noise = torch.stack([torch.randn(latents.shape[1:], generator=g) for g in gens])
-        t = schedule.draw(gens)
-        per_sample = self.losses(model, schedule, batch, noise, t, device, dtype)
-        return (per_sample * schedule.weights(schedule.sigma(t)).to(device)).mean()
-
     def losses(self, model: Any, schedule: flow.Schedule, batch: dict[str, torch.Tensor], noise: torch.Tensor,
                t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         latents = batch["latents"]
@@ -154,9 +113,7 @@ class SD3:
         pred = model(hidden_states=noisy.to(device, dtype), timestep=(sigma * schedule.num_train_timesteps).to(device),
                      encoder_hidden_states=batch["prompt_embeds"].to(device, dtype),
                      pooled_projections=batch["pooled"].to(device, dtype)).sample
-        target = flow.target(latents, noise)
-        per_sample = torch.nn.functional.mse_loss(pred.float(), target.to(device).float(), reduction="none")
-        return per_sample.mean(dim=list(range(1, per_sample.ndim)))
+        return per_sample_mse(pred, flow.target(latents, noise))
 
     def pipeline(self, cfg: DictConfig, frozen: Frozen, trained: dict[str, Any]) -> Any:
         from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline

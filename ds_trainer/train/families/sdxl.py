@@ -24,11 +24,7 @@ class SDXL:
     def meta_trained(self, cfg: DictConfig) -> torch.nn.Module:
         from diffusers import UNet2DConditionModel
 
-        path, kwargs = models._source(cfg)
-        with torch.device("meta"):
-            unet: torch.nn.Module = UNet2DConditionModel.from_config(
-                UNet2DConditionModel.load_config(path, subfolder="unet", **kwargs))
-        return unet
+        return models.meta_module(cfg, UNet2DConditionModel, "unet")
 
     def text_inputs(self, frozen: Any, prompts: list[str], device: torch.device) -> dict[str, torch.Tensor]:
         return models.text_inputs(frozen, prompts, device)

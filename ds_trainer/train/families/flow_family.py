@@ -1,0 +1,68 @@
+"""What SD3 and Flux share (families/sd3.py, families/flux.py): the frozen parts' shape, the VAE's shifted and
+scaled latents, T5's long sequence cached in bf16, the flow-matching schedule (train/flow.py) and its weighted loss.
+A family adds its encoders, how the transformer is called (`losses`) and, for Flux, the image's token count that
+shifts its noise levels (`image_tokens`)."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from omegaconf import DictConfig
+
+from ds_trainer.train import flow
+
+
+class FrozenParts:
+    """The frozen VAE and encoders (a dataclass's fields: `vae` and the names in ENCODERS)."""
+
+    ENCODERS: ClassVar[tuple[str, ...]]
+    vae: Any
+
+    def modules(self) -> list[Any]:
+        return [m for m in (self.vae, *self.encoders()) if m is not None]
+
+    def encoders(self) -> list[Any]:
+        return [m for m in (getattr(self, name) for name in self.ENCODERS) if m is not None]
+
+
+class FlowFamily:
+    component = "transformer"
+
+    def image_tokens(self, latents: torch.Tensor) -> int | None:
+        """The image's token count where the noise levels shift with it (Flux); None for a fixed shift."""
+        return None
+
+    def losses(self, model: Any, schedule: flow.Schedule, batch: dict[str, torch.Tensor], noise: torch.Tensor,
+               t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def encode_images(self, frozen: Any, pixels: torch.Tensor) -> torch.Tensor:
+        vae = frozen.vae
+        latents = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist.mean
+        return (latents - vae.config.shift_factor) * vae.config.scaling_factor
+
+    def storage_dtype(self, key: str) -> torch.dtype | None:
+        return torch.bfloat16 if key == "prompt_embeds" else None
+
+    def schedule(self, cfg: DictConfig) -> flow.Schedule:
+        return flow.Schedule.of(cfg)
+
+    def num_train_timesteps(self, schedule: flow.Schedule) -> int:
+        return schedule.num_train_timesteps
+
+    def training_loss(self, cfg: DictConfig, model: Any, schedule: flow.Schedule, batch: dict[str, torch.Tensor],
+                      gens: list[torch.Generator], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        latents = batch["latents"]
+        noise = torch.stack([torch.randn(latents.shape[1:], generator=g) for g in gens])
+        t = schedule.draw(gens)
+        per_sample = self.losses(model, schedule, batch, noise, t, device, dtype)
+        sigma = schedule.sigma(t, self.image_tokens(latents))
+        return (per_sample * schedule.weights(sigma).to(device)).mean()
+
+
+def per_sample_mse(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Each sample's mean squared error, in fp32."""
+    error = torch.nn.functional.mse_loss(pred.float(), target.to(pred.device).float(), reduction="none")
+    return error.mean(dim=list(range(1, error.ndim)))
