@@ -90,6 +90,24 @@ def test_a_named_sweep_runs_without_dash_m(workdir: Path) -> None:
     assert cell["logger"]["group"] == "batch_size" and cell["train"]["export"] is False
 
 
+@pytest.mark.slow
+def test_a_sweep_compares_the_model_families_side_by_side(workdir: Path) -> None:
+    """SDXL's UNet, SD3's and Flux's transformers as one sweep's cells (ZeRO-3): each trains and is scored, and the
+    report names each cell's model and what trained (the cells are told apart by their model)."""
+    from ds_trainer.launch import report
+
+    result = run_cli("-m", "model=sdxl_tiny,sd3_tiny,flux_tiny", "zero=stage3", "validation=on", *FAST, cwd=workdir,
+                     timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (sweep_dir,) = sweep_dirs(workdir)
+    rows = report_rows(sweep_dir)
+    assert [(r["model"], r["trained"], r["status"]) for r in rows] == [
+        ("sdxl_tiny", "unet", "ok"), ("sd3_tiny", "transformer", "ok"), ("flux_tiny", "transformer", "ok")]
+    assert [r["trained_params"].split()[0] for r in rows] == ["unet", "transformer", "transformer"]
+    assert all(float(r["val_loss"]) > 0 and float(r["median_s_per_it"]) > 0 for r in rows)
+    assert report.labels(report.rows(sweep_dir)) == ["sdxl_tiny unet", "sd3_tiny transformer", "flux_tiny transformer"]
+
+
 def _two_cell_sweep(workdir: Path, launcher: str, env: dict[str, str] | None = None,
                     second: str = "stage3") -> Path:
     result = run_cli("-m", f"zero=stage2,{second}", f"hydra/launcher={launcher}", *FAST, cwd=workdir, env=env,

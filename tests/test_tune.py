@@ -174,6 +174,25 @@ def test_a_hanging_cell_is_stopped_at_its_time_limit_and_recorded(tmp_path: Path
     assert not (tune_dir / "winner.txt").exists()
 
 
+@pytest.mark.slow
+@pytest.mark.long
+def test_a_diffusion_transformer_is_tuned_and_calibrates_the_planner(tmp_path: Path) -> None:
+    """Flux (flux_tiny) through the tuner: its cells train, the winner's command names the model, and the measured
+    cells are recorded for the planner under that model."""
+    cmd = [sys.executable, "-m", "ds_trainer.tune", "model=flux_tiny", *base(tmp_path)[1:], "tune.zero=[stage2,stage3]",
+           "tune.offload=[none]", "tune.micro_batch_size=[2]", "tune.gradient_checkpointing=[false]",
+           "tune.warmup_steps=1", "tune.timed_steps=2", "tune.time_limit_s=600", f"tune.preset_dir={tmp_path / 'p'}"]
+    run = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    tune_dir = tmp_path / "outputs" / "tune" / "tuned"
+    assert [(name, row["status"]) for name, row in rows(tune_dir).items()] == [
+        ("stage2/none b2x1", "ok"), ("stage3/none b2x1", "ok")]
+    assert "model=flux_tiny" in (tune_dir / "winner.txt").read_text()
+    records = calibration.read(tmp_path / "outputs" / "plan_calibration.jsonl",
+                               calibration.key(make_cfg("model=flux_tiny", "resolution=px128"), "cpu"))
+    assert len(records) == 2
+
+
 def test_a_global_batch_no_cell_makes_is_one_screen(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     from ds_trainer.tools import tune
 

@@ -23,7 +23,7 @@ from ds_trainer.config.ds_config import option_name
 COLUMNS = ("cell", "zero", "offload", "resolution", "micro_batch_size", "world_size", "precision", "optimizer",
            "status", "gpu_mem_peak_allocated_mib", "gpu_mem_peak_reserved_mib", "host_rss_peak_mib", "median_s_per_it",
            "images_per_s", "val_loss", "val_loss_ema", "gradient_accumulation_steps", "gradient_checkpointing",
-           "trained", "trained_params", "message")
+           "model", "trained", "trained_params", "message")
 HEADERS = {"micro_batch_size": "micro batch", "gradient_accumulation_steps": "accum", "gradient_checkpointing": "ckpt",
            "world_size": "world", "gpu_mem_peak_allocated_mib": "peak VRAM MiB",
            "gpu_mem_peak_reserved_mib": "reserved MiB", "host_rss_peak_mib": "host RSS MiB",
@@ -58,6 +58,7 @@ def _row(cell: Path, root: Path) -> dict[str, Any]:
         row["optimizer"] = (cfg.get("resolved") or {}).get("optimizer") or cfg.get("optimizer", {}).get("name")
         row["world_size"] = (cfg.get("resolved") or {}).get("world_size") or cfg.get("world_size")
     if cfg:
+        row["model"] = (cfg.get("model") or {}).get("name")
         row["trained"] = trained(cfg)
     counts = row.get("trained_parameters")
     if isinstance(counts, dict):
@@ -70,10 +71,11 @@ def _row(cell: Path, root: Path) -> dict[str, Any]:
 
 
 def trained(cfg: dict[str, Any]) -> str:
-    """What a cell trained, from its config.yaml: `unet` (whole) or `unet lora`, and the text encoders that trained
-    with it (`+ text encoders lora (both)`)."""
+    """What a cell trained, from its config.yaml: `unet` or `transformer` (SD3's, Flux's) whole or as `... lora`, and
+    the text encoders that trained with it (`+ text encoders lora (both)`)."""
     adapter = (cfg.get("adapter") or {}).get("method", "none")
-    out = "unet lora" if adapter == "lora" else "unet"
+    module = "unet" if (cfg.get("model") or {}).get("family", "sdxl") == "sdxl" else "transformer"
+    out = f"{module} lora" if adapter == "lora" else module
     if schema.trains_text_encoders(cfg):
         te = cfg["text_encoders"]
         out += f" + text encoders {te['mode']} ({te.get('which', 'both')})"
@@ -107,8 +109,8 @@ def _fmt(value: Any) -> str:
 
 
 # Columns shown only when some cell has a value: the quality ones when a cell was validated (`validation=on`), what
-# trained when the cells' folders say (runs before it was recorded, or summaries alone, do not).
-OPTIONAL = (*QUALITY, "trained", "trained_params")
+# trained (and the model) when the cells' folders say (runs before it was recorded, or summaries alone, do not).
+OPTIONAL = (*QUALITY, "model", "trained", "trained_params")
 
 
 def columns(table: list[dict[str, Any]]) -> tuple[str, ...]:
@@ -141,8 +143,8 @@ def csv_text(table: list[dict[str, Any]]) -> str:
     return out.getvalue()
 
 
-AXES = ("zero", "offload", "resolution", "micro_batch_size", "gradient_accumulation_steps", "gradient_checkpointing",
-        "precision", "optimizer", "trained", "world_size")
+AXES = ("model", "zero", "offload", "resolution", "micro_batch_size", "gradient_accumulation_steps",
+        "gradient_checkpointing", "precision", "optimizer", "trained", "world_size")
 _SHORT = {"micro_batch_size": "b", "gradient_accumulation_steps": "accum ", "world_size": "ranks ",
           "gradient_checkpointing": "ckpt "}
 
