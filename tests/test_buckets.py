@@ -212,3 +212,31 @@ def test_a_resume_continues_the_bucket_plan(tmp_path: Path) -> None:
     losses = [json.loads((d / "summary.json").read_text())["val_loss"] for d in (reference, second, third)]
     assert losses[1] == losses[0]  # the same layout, resumed natively: bit for bit
     assert losses[2] == pytest.approx(losses[0], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_the_transformers_train_over_buckets_of_their_own_size_rule(tmp_path: Path) -> None:
+    """SD3 and Flux, whose sides need multiples of 16 (the VAE's 8 times the patch or packing of 2), not SDXL's 32:
+    with data.bucket_step=16 their buckets take sides like 80 and 208 (no SDXL bucket has them), and both
+    transformers train over every bucket (non-square latents: SD3's cropped position embedding, Flux's packed tokens
+    and their ids), one sweep of two cells."""
+    folder = make_folder(tmp_path / "images")
+    result = run_cli("-m", "model=sd3_tiny,flux_tiny", "zero=stage2", "data=folder", f"data.path={folder}",
+                     "data.bucket_step=16", "data.bucket_remainder=repeat", "logger=none", "train.max_steps=8",
+                     "train.export=false", cwd=tmp_path, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    sdxl = {geometry.name(b) for b in geometry.generate(geometry.spec(make_cfg("data=folder", "data.path=x",
+                                                                               "data.bucket_step=16")))}
+    for model, channels in (("sd3_tiny", 16), ("flux_tiny", 4)):
+        (cell,) = [c for c in (tmp_path / "outputs" / "sweeps").glob("*/*/[0-9]")
+                   if f"name: {model}" in (c / "config.yaml").read_text()]
+        summary = json.loads((cell / "summary.json").read_text())
+        assert summary["status"] == "ok" and summary["steps"] == 8, summary
+        assert sum(summary["buckets"].values()) == len(IMAGES) and len(summary["buckets"]) >= 4
+        assert set(summary["buckets"]) - sdxl, summary["buckets"]  # sizes SDXL's factor 32 does not allow
+        (cache,) = (tmp_path / "outputs" / "cache").glob(f"{model}-buckets-*")
+        for path in cache.rglob("*.pt"):
+            width, height = map(int, path.parent.name.split("x"))
+            assert width % 16 == 0 and height % 16 == 0
+            latents = torch.load(path, weights_only=True)["latents"]
+            assert latents.shape == (channels, height // 8, width // 8)
