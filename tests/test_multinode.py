@@ -49,25 +49,28 @@ def _steps(cell: Path) -> list[int]:
 
 
 def _unet(cell: Path) -> dict:
+    """The exported UNet's (or a transformer's) weights."""
     from safetensors.torch import load_file
 
-    (weights,) = (cell / "unet").glob("*.safetensors")
+    (weights,) = [w for folder in ("unet", "transformer") for w in (cell / folder).glob("*.safetensors")]
     return load_file(weights)
 
 
 @pytest.mark.slow
 @pytest.mark.multiproc
-def test_zero3_and_fsdp_across_two_nodes_equal_a_single_node_two_rank_run(tmp_path: Path,
-                                                                          two_nodes: dict[str, str]) -> None:
-    """ZeRO-3 and FSDP2's full shard, each one job across the two nodes (ZeRO-2 crosses them in the tests below)."""
+@pytest.mark.parametrize("model", ["sdxl_tiny", pytest.param("flux_tiny", marks=pytest.mark.long)])
+def test_zero3_and_fsdp_across_two_nodes_equal_a_single_node_two_rank_run(tmp_path: Path, two_nodes: dict[str, str],
+                                                                          model: str) -> None:
+    """ZeRO-3 and FSDP2's full shard, each one job across the two nodes (ZeRO-2 crosses them in the tests below); SDXL
+    here, Flux's transformer (its two block kinds as FSDP's units) in `make test-long`."""
     multi, single = tmp_path / "multi", tmp_path / "single"
     multi.mkdir(), single.mkdir()
     cells = "zero=stage3,fsdp_full_shard"
     # The single-node reference (two ranks on this machine, submitit-local) runs meanwhile.
-    reference = subprocess.Popen([sys.executable, "-m", "ds_trainer", "-m", cells,
+    reference = subprocess.Popen([sys.executable, "-m", "ds_trainer", "-m", cells, f"model={model}",
                                   "hydra/launcher=local_2proc", *FAST], cwd=single, stdout=subprocess.DEVNULL,
                                  stderr=subprocess.PIPE, text=True)
-    result = run_cli("-m", cells, TWO_NODES, *FAST, cwd=multi, env=two_nodes, timeout=900)
+    result = run_cli("-m", cells, f"model={model}", TWO_NODES, *FAST, cwd=multi, env=two_nodes, timeout=900)
     _, err = reference.communicate(timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     assert reference.returncode == 0, err[-3000:]
