@@ -25,7 +25,9 @@ from pathlib import Path
 
 import numerics
 import pytest
-from conftest import make_cfg, run_cli, run_dirs, torchrun
+from conftest import make_cfg, require, run_cli, run_dirs, torchrun
+
+from ds_trainer.config import nvme
 
 torch = pytest.importorskip("torch")
 
@@ -380,13 +382,18 @@ def _kill_args(model: str, zero: str, offload: str) -> list[str]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("model", "zero", "offload", "moment"), [
-    ("flux_tiny", "stage3", "cpu", "save"),
+    pytest.param("sd3_tiny", "stage3", "nvme", "save", marks=pytest.mark.nvme),
+    pytest.param("flux_tiny", "stage3", "cpu", "save", marks=pytest.mark.long),
     pytest.param("sd3_tiny", "stage2", "none", "step", marks=pytest.mark.long),
     pytest.param("flux_tiny", "fsdp_full_shard", "cpu", "step", marks=pytest.mark.long)])
 def test_kill_9_then_resume_gives_the_uninterrupted_transformer_and_ema_bit_for_bit(
         tmp_path: Path, model: str, zero: str, offload: str, moment: str) -> None:
     """As SDXL's (test_reliability): killed while step k trains or while its checkpoint is written, resumed from the
-    newest complete checkpoint, the exported transformer and its EMA equal an uninterrupted run's, bit for bit."""
+    newest complete checkpoint, the exported transformer and its EMA equal an uninterrupted run's, bit for bit. Under
+    ZeRO-3 with NVMe offload DeepSpeed's own load lost Adam's moments (weights up to 1e-3 off after three steps);
+    that resume loads the portable state (carry.py)."""
+    if offload == "nvme":
+        require(nvme.aio_load_error() is None, f"DeepSpeed's async_io op: {nvme.aio_load_error()}")
     args = _kill_args(model, zero, offload)
     reference = tmp_path / "reference"
     reference.mkdir()

@@ -4,7 +4,8 @@ The recipe calls `Carry` at two points: `before_prepare` puts the saved fp32 wei
 DeepSpeed's fp32 masters and the DDP module start from them), `after_prepare` writes the masters and the
 Adam state into whatever optimizer the configuration built, restores the step count (with DeepSpeed's
 C++ Adam clocks), the LR schedule, the EMA and the data position. When nothing changed it does nothing
-and the recipe keeps DeepSpeed's native, bit-exact load.
+and the recipe keeps DeepSpeed's native, bit-exact load; except under ZeRO-3 with the optimizer state on NVMe,
+where DeepSpeed 0.19.8's own load loses Adam's moments and the portable state (bit-exact there too) is loaded.
 """
 
 from __future__ import annotations
@@ -46,6 +47,15 @@ class Carry:
         self.resharded = bool(moved) and not self.reset and self.meta is not None \
             and portability.reshards_natively(self.meta["layout"], cfg)
         self.changed = self.meta is not None and ((bool(moved) and not self.resharded) or self.reset)
+        self.swap_reload = bool(self.meta is not None and not self.changed and swaps_optimizer(cfg)
+                                and self.meta.get("moments"))
+        if self.swap_reload:
+            # DeepSpeed 0.19.8's own load under ZeRO-3 with the optimizer state on NVMe purges its swap after
+            # reading the checkpoint, then swaps the emptied state in: Adam's moments restart from zero (measured:
+            # after one step every weight off by up to 2 lr, the moments exactly what zeros give). The portable
+            # state carries them instead, bit for bit.
+            self.changed = True
+            self.changes = ["ZeRO-3's NVMe optimizer swap: DeepSpeed's own load would lose Adam's moments"]
         self.reader = Reader(resume_from, self.meta) if self.changed and resume_from and self.meta else None
         self.carried: list[str] = []
         saved = str(self.meta["layout"].get("precision")) if self.meta is not None else None
@@ -136,7 +146,7 @@ class Carry:
             if engine is None:
                 sched.step(sched.last_batch_iteration)  # the LR of the current position (as DeepSpeed's load)
         if engine is not None:
-            checkpoint.restore_optimizer_clocks(engine)
+            checkpoint.restore_optimizer_clocks(engine, t if moments else None)
             engine.global_steps, engine.global_samples = step, int(self.meta["samples"])
         self._load_ema(ema)
         if self.rounding:
@@ -147,8 +157,9 @@ class Carry:
         how = ("the WEIGHTS ONLY (resume_optimizer=reset: the optimizer starts fresh)" if not moments else
                f"fp32 weights and Adam moments (optimizer step {t}"
                + ("; 8-bit moments quantized again in this layout's blocks)" if quantized.is_8bit(base) else ")"))
-        log.warning("resumed from %s at step %d under another configuration (%s): carried %s of %d/%d trainable "
-                    "parameters, the LR schedule, the EMA and the data position (sample %d)", self.path, step,
+        log.warning("resumed from %s at step %d %s (%s): carried %s of %d/%d trainable parameters, the LR "
+                    "schedule, the EMA and the data position (sample %d)", self.path, step,
+                    "through its portable state" if self.swap_reload else "under another configuration",
                     "; ".join(self.changes) or "same layout", how, len(self.carried), len(self.meta["params"]),
                     int(self.meta["samples"]))
         return step
@@ -179,6 +190,13 @@ class _Renamed:
 
     def get(self, key: str) -> torch.Tensor:
         return self.reader.get(self._key(key))
+
+
+def swaps_optimizer(cfg: DictConfig) -> bool:
+    """Whether DeepSpeed keeps the optimizer state on NVMe (ZeRO-3 swaps it; ZeRO-1/2 keep it in host memory)."""
+    resolved = cfg.get("resolved") or {}
+    return bool(resolved.get("backend") == "deepspeed" and int(cfg.zero.stage) == 3
+                and resolved.get("optimizer_state_on") == "nvme")
 
 
 def write(accelerator: Any, unet: Any, base: Any, reader: Source, names: set[str], moments: bool, t: int) -> None:

@@ -242,18 +242,19 @@ class Saver:
                 self.on_save()
 
 
-def restore_optimizer_clocks(engine: Any) -> None:
+def restore_optimizer_clocks(engine: Any, optimizer_step: int | None = None) -> None:
     """After a DeepSpeed checkpoint load, restore what `load_checkpoint` leaves out, so that a resumed run
     takes the same steps as an uninterrupted one, bit for bit.
 
     - The learning rate the optimizer holds: DeepSpeed restores its LR scheduler's position but not the
       rate the scheduler had set for the next step (visible during warmup).
-    - DeepSpeed's C++ Adam (`DeepSpeedCPUAdam` for CPU offload, `FusedAdam` on the CPU accelerator) keeps
+    - DeepSpeed's C++ Adam (`DeepSpeedCPUAdam` for CPU and NVMe offload, `FusedAdam` on the CPU accelerator) keeps
       beta1**t and beta2**t as running float32 products inside a C++ object that a new process creates
       afresh; its first step after a resume computes them with pow() instead, which differs from the
       running product in the last bit for most t, and the bias correction with it. Replaying steps 1..t
       on empty tensors rebuilds the same running products. (CUDA's FusedAdam computes pow() every step
-      and needs nothing.)
+      and needs nothing.) The step t comes from the optimizer's state, or where that is swapped out to NVMe (not
+      in `base.state` between steps), from `optimizer_step` (the portable state's count).
     """
     import torch
     from deepspeed.accelerator import get_accelerator
@@ -263,6 +264,8 @@ def restore_optimizer_clocks(engine: Any) -> None:
         engine.lr_scheduler.step(engine.lr_scheduler.last_batch_iteration)
     base = getattr(engine.optimizer, "optimizer", engine.optimizer)
     steps = {int(s["step"]) for s in base.state.values() if isinstance(s, dict) and "step" in s}
+    if not steps and optimizer_step:
+        steps = {optimizer_step}
     if len(steps) != 1 or not base.param_groups:
         return
     (t,), group, empty = steps, base.param_groups[0], torch.empty(0)
