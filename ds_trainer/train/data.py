@@ -395,6 +395,10 @@ class LatentCache:
                     tmp.replace(self.path(index))
         return len(todo)
 
+    def disk_bytes(self) -> int:
+        """What the cached samples take on disk."""
+        return sum(self.path(i).stat().st_size for i in range(self.n) if self.path(i).exists())
+
     def finish(self) -> None:
         """Mark the cache complete (rank 0, after every rank built its share)."""
         missing = [i for i in range(self.n) if not self.path(i).exists()]

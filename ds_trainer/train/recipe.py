@@ -204,8 +204,10 @@ def _build_cache(cfg: DictConfig, accelerator: Any, dataset: Any, frozen: Any) -
     accelerator.wait_for_everyone()
     if accelerator.is_main_process and not cache.complete:
         cache.finish()
-        log.info("cached latents and embeddings of %d samples in %.1fs: %s", len(dataset), time.time() - start,
-                 cache.dir)
+        size = cache.disk_bytes()
+        log.info("cached latents and embeddings of %d samples in %.1fs: %s MiB on disk (%s KiB a sample%s), %s",
+                 len(dataset), time.time() - start, f"{size / 2**20:.1f}", f"{size / max(len(dataset), 1) / 2**10:.0f}",
+                 "; T5's sequence in bf16" if families.of(cfg).storage_dtype("prompt_embeds") else "", cache.dir)
     accelerator.wait_for_everyone()
     return cache
 
