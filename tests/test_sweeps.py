@@ -92,25 +92,27 @@ def test_a_named_sweep_runs_without_dash_m(workdir: Path) -> None:
 
 @pytest.mark.slow
 def test_a_sweep_compares_the_model_families_side_by_side(workdir: Path) -> None:
-    """SDXL's UNet, SD3's and Flux's transformers as one sweep's cells, each a full fine-tune under ZeRO-2: each
-    trains (its loss falls) and is scored, and the report names each cell's model and what trained (the cells are
-    told apart by their model)."""
+    """SDXL's UNet, SD3's and Flux's transformers as one sweep's cells, each a full fine-tune under DDP and under
+    ZeRO-2: each trains (its loss falls) and is scored, and the report names each cell's model and what trained (the
+    cells are told apart by their model and backend)."""
     from ds_trainer.launch import report
 
-    result = run_cli("-m", "model=sdxl_tiny,sd3_tiny,flux_tiny", "zero=stage2", "validation=on", "logger=none",
+    result = run_cli("-m", "model=sdxl_tiny,sd3_tiny,flux_tiny", "zero=ddp,stage2", "validation=on", "logger=none",
                      "data.num_samples=2", "train.max_steps=40", "optimizer.lr=3e-3", "scheduler=constant",
                      cwd=workdir, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     (sweep_dir,) = sweep_dirs(workdir)
     rows = report_rows(sweep_dir)
-    assert [(r["model"], r["trained"], r["status"]) for r in rows] == [
-        ("sdxl_tiny", "unet", "ok"), ("sd3_tiny", "transformer", "ok"), ("flux_tiny", "transformer", "ok")]
-    assert [r["trained_params"].split()[0] for r in rows] == ["unet", "transformer", "transformer"]
+    models = [("sdxl_tiny", "unet"), ("sd3_tiny", "transformer"), ("flux_tiny", "transformer")]
+    assert [(r["model"], r["zero"], r["trained"], r["status"]) for r in rows] == [
+        (model, zero, trained, "ok") for model, trained in models for zero in ("ddp", "stage2")]
+    assert [r["trained_params"].split()[0] for r in rows] == [trained for _, trained in models for _ in "ab"]
     assert all(float(r["val_loss"]) > 0 and float(r["median_s_per_it"]) > 0 for r in rows)
-    assert report.labels(report.rows(sweep_dir)) == ["sdxl_tiny unet", "sd3_tiny transformer", "flux_tiny transformer"]
-    for cell in range(3):
-        rows = map(json.loads, (sweep_dir / str(cell) / "metrics.jsonl").read_text().splitlines())
-        losses = [row["loss"] for row in rows if "loss" in row]
+    assert report.labels(report.rows(sweep_dir)) == [f"{model} {zero} {trained}" for model, trained in models
+                                                     for zero in ("ddp", "stage2")]
+    for cell in range(len(rows)):
+        lines = map(json.loads, (sweep_dir / str(cell) / "metrics.jsonl").read_text().splitlines())
+        losses = [line["loss"] for line in lines if "loss" in line]
         assert len(losses) == 40 and sum(losses[-10:]) < 0.8 * sum(losses[:10]), (cell, losses)
 
 
