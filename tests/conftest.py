@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import random
 import re
 import shutil
 import signal
@@ -255,3 +256,23 @@ def cli_in_process(argv: list[str], cwd: Path) -> tuple[int, str]:
         # inherit that, and Ctrl-C would do nothing to them (CI5: the Slurm Ctrl-C test in the same worker).
         signal.signal(signal.SIGINT, sigint)
     return code, out.getvalue()
+
+
+def kill_9_at(proc: subprocess.Popen, root: Path, moment: str, target: int, rng: random.Random,
+              jitter: float) -> None:
+    """SIGKILL the training run `proc` (its outputs under `root`) while step `target` trains (`moment="step"`: once
+    step target-1's checkpoint is complete, after up to `jitter` s more) or while step `target`'s checkpoint is
+    being written (`moment="save"`), then reap it."""
+    deadline = time.time() + 300
+    while True:
+        assert proc.poll() is None and time.time() < deadline, "the run ended before the kill"
+        ckpt = list(root.glob("outputs/runs/*/*/checkpoints"))
+        names = {p.name for p in ckpt[0].iterdir()} if ckpt else set()
+        if moment == "save" and f".step_{target:08d}.partial" in names:
+            break
+        if moment == "step" and f"step_{target - 1:08d}" in names:
+            time.sleep(rng.uniform(0.0, jitter))
+            break
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()

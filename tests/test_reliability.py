@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from conftest import free_port, require, run_cli, run_dirs, torchrun, wait_until
+from conftest import free_port, kill_9_at, require, run_cli, run_dirs, torchrun, wait_until
 from test_train import metrics, summary, unet_weights
 
 from ds_trainer.config import nvme
@@ -232,21 +232,8 @@ def test_kill_9_then_resume_matches_an_uninterrupted_run(tmp_path: Path, referen
     rng = random.Random(f"{zero}{offload}{moment}{tmp_path.name}")
     proc = subprocess.Popen([sys.executable, "-m", "ds_trainer", *_train_args(zero, offload)], cwd=tmp_path,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 300
     target = rng.randint(2, 6)
-    while True:  # kill while step `target` trains, or while its checkpoint is being written
-        assert proc.poll() is None and time.time() < deadline, "the run ended before the kill"
-        ckpt = list(tmp_path.glob("outputs/runs/*/*/checkpoints"))
-        if ckpt:
-            names = {p.name for p in ckpt[0].iterdir()}
-            if moment == "save" and f".step_{target:08d}.partial" in names:
-                break
-            if moment == "step" and f"step_{target - 1:08d}" in names:
-                time.sleep(rng.uniform(0.0, 0.15))
-                break
-        time.sleep(0.005)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    kill_9_at(proc, tmp_path, moment, target, rng, jitter=0.15)
     resumed = run_cli(*_train_args(zero, offload), "resume=latest", cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     first, second = run_dirs(tmp_path)

@@ -17,16 +17,14 @@ import os
 import random
 import re
 import shutil
-import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import numerics
 import pytest
-from conftest import make_cfg, require, run_cli, run_dirs, torchrun
+from conftest import kill_9_at, make_cfg, require, run_cli, run_dirs, torchrun
 
 from ds_trainer.config import nvme
 
@@ -412,19 +410,7 @@ def test_kill_9_then_resume_gives_the_uninterrupted_transformer_and_ema_bit_for_
     target = rng.randint(2, 6)
     proc = subprocess.Popen([sys.executable, "-m", "ds_trainer", *args], cwd=work, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
-    deadline = time.time() + 300
-    while True:  # kill while step `target` trains, or while its checkpoint is being written
-        assert proc.poll() is None and time.time() < deadline, "the run ended before the kill"
-        ckpt = list(work.glob("outputs/runs/*/*/checkpoints"))
-        names = {p.name for p in ckpt[0].iterdir()} if ckpt else set()
-        if moment == "save" and f".step_{target:08d}.partial" in names:
-            break
-        if moment == "step" and f"step_{target - 1:08d}" in names:
-            time.sleep(rng.uniform(0.0, 0.1))
-            break
-        time.sleep(0.005)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    kill_9_at(proc, work, moment, target, rng, jitter=0.1)
     resumed = run_cli(*args, "resume=latest", cwd=work)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     first, second = run_dirs(work)
