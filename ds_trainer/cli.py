@@ -29,7 +29,8 @@ from ds_trainer.config import (
 )
 from ds_trainer.errors import NodesError, TrainingError
 from ds_trainer.launch import sweep
-from ds_trainer.train import checkpoint, startup
+from ds_trainer.train.observe import startup
+from ds_trainer.train.state import checkpoint
 
 log = logging.getLogger("ds_trainer")
 
@@ -98,12 +99,14 @@ def run(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> None:
             print(f"zero=ddp: plain Accelerate data parallel, no DeepSpeed config ({cfg.resolved.platform})")
         print(f"run files written to {run_dir}", file=sys.stderr)
         return
-    from ds_trainer.train import imports
+    from ds_trainer.train.process import imports
 
     imports.for_run(optimizers.CLIENT_PACKAGE.get(str(cfg.resolved.optimizer), ("",))[0] == "bitsandbytes",
-                    deepspeed=cfg.resolved.backend == "deepspeed")
+                    deferred_muon=cfg.resolved.backend == "deepspeed")
     from ds_trainer.tools import plan
-    from ds_trainer.train import adapter, metrics, recipe
+    from ds_trainer.train import recipe
+    from ds_trainer.train.adapters import adapter
+    from ds_trainer.train.observe import metrics
 
     rules, cfg.resolved.trainable_params = adapter.inspect(cfg)  # what needs the model's module names
     if rules:

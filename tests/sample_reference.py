@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from diffusers import DiffusionPipeline
 
-from ds_trainer.train import sampling
+from ds_trainer.train.observe import sampling
 
 
 def main() -> None:

@@ -15,7 +15,7 @@ from conftest import make_cfg, run_cli, run_dirs, torchrun
 
 from ds_trainer.config import buckets as geometry
 from ds_trainer.errors import DataError
-from ds_trainer.train import buckets
+from ds_trainer.train.data import buckets
 
 torch = pytest.importorskip("torch")
 

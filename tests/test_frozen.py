@@ -9,22 +9,23 @@ import torch
 from conftest import make_cfg
 
 from ds_trainer.config import validation
-from ds_trainer.train import data, models
+from ds_trainer.train import data, families
+from ds_trainer.train.families import common, sdxl
 
 
 def test_frozen_encoders_follow_the_precision_and_the_cache_key_records_it() -> None:
     """The encoders' dtype per precision as a GPU run decides it (platform=cuda, no GPU needed), float32 on
     the CPU whatever the precision; caches built in other dtypes do not share a folder."""
     from ds_trainer.config import validation
-    from ds_trainer.train import data, models
+    from ds_trainer.train import data, families
 
     dtypes, folders = {}, set()
     for precision in ("bf16", "fp16", "fp32"):
         cfg = validation.check(make_cfg(f"precision={precision}", "platform=cuda")).cfg
-        dtypes[precision] = models.frozen_dtype_name(cfg, cfg.resolved.platform)
-        folders.add(data.LatentCache(cfg, data.SyntheticImages(cfg)).dir)
+        dtypes[precision] = common.frozen_dtype_name(cfg, cfg.resolved.platform)
+        folders.add(data.LatentCache(cfg, data.SyntheticImages(cfg), families.of(cfg)).dir)
         cpu = validation.check(make_cfg(f"precision={precision}", "platform=cpu")).cfg
-        assert models.frozen_dtype_name(cpu, cpu.resolved.platform) == "float32"
+        assert common.frozen_dtype_name(cpu, cpu.resolved.platform) == "float32"
     assert dtypes == {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
     assert len(folders) == 3
 
@@ -34,9 +35,9 @@ def test_a_batch_encoded_now_is_what_the_cache_returns_on_the_cpu_in_float32(tmp
     must be there, in float32, as the cache's tensors are (on a GPU they were CUDA tensors and the first step
     failed in add_noise). The same samples give the same tensors either way."""
     cfg = validation.check(make_cfg("data.num_samples=3", f"data.cache_dir={tmp_path}")).cfg
-    frozen = models.load_frozen(cfg)
+    frozen = sdxl.load_frozen(cfg)
     images = data.SyntheticImages(cfg)
-    cache = data.LatentCache(cfg, images)
+    cache = data.LatentCache(cfg, images, families.of(cfg))
     assert cache.build(images, frozen, 0, 1, torch.device("cpu")) == 3
     cache.finish()
     cached, now = cache.load([2, 0]), data.encode_batch(images, frozen, [2, 0], torch.device("cpu"))

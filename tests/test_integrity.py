@@ -10,7 +10,7 @@ import pytest
 from conftest import run_cli, run_dirs
 from test_train import metrics, summary, unet_weights
 
-from ds_trainer.train import checkpoint, integrity
+from ds_trainer.train.state import checkpoint, integrity
 
 torch = pytest.importorskip("torch")
 

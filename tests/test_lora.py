@@ -175,10 +175,11 @@ def test_two_ranks_export_deepspeeds_fp32_masters(workdir: Path, zero: str) -> N
     from diffusers.utils import convert_state_dict_to_diffusers
     from peft.utils import get_peft_model_state_dict
 
-    from ds_trainer.train import adapter, models
+    from ds_trainer.train.adapters import adapter
+    from ds_trainer.train.families import sdxl
 
     cfg = make_cfg(*LORA)
-    unet = models.load_unet(cfg)
+    unet = sdxl.load_unet(cfg)
     adapter.build(cfg, unet)
     fp32 = get_fp32_state_dict_from_zero_checkpoint(str(run_dir / "checkpoints" / "step_00000003"),
                                                     exclude_frozen_parameters=True)
@@ -236,11 +237,12 @@ def test_engine_trains_adapters_only_with_optimizer_state_for_them(one_rank_grou
 
     from ds_trainer import cli
     from ds_trainer.tools.plan import unet_inputs
-    from ds_trainer.train import adapter, models
+    from ds_trainer.train.adapters import adapter
+    from ds_trainer.train.families import sdxl
 
     cfg = make_cfg(*LORA, f"paths.outputs={tmp_path}", "zero=stage2", "optimizer.lr=1e-2", "scheduler=constant")
     cfg, ds = cli.prepare(cfg, tmp_path / "run")
-    unet = models.load_unet(cfg)
+    unet = sdxl.load_unet(cfg)
     trained = adapter.build(cfg, unet)
     frozen = {n: p.detach().clone() for n, p in unet.named_parameters() if not p.requires_grad}
     adapters = {n: p.detach().clone() for n, p in unet.named_parameters() if p.requires_grad}

@@ -49,10 +49,10 @@ def test_summary_says_what_ran_and_how_fast(workdir: Path) -> None:
     assert s["status"] == "ok" and s["message"] is None and s["steps"] == 5
     assert (s["zero"], s["offload"], s["resolution"], s["micro_batch_size"], s["precision"], s["world_size"]) == \
         ("stage3", "none", "128x128", 2, "bf16", 1)
-    from ds_trainer.train import models
+    from ds_trainer.train.families import sdxl
 
     # What trained, counted whole though ZeRO-3 partitioned it as it was built (the tiny UNet, every parameter).
-    assert s["trained_parameters"] == {"unet": sum(p.numel() for p in models.load_unet(make_cfg()).parameters())}
+    assert s["trained_parameters"] == {"unet": sum(p.numel() for p in sdxl.load_unet(make_cfg()).parameters())}
     timed = sorted(r["s_per_it"] for r in rows[2:])  # warm-up steps excluded
     assert s["median_s_per_it"] == pytest.approx(timed[len(timed) // 2])
     assert s["host_rss_peak_mib"] == max(r["host_rss_peak_mib"] for r in rows)

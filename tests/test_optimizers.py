@@ -41,7 +41,7 @@ def one_rank_group() -> Iterator[None]:
 
 
 def _train(tmp_path: Path, *overrides: str) -> tuple[Any, list[float], dict[str, Any]]:
-    from ds_trainer.train import recipe
+    from ds_trainer.train.optim import build
 
     report = validation.check(make_cfg(f"paths.outputs={tmp_path}", "scheduler=constant", "optimizer.lr=1e-3",
                                        *overrides))
@@ -52,7 +52,7 @@ def _train(tmp_path: Path, *overrides: str) -> tuple[Any, list[float], dict[str,
     if "optimizer" in ds:  # DeepSpeed's own, from its JSON (the baseline)
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds)
     else:  # as the recipe builds it
-        optimizer = recipe._torch_optimizer(report.cfg, list(model.parameters()))
+        optimizer = build.optimizer(report.cfg, list(model.parameters()))
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds)
     dtype = next(engine.module.parameters()).dtype
     x = torch.randn(ds["train_micro_batch_size_per_gpu"], 64, generator=torch.Generator().manual_seed(1)).to(dtype)
@@ -193,14 +193,14 @@ def test_8bit_adamw_through_accelerate_with_offload_trains_and_resumes_bit_for_b
 def _reference(tmp_path: Path, steps: int, *overrides: str) -> tuple[Any, Any, list[float]]:
     """The same optimizer on the same model and data in plain torch (fp32, no DeepSpeed), clipped as DeepSpeed clips:
     what the optimizer's authors' code does unsharded."""
-    from ds_trainer.train import recipe
+    from ds_trainer.train.optim import build
 
     report = validation.check(make_cfg(f"paths.outputs={tmp_path}", "scheduler=constant", "optimizer.lr=1e-3",
                                        "precision=fp32", *overrides))
     ds = written_config(tmp_path, "scheduler=constant", "precision=fp32", *overrides)
     torch.manual_seed(0)
     model = SmallNet()
-    optimizer = recipe._torch_optimizer(report.cfg, list(model.parameters()))
+    optimizer = build.optimizer(report.cfg, list(model.parameters()))
     x = torch.randn(ds["train_micro_batch_size_per_gpu"], 64, generator=torch.Generator().manual_seed(1))
     target = torch.randn(x.shape[0], 8, generator=torch.Generator().manual_seed(2))
     losses = []
@@ -229,7 +229,7 @@ def test_schedule_free_samples_and_exports_its_evaluation_weights_under_zero(one
     stage (its `eval()` under ZeRO would move only the flat masters, or nothing under ZeRO-3); afterwards training
     goes on from exactly where it was."""
     schedulefree = _package("schedulefree")
-    from ds_trainer.train import schedule_free
+    from ds_trainer.train.optim import schedule_free
 
     overrides = ("optimizer=schedule_free_adamw", f"zero={zero}", f"offload={offload}", "precision=fp32")
     engine, losses, _ = _train(tmp_path, *overrides)
@@ -351,12 +351,13 @@ def test_schedule_free_lora_on_two_zero3_ranks_samples_and_exports_its_evaluatio
 def test_nothing_to_train_is_one_message_before_any_optimizer_is_built(optimizer: str) -> None:
     """An empty parameter list would fail deep in DeepSpeed (an empty flat buffer) or torch (an empty group)."""
     from ds_trainer.errors import TrainingError
-    from ds_trainer.train import recipe
+    from ds_trainer.train import backends
+    from ds_trainer.train.optim import build
 
     cfg = validation.check(make_cfg(f"optimizer={optimizer}", "adapter=lora")).cfg
     ds = {"optimizer": {"params": {"lr": 1e-4}}} if optimizer == "adamw" else None
     with pytest.raises(TrainingError, match="no parameter left to train") as caught:
-        recipe._optimizer_and_scheduler(cfg, ds, iter([]))
+        build.for_run(cfg, backends.of(cfg, ds), [])
     assert "adapter.targets" in str(caught.value)
 
 

@@ -83,11 +83,11 @@ def original_layout(unet: Any, te1: Any, te2: Any) -> dict[str, torch.Tensor]:
 def files(module_tmp: Callable[[str], Path]) -> dict[str, Any]:
     from safetensors.torch import save_file
 
-    from ds_trainer.train import models
+    from ds_trainer.train.families import sdxl
 
     root = module_tmp("single_file")
     cfg = make_cfg("train.seed=3")
-    unet, frozen = models.load_unet(cfg), models.load_frozen(cfg)
+    unet, frozen = sdxl.load_unet(cfg), sdxl.load_frozen(cfg)
     checkpoint = root / "sdxl_tiny_original.safetensors"
     save_file({k: v.contiguous() for k, v in original_layout(unet, frozen.text_encoder, frozen.text_encoder_2).items()},
               checkpoint)
@@ -101,12 +101,12 @@ def files(module_tmp: Callable[[str], Path]) -> dict[str, Any]:
 
 
 def test_single_file_loads_the_unet_and_text_encoders_it_was_written_from(files: dict[str, Any]) -> None:
-    from ds_trainer.train import models
+    from ds_trainer.train.families import sdxl
 
     cfg = make_cfg(f"model.pretrained={files['checkpoint']}", f"model.vae={files['vae']}")
-    loaded, source = models.load_unet(cfg).state_dict(), files["unet"].state_dict()
+    loaded, source = sdxl.load_unet(cfg).state_dict(), files["unet"].state_dict()
     assert loaded.keys() == source.keys() and all(torch.equal(loaded[k], source[k]) for k in source)
-    frozen = models.load_frozen(cfg)
+    frozen = sdxl.load_frozen(cfg)
     for ours, theirs in ((frozen.text_encoder, files["frozen"].text_encoder),
                          (frozen.text_encoder_2, files["frozen"].text_encoder_2)):
         a, b = ours.state_dict(), theirs.state_dict()

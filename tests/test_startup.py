@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import run_cli
 
-from ds_trainer.train import startup
+from ds_trainer.train.observe import startup
 
 
 def test_the_first_step_logs_each_part_once(caplog: pytest.LogCaptureFixture) -> None:
@@ -42,7 +42,7 @@ def _holding(lock: Path) -> subprocess.Popen:
 
 def test_a_lock_nobody_holds_is_removed_and_a_held_one_is_left(tmp_path: Path,
                                                               caplog: pytest.LogCaptureFixture) -> None:
-    from ds_trainer.train import op_builds
+    from ds_trainer.train.process import op_builds
 
     dead, busy, mine = (tmp_path / name / "lock" for name in ("cpu_adam", "fused_adam", "async_io"))
     for lock in (dead, busy, mine):
@@ -87,7 +87,7 @@ def test_a_lock_nobody_holds_is_removed_and_a_held_one_is_left(tmp_path: Path,
 def test_a_run_starts_although_a_killed_process_left_an_op_build_lock(workdir: Path) -> None:
     # Without the watcher this run waits for the lock forever: torch's loader has no time limit.
     from ds_trainer.config import op_cache
-    from ds_trainer.train import op_builds
+    from ds_trainer.train.process import op_builds
 
     root = workdir / "torch_extensions"
     extensions = root / op_cache.environment_tag()  # the run builds and loads this environment's ops there
@@ -153,7 +153,7 @@ def test_ops_compile_without_debug_information_in_every_process_that_loads_them(
 def test_a_run_imports_bitsandbytes_only_when_its_optimizer_is_bitsandbytes() -> None:
     """diffusers and peft import bitsandbytes whenever it is installed (about 0.7 s: it sets torch.compile up); a run
     not using its 8-bit AdamW has them take it as absent, and it stays importable for whoever asks for it later."""
-    code = ("import sys; from ds_trainer.train import imports; imports.for_run({uses}); "
+    code = ("import sys; from ds_trainer.train.process import imports; imports.for_run({uses}); "
             "from diffusers.utils import is_bitsandbytes_available; import peft.tuners.lora; "
             "before = 'bitsandbytes' in sys.modules; import bitsandbytes.optim; "
             "print(before, is_bitsandbytes_available(), bitsandbytes.optim.AdamW8bit.__name__)")
@@ -171,7 +171,8 @@ def test_a_deepspeed_run_sets_torch_compile_up_for_muon_only_when_muon_runs() ->
     imports it with the torch.compile call deferred to the first call: Inductor is not loaded, and the first call
     compiles and computes what the function computes (Newton-Schulz: the singular values of the result near 1; the
     eager function's result within bf16's rounding, 3% measured)."""
-    code = ("import sys, torch; from ds_trainer.train import imports; imports.for_run(False, deepspeed=True); "
+    code = ("import sys, torch; from ds_trainer.train.process import imports; "
+            "imports.for_run(False, deferred_muon=True); "
             "from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam; "
             "from deepspeed.runtime.zero.muon import original_muon as m; "
             "before = 'torch._inductor.compile_fx' in sys.modules; "

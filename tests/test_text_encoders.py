@@ -162,7 +162,7 @@ def test_a_lora_run_with_encoders_resumes_natively_bit_for_bit(lora_run: Path, t
 def test_full_encoders_are_exported_trained_and_sampled(run: str, request: pytest.FixtureRequest) -> None:
     from diffusers import StableDiffusionXLPipeline
 
-    from ds_trainer.train import models
+    from ds_trainer.train.families import sdxl
 
     full_run = request.getfixturevalue(run)
     for row in _rows(full_run):  # the encoders' group follows the UNet's warm-up at its own peak
@@ -171,7 +171,7 @@ def test_full_encoders_are_exported_trained_and_sampled(run: str, request: pytes
         ds = json.loads((full_run / "ds_config.json").read_text())
         assert ds["scheduler"]["params"]["warmup_max_lr"] == [LORA_LR, TEXT_LR]
 
-    base = models.load_frozen(make_cfg())  # the untrained encoders (sdxl_tiny's seeded random weights)
+    base = sdxl.load_frozen(make_cfg())  # the untrained encoders (sdxl_tiny's seeded random weights)
     counted = json.loads((full_run / "summary.json").read_text())["trained_parameters"]  # whole, though sharded
     assert counted["unet"] == sum(v.numel() for v in _model_weights(full_run / "unet").values())
     for name in ("text_encoder", "text_encoder_2"):
@@ -296,21 +296,21 @@ def test_resuming_with_another_text_encoder_choice_is_refused(lora_run: Path, wo
 
 
 def test_a_trained_encoder_caches_token_ids_not_embeddings(tmp_path: Path) -> None:
-    from ds_trainer.train import data
+    from ds_trainer.train import data, families
 
     def cache_of(*overrides: str) -> data.LatentCache:
         cfg = make_cfg(f"data.cache_dir={tmp_path}", *overrides)
-        return data.LatentCache(cfg, data.dataset(cfg))
+        return data.LatentCache(cfg, data.dataset(cfg), families.of(cfg))
 
     frozen, both, bigg = cache_of(), cache_of("text_encoders=lora"), cache_of("text_encoders=full",
                                                                               "text_encoders.which=bigg")
     assert len({frozen.dir, both.dir, bigg.dir}) == 3  # the key knows what trains
-    from ds_trainer.train import models, text_encoders
+    from ds_trainer.train.families import sdxl, text_encoders
 
     cfg = make_cfg("text_encoders=full", "text_encoders.which=bigg")
-    parts = models.load_frozen(cfg)
+    parts = sdxl.load_frozen(cfg)
     text_encoders.take(cfg, parts)
-    inputs = models.text_inputs(parts, ["a cat"], torch.device("cpu"))
+    inputs = sdxl.text_inputs(parts, ["a cat"], torch.device("cpu"))
     assert set(inputs) == {"input_ids_2", "embeds_1"}  # bigG's ids, CLIP-L's cached embeddings
     assert inputs["input_ids_2"].dtype == torch.int64
 

@@ -175,7 +175,7 @@ def test_pretrained_folder_with_v_prediction_min_snr_and_checkpointing(workdir: 
 def test_a_partial_checkpoint_is_never_resumed(tmp_path: Path) -> None:
     from conftest import make_cfg
 
-    from ds_trainer.train import checkpoint
+    from ds_trainer.train.state import checkpoint
 
     run_dir = tmp_path / "outputs" / "runs" / "2026-01-01" / "00-00-00-aaaaaa"
     done = run_dir / "checkpoints" / "step_00000004"

@@ -126,7 +126,7 @@ def _falls(losses: dict[int, float]) -> tuple[float, float]:
 def test_the_noise_levels_are_sd3s_shifted_table_and_the_samplers() -> None:
     from diffusers import FlowMatchEulerDiscreteScheduler
 
-    from ds_trainer.train import flow
+    from ds_trainer.train.families import flow
 
     schedule = flow.Schedule.of(make_cfg("model=sd3_tiny"))
     for i in (0, 1, 250, 500, 999):
@@ -149,7 +149,7 @@ def test_the_noise_levels_are_sd3s_shifted_table_and_the_samplers() -> None:
 
 @pytest.mark.parametrize("density", ["logit_normal", "mode", "uniform"])
 def test_timestep_densities_follow_their_formulas(density: str) -> None:
-    from ds_trainer.train import flow
+    from ds_trainer.train.families import flow
 
     cfg = make_cfg("model=sd3_tiny", f"model.flow.density={density}", "model.flow.shift=1.0")
     schedule = flow.Schedule.of(cfg)
@@ -177,8 +177,7 @@ def test_timestep_densities_follow_their_formulas(density: str) -> None:
 def test_fluxs_shift_follows_the_image_and_packing_is_the_pipelines() -> None:
     from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
 
-    from ds_trainer.train import flow
-    from ds_trainer.train.families import flux
+    from ds_trainer.train.families import flow, flux
 
     assert flow.mu(256) == pytest.approx(0.5) and flow.mu(4096) == pytest.approx(1.15)  # Flux's two anchors
     schedule = flow.Schedule.of(make_cfg("model=flux_tiny"))

@@ -365,7 +365,8 @@ class AdapterConfig:
 
 @dataclass
 class TextEncodersConfig:
-    """`text_encoders` group: whether SDXL's text encoders train with the UNet (ds_trainer/train/text_encoders.py).
+    """`text_encoders` group: whether SDXL's text encoders train with the UNet
+    (ds_trainer/train/families/text_encoders.py).
     `frozen` caches their embeddings; `lora` trains LoRA matrices on the modules of the chosen encoders whose names
     end with one of `targets`; `full` trains their weights. Trained encoders go into the one model DeepSpeed (or
     DDP) wraps, in a parameter group of their own at `lr`."""
@@ -392,7 +393,7 @@ def trains_text_encoders(cfg: Any) -> bool:
 
 @dataclass
 class SamplesConfig:
-    """`samples` group: images generated during training (ds_trainer/train/sampling.py)."""
+    """`samples` group: images generated during training (ds_trainer/train/observe/sampling.py)."""
 
     enabled: bool = False
     # A list of prompts, or the path of a file with one prompt a line (so the type is checked by validation).

@@ -131,13 +131,13 @@ def raw_loop(folder: Path, steps: int, warmup: int = 2) -> tuple[float, float]:
     from omegaconf import DictConfig, OmegaConf
 
     from ds_trainer.tools import plan_unet
-    from ds_trainer.train import models
     from ds_trainer.train import recipe as train
+    from ds_trainer.train.families import sdxl
 
     cfg = OmegaConf.load(folder / "config.yaml")
     assert isinstance(cfg, DictConfig)
     train._single_process_env()
-    unet = models.load_unet(cfg)
+    unet = sdxl.load_unet(cfg)
     micro, accum = int(cfg.train.micro_batch_size), int(cfg.train.gradient_accumulation_steps)
     bf16 = cfg.precision.name in ("bf16", "bf16_pure")
     if (folder / "ds_config.json").exists():

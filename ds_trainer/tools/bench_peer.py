@@ -206,15 +206,15 @@ def _save_pipeline(model: str, seed: int, folder: Path) -> None:
     from omegaconf import OmegaConf
 
     from ds_trainer import ASSETS_DIR
-    from ds_trainer.train import models
+    from ds_trainer.train.families import sdxl
 
     cfg = OmegaConf.create({"model": {"pretrained": None, "vae": None, "architecture": str(ASSETS_DIR / model)},
                             "train": {"seed": seed, "gradient_checkpointing": False}})
-    frozen = models.load_frozen(cfg)
+    frozen = sdxl.load_frozen(cfg)
     pipe = StableDiffusionXLPipeline(vae=frozen.vae, text_encoder=frozen.text_encoder,
                                      text_encoder_2=frozen.text_encoder_2, tokenizer=frozen.tokenizer,
-                                     tokenizer_2=frozen.tokenizer_2, unet=models.load_unet(cfg),
-                                     scheduler=models.inference_scheduler(cfg))
+                                     tokenizer_2=frozen.tokenizer_2, unet=sdxl.load_unet(cfg),
+                                     scheduler=sdxl.inference_scheduler(cfg))
     pipe.save_pretrained(folder)  # type: ignore[attr-defined]
 
 

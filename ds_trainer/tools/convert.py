@@ -67,14 +67,14 @@ def export_unet(checkpoint: Path, out: Path, ema: bool = False) -> Path:
     """Write the checkpoint's UNet (fp32) as a diffusers folder; the architecture is the run's config.yaml."""
     from omegaconf import DictConfig, OmegaConf
 
-    from ds_trainer.train import models
+    from ds_trainer.train.families import sdxl
 
     config = checkpoint.parent.parent / "config.yaml"
     if not config.is_file():
         raise ConvertError(f"{checkpoint}: no config.yaml two folders up (is it a ds_trainer checkpoint folder?)")
     cfg = OmegaConf.load(config)
     assert isinstance(cfg, DictConfig)
-    unet = models.load_unet(cfg)
+    unet = sdxl.load_unet(cfg)
     weights = _weights(checkpoint, ema)
     missing, unexpected = unet.load_state_dict(weights, strict=False)
     trained = {n for n, p in unet.named_parameters() if p.requires_grad}

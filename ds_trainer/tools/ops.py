@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     where = op_cache.prepare()  # the folder runs of this environment load them from, built as they build them
     from deepspeed.accelerator import get_accelerator
 
-    from ds_trainer.train import op_builds
+    from ds_trainer.train.process import op_builds
 
     stop_watching = op_builds.watch()  # a build killed earlier (Ctrl-C, a lost session) left its lock: cleared
 

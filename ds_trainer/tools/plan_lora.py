@@ -37,7 +37,7 @@ def _encoders(architecture: str, which: str, mode: str, rank: int, targets: tupl
     import torch
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
-    from ds_trainer.train import text_encoders
+    from ds_trainer.train.families import text_encoders
 
     classes = {"text_encoder": CLIPTextModel, "text_encoder_2": CLIPTextModelWithProjection}
     spec = text_encoders.Spec(mode, rank=rank, alpha=rank, targets=targets)
@@ -104,7 +104,7 @@ def _encoder_activations(architecture: str, which: str, mode: str, rank: int, ta
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
     from transformers.models.clip.modeling_clip import CLIPEncoderLayer
 
-    from ds_trainer.train import text_encoders
+    from ds_trainer.train.families import text_encoders
 
     classes: dict[str, Any] = {"text_encoder": CLIPTextModel, "text_encoder_2": CLIPTextModelWithProjection}
     dtype = {2: torch.bfloat16, 4: torch.float32}[dtype_bytes]

@@ -6,19 +6,21 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from omegaconf import DictConfig
 
 from ds_trainer.config import checkpoint_file
-from ds_trainer.train import families, models, portable, text_encoders
-from ds_trainer.train.ema import EMA
+from ds_trainer.train.backends import inner
+from ds_trainer.train.families import text_encoders
+from ds_trainer.train.state import portable
+
+if TYPE_CHECKING:
+    from ds_trainer.train.run import Run
 
 
-def diffusers(cfg: DictConfig, accelerator: Any, unet: Any, optimizer: Any, ema: EMA | None, frozen: Any,
-              run_dir: Path) -> None:
+def diffusers(run: Run) -> None:
     """Collective: under ZeRO-3 every rank takes part in gathering the weights (`get_state_dict`, the fp32
     masters); rank 0 writes `<run>/unet` and `<run>/unet_ema` (a fully trained text encoder also to
     `<run>/text_encoder[_2]` and `..._ema`) and, for a tiny model, `<run>/pipeline`. Parts trained as LoRA are the
@@ -28,17 +30,17 @@ def diffusers(cfg: DictConfig, accelerator: Any, unet: Any, optimizer: Any, ema:
     the fp32 master weights live in its optimizer, so the trained weights are read from there (as the portable
     state and the LoRA file do); FSDP's and DDP's modules hold the fp32 weights themselves. A bf16 run exported
     from ZeRO and one exported from FSDP so agree to the training's noise, not to bf16's rounding."""
-    state = accelerator.get_state_dict(unet)
-    masters = _masters(accelerator, unet, optimizer)  # collective
-    shadow = ema.full(dst=0) if ema else None  # collective: the EMA is sharded across the ranks
+    accelerator = run.accelerator
+    state = accelerator.get_state_dict(run.model)
+    masters = _masters(accelerator, run.model, run.optimizer)  # collective
+    shadow = run.ema.full(dst=0) if run.ema else None  # collective: the EMA is sharded across the ranks
     if not accelerator.is_main_process:
         return
-    with _alone(accelerator):
-        _write(cfg, accelerator.unwrap_model(unet), {**state, **masters}, shadow, frozen, run_dir)
+    with _alone(run):
+        _write(run, accelerator.unwrap_model(run.model), {**state, **masters}, shadow)
 
 
-def _write(cfg: DictConfig, module: Any, weights: dict[str, torch.Tensor], shadow: dict[str, torch.Tensor] | None,
-           frozen: Any, run_dir: Path) -> None:
+def _write(run: Run, module: Any, weights: dict[str, torch.Tensor], shadow: dict[str, torch.Tensor] | None) -> None:
     whole = not isinstance(module, text_encoders.Denoiser)
     exported: dict[str, Any] = {}
     for name, part in text_encoders.components(module):
@@ -53,12 +55,11 @@ def _write(cfg: DictConfig, module: Any, weights: dict[str, torch.Tensor], shado
             # is the trained weights' own.
             model = _fresh(part)
             model.load_state_dict({k: v.float() for k, v in {**trained, **values}.items()})
-            model.save_pretrained(run_dir / folder)
+            model.save_pretrained(run.run_dir / folder)
             exported[folder] = model
-    if _whole_pipeline(cfg):
-        component = families.of(cfg).component
-        parts = {name: exported.get(f"{name}_ema", exported.get(name)) for name in (component, *_ENCODERS)}
-        _pipeline(cfg, frozen, run_dir, **{k: v for k, v in parts.items() if v is not None})
+    if _whole_pipeline(run.cfg):
+        parts = {name: exported.get(f"{name}_ema", exported.get(name)) for name in (run.family.component, *_ENCODERS)}
+        _pipeline(run, **{k: v for k, v in parts.items() if v is not None})
 
 
 _ENCODERS = ("text_encoder", "text_encoder_2")
@@ -80,23 +81,23 @@ def _fresh(part: Any) -> Any:
     return model.to(torch.float32)
 
 
-def _masters(accelerator: Any, unet: Any, optimizer: Any) -> dict[str, torch.Tensor]:
+def _masters(accelerator: Any, model: Any, optimizer: Any) -> dict[str, torch.Tensor]:
     """Collective: the fp32 masters of the trained parameters where DeepSpeed keeps them apart from a 16-bit
     module (on rank 0; empty elsewhere and where the module's own weights are the masters)."""
-    module = accelerator.unwrap_model(unet)
-    if portable._engine(accelerator) is None or all(p.dtype == torch.float32 for _, p in portable.trainable(module)):
+    module = accelerator.unwrap_model(model)
+    if inner.engine(accelerator) is None or all(p.dtype == torch.float32 for _, p in portable.trainable(module)):
         return {}
-    base = portable._base_optimizer(accelerator, optimizer)
+    base = inner.optimizer(accelerator, optimizer)
     keep = accelerator.is_main_process
     return {name: values[0].detach().to("cpu", torch.float32, copy=True)
-            for name, _, values in portable.full_values(accelerator, unet, base, moments=False)
+            for name, _, values in portable.full_values(accelerator, model, base, moments=False)
             if keep and values[0] is not None}
 
 
-def _pipeline(cfg: DictConfig, frozen: Any, run_dir: Path, **trained: Any) -> None:
+def _pipeline(run: Run, **trained: Any) -> None:
     """`<run>/pipeline`: the trained parts given (`unet` or `transformer`, `text_encoder`, `text_encoder_2`), the rest
     as loaded (the base of a part trained as LoRA)."""
-    family = families.of(cfg)
+    cfg, family, frozen = run.cfg, run.family, run.frozen
     slots = [frozen.vae, *(getattr(frozen, name) for name in (*_ENCODERS, "text_encoder_3") if hasattr(frozen, name))]
     if any(p is None or p.dtype != torch.float32 for p in slots):
         # Training ran them in 16 bits (a GPU run): up-casting those copies would save rounded weights as
@@ -106,24 +107,24 @@ def _pipeline(cfg: DictConfig, frozen: Any, run_dir: Path, **trained: Any) -> No
     for part in frozen.modules():
         part.to("cpu")
     pipe = family.pipeline(cfg, frozen, trained)
-    pipe.save_pretrained(run_dir / "pipeline")
+    pipe.save_pretrained(run.run_dir / "pipeline")
 
 
-def base_pipeline(cfg: DictConfig, accelerator: Any, frozen: Any, run_dir: Path) -> None:
+def base_pipeline(run: Run) -> None:
     """With everything trained as LoRA on a tiny model (random weights nobody else has): the untrained base pipeline on
     rank 0, so that `<run>/lora` can be loaded into it with `load_lora_weights`."""
-    if str(cfg.model.name).endswith("_tiny") and accelerator.is_main_process:
-        with _alone(accelerator):  # the base of a trained encoder is loaded again here
-            _pipeline(cfg, frozen, run_dir)
+    if str(run.cfg.model.name).endswith("_tiny") and run.accelerator.is_main_process:
+        with _alone(run):  # the base of a trained encoder is loaded again here
+            _pipeline(run)
 
 
 @contextmanager
-def _alone(accelerator: Any) -> Iterator[None]:
+def _alone(run: Run) -> Iterator[None]:
     """Rank 0 building and saving whole models alone: outside ZeRO-3's construction hooks (under a live ZeRO-3 config
     transformers would partition a text encoder as it is built, a collective the other ranks never join), and
     without transformers' "Writing model shards" bar per saved encoder on the terminal."""
     from transformers.utils import logging as transformers_logging
 
     transformers_logging.disable_progress_bar()
-    with models.outside_zero3(accelerator.state.deepspeed_plugin):
+    with run.backend.whole(run.accelerator):
         yield

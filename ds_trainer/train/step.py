@@ -11,15 +11,16 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from omegaconf import DictConfig
 
-from ds_trainer.train import families, metrics
-from ds_trainer.train.data import Loader
-from ds_trainer.train.ema import EMA
-from ds_trainer.train.stop import StopRequest
+from ds_trainer.train.observe import metrics
+
+if TYPE_CHECKING:
+    from ds_trainer.train.data import Loader
+    from ds_trainer.train.process.stop import StopRequest
+    from ds_trainer.train.run import Run
 
 
 @dataclass(frozen=True)
@@ -31,28 +32,18 @@ class Outcome:
     save: bool
 
 
-@dataclass
 class TrainStep:
     """Everything one step touches. Calling it trains step `step` and returns what the ranks agreed on."""
 
-    cfg: DictConfig
-    accelerator: Any
-    unet: Any
-    optimizer: Any
-    scheduler: Any
-    ema: EMA | None
-    noise_sched: Any
-    loader: Loader
-    stop: StopRequest
-    tracker: metrics.Tracker
-    progress: Any
-    deepspeed: bool
-    save_due: Callable[[], bool] = lambda: False  # rank 0's clock decides for every rank
-
-    def __post_init__(self) -> None:
-        self.family = families.of(self.cfg)  # its loss: SDXL's denoising, SD3's flow matching
+    def __init__(self, run: Run, loader: Loader, stop: StopRequest, progress: Any,
+                 save_due: Callable[[], bool] = lambda: False) -> None:
+        self.cfg, self.accelerator, self.backend, self.family = run.cfg, run.accelerator, run.backend, run.family
+        self.model, self.optimizer, self.scheduler, self.ema = run.model, run.optimizer, run.scheduler, run.ema
+        self.tracker, self.loader, self.stop, self.progress = run.tracker, loader, stop, progress
+        self.save_due = save_due  # rank 0's clock decides for every rank
+        self.noise_sched = self.family.schedule(self.cfg)  # SDXL's denoising, SD3's and Flux's flow matching
         self.device = self.accelerator.device
-        self.dtype = next(self.unet.parameters()).dtype if self.deepspeed else torch.float32
+        self.dtype = self.backend.compute_dtype(self.model)
         self.accum = int(self.cfg.train.gradient_accumulation_steps)
         self.seed = int(self.cfg.train.seed)
         self.rank = self.accelerator.process_index
@@ -62,7 +53,7 @@ class TrainStep:
         self.clip = float(self.cfg.train.gradient_clipping)
         # Reused every step: the stop and save flags travel with the loss in one all-reduce.
         self._flags = torch.zeros(2, device=self.device)
-        self._ddp_norm: torch.Tensor | None = None
+        self._norm: Any = None  # measured where the backend clips before its optimizer step
 
     def __call__(self, step: int) -> Outcome:
         start, data_wait = time.perf_counter(), 0.0
@@ -73,13 +64,13 @@ class TrainStep:
             fetch = time.perf_counter()
             batch = self.loader(b)
             data_wait += time.perf_counter() - fetch
-            loss = self._micro_step(b, batch, logging)
+            loss = self._micro_step(batch, logging)
             loss_sum = loss if loss_sum is None else loss_sum + loss
-        grad_norm = self._grad_norm() if logging else None
+        grad_norm = self.backend.grad_norm(self.accelerator, self._norm) if logging else None
         if self.scheduler is not None:
             self.scheduler.step()
         if self.ema is not None:
-            self.ema.update(self.accelerator.unwrap_model(self.unet))
+            self.ema.update(self.accelerator.unwrap_model(self.model))
         # One all-reduce (and one host sync) per step carries the loss, whether any rank must stop, and whether
         # rank 0 says a checkpoint is due.
         assert loss_sum is not None
@@ -95,26 +86,19 @@ class TrainStep:
             self.progress.update(1)
         return Outcome(stop=stopping > 0, save=due > 0)
 
-    def _micro_step(self, b: int, batch: dict[str, torch.Tensor], logging: bool) -> torch.Tensor:
+    def _micro_step(self, batch: dict[str, torch.Tensor], logging: bool) -> torch.Tensor:
         gens = [torch.Generator().manual_seed(self.seed * 1_000_003 + int(i)) for i in batch["position"]]
-        with self.accelerator.accumulate(self.unet), self.accelerator.autocast():
-            loss = self.family.training_loss(self.cfg, self.unet, self.noise_sched, batch, gens, self.device,
-                                                 self.dtype)
+        with self.accelerator.accumulate(self.model), self.accelerator.autocast():
+            loss = self.family.training_loss(self.cfg, self.model, self.noise_sched, batch, gens, self.device,
+                                             self.dtype)
             self.accelerator.backward(loss)
-            if not self.deepspeed and self.accelerator.sync_gradients and (self.clip > 0 or logging):
-                # DeepSpeed clips inside its step; DDP clips here (an infinite limit only measures).
+            if self.accelerator.sync_gradients and (self.clip > 0 or logging):
+                # The backend clips here or inside its optimizer step (DeepSpeed); an infinite limit only measures.
                 limit = self.clip if self.clip > 0 else float("inf")
-                self._ddp_norm = self.accelerator.clip_grad_norm_(self.unet.parameters(), limit)
+                self._norm = self.backend.clip(self.accelerator, self.model, limit)
             self.optimizer.step()
             self.optimizer.zero_grad()
         return loss
-
-    def _grad_norm(self) -> float | None:
-        """DeepSpeed's norm of the step's gradients; DDP's is measured before its optimizer step."""
-        if self.deepspeed:
-            norm = self.accelerator.deepspeed_engine_wrapped.engine.get_global_grad_norm()
-            return float(norm) if norm is not None else None
-        return float(self._ddp_norm) if self._ddp_norm is not None else None
 
     def _log(self, step: int, mean_loss: float, grad_norm: float | None, elapsed: float, data_wait: float) -> None:
         values: dict[str, Any] = {"loss": mean_loss, "lr": learning_rate(self.optimizer, self.scheduler),

@@ -14,9 +14,9 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from ds_trainer.train.families.base import Family, component_of
+from ds_trainer.train.families.base import Family, component_of, label_of
 
-__all__ = ["Family", "component_of", "of", "of_module"]
+__all__ = ["Family", "component_of", "label_of", "of", "of_module"]
 
 
 def of(cfg: DictConfig) -> Family:

@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Protocol
 
 import torch
 from omegaconf import DictConfig
+
+# Where a family builds its frozen parts: the backend's `whole()` (outside ZeRO-3's partitioning).
+Whole = Callable[[], AbstractContextManager[Any]]
 
 
 class Family(Protocol):
     name: str
     component: str  # the trained module's pipeline component: "unet" or "transformer"
 
-    def load_frozen(self, cfg: DictConfig, deepspeed_plugin: Any = None) -> Any:
-        """The VAE, text encoders and tokenizers, eval mode, gradients off, built outside ZeRO-3. The object has
+    def load_frozen(self, cfg: DictConfig, whole: Whole = nullcontext) -> Any:
+        """The VAE, text encoders and tokenizers, eval mode, gradients off, built inside `whole()` (the backend's:
+        outside ZeRO-3's partitioning). The object has
         `vae`, the encoders as attributes named like the pipeline's components, and `modules()`/`encoders()`."""
 
     def load_trained(self, cfg: DictConfig) -> torch.nn.Module:
@@ -54,6 +60,11 @@ class Family(Protocol):
 
     def lora_pipeline(self) -> Any:
         """The pipeline class whose `save_lora_weights` / `load_lora_weights` the LoRA file is written for."""
+
+
+def label_of(module: Any) -> str:
+    """What a message calls a trained module: "UNet" or "transformer"."""
+    return "UNet" if component_of(module) == "unet" else "transformer"
 
 
 def component_of(module: Any) -> str:

@@ -10,7 +10,7 @@ from typing import Any, ClassVar
 import torch
 from omegaconf import DictConfig
 
-from ds_trainer.train import flow
+from ds_trainer.train.families import flow
 
 
 class FrozenParts:

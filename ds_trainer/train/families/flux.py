@@ -9,6 +9,7 @@ The text encoders stay frozen here (diffusers' Flux scripts train CLIP's LoRA at
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -16,7 +17,8 @@ import torch
 from omegaconf import DictConfig
 
 from ds_trainer import console
-from ds_trainer.train import flow, models
+from ds_trainer.train.families import common, flow
+from ds_trainer.train.families.base import Whole
 from ds_trainer.train.families.flow_family import FlowFamily, FrozenParts, per_sample_mse
 
 
@@ -52,13 +54,13 @@ class Flux(FlowFamily):
         self._t5_length = int(f.t5_max_length) if f is not None else 512
         self._guidance = float(f.guidance) if f is not None and f.guidance is not None else None
 
-    def load_frozen(self, cfg: DictConfig, deepspeed_plugin: Any = None) -> Frozen:
+    def load_frozen(self, cfg: DictConfig, whole: Whole = nullcontext) -> Frozen:
         from diffusers import AutoencoderKL
         from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer, T5Config, T5EncoderModel, T5Tokenizer
 
         console.adopt()
-        path, kwargs = models._source(cfg)
-        with models.outside_zero3(deepspeed_plugin):
+        path, kwargs = common.source(cfg)
+        with whole():
             tokenizers = [CLIPTokenizer.from_pretrained(path, subfolder="tokenizer", **kwargs),
                           T5Tokenizer.from_pretrained(path, subfolder="tokenizer_2", **kwargs)]
             if cfg.model.pretrained:
@@ -80,7 +82,7 @@ class Flux(FlowFamily):
 
         from ds_trainer.errors import TrainingError
 
-        model = models.trained_module(cfg, FluxTransformer2DModel, "transformer", cfg.model.get("transformer"))
+        model = common.trained_module(cfg, FluxTransformer2DModel, "transformer", cfg.model.get("transformer"))
         takes = bool(model.config.guidance_embeds)
         if takes != (self._guidance is not None):
             fix = "model.flow.guidance=3.5 (the dev model's training value)" if takes else "model.flow.guidance=null"
@@ -91,12 +93,12 @@ class Flux(FlowFamily):
     def meta_trained(self, cfg: DictConfig) -> torch.nn.Module:
         from diffusers import FluxTransformer2DModel
 
-        return models.meta_module(cfg, FluxTransformer2DModel, "transformer")
+        return common.meta_module(cfg, FluxTransformer2DModel, "transformer")
 
     @torch.no_grad()
     def text_inputs(self, frozen: Frozen, prompts: list[str], device: torch.device) -> dict[str, torch.Tensor]:
         """`pooled` (CLIP-L's pooled output) and `prompt_embeds` (T5's sequence)."""
-        pooled = frozen.text_encoder(models.token_ids(frozen.tokenizer, prompts).to(device)).pooler_output
+        pooled = frozen.text_encoder(common.token_ids(frozen.tokenizer, prompts).to(device)).pooler_output
         ids = frozen.tokenizer_2(prompts, padding="max_length", max_length=self._t5_length, truncation=True,
                                  return_tensors="pt").input_ids
         return {"prompt_embeds": frozen.text_encoder_2(ids.to(device))[0], "pooled": pooled}
@@ -122,7 +124,7 @@ class Flux(FlowFamily):
     def pipeline(self, cfg: DictConfig, frozen: Frozen, trained: dict[str, Any]) -> Any:
         from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
 
-        path, kwargs = models._source(cfg)
+        path, kwargs = common.source(cfg)
         return FluxPipeline(
             transformer=trained["transformer"] if "transformer" in trained else self.load_trained(cfg).eval(),
             scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(path, subfolder="scheduler", **kwargs),

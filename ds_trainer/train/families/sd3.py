@@ -10,6 +10,7 @@ per caption in bf16).
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -17,7 +18,8 @@ import torch
 from omegaconf import DictConfig
 
 from ds_trainer import console
-from ds_trainer.train import flow, models
+from ds_trainer.train.families import common, flow
+from ds_trainer.train.families.base import Whole
 from ds_trainer.train.families.flow_family import FlowFamily, FrozenParts, per_sample_mse
 
 ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")
@@ -42,7 +44,7 @@ class SD3(FlowFamily):
         flow_cfg = cfg.model.flow if cfg is not None else None
         self._t5_length = int(flow_cfg.t5_max_length) if flow_cfg is not None else 256  # T5's tokens per caption
 
-    def load_frozen(self, cfg: DictConfig, deepspeed_plugin: Any = None) -> Frozen:
+    def load_frozen(self, cfg: DictConfig, whole: Whole = nullcontext) -> Frozen:
         from diffusers import AutoencoderKL
         from transformers import (
             CLIPTextConfig,
@@ -54,8 +56,8 @@ class SD3(FlowFamily):
         )
 
         console.adopt()
-        path, kwargs = models._source(cfg)
-        with models.outside_zero3(deepspeed_plugin):
+        path, kwargs = common.source(cfg)
+        with whole():
             tokenizers = [CLIPTokenizer.from_pretrained(path, subfolder="tokenizer", **kwargs),
                           CLIPTokenizer.from_pretrained(path, subfolder="tokenizer_2", **kwargs),
                           T5Tokenizer.from_pretrained(path, subfolder="tokenizer_3", **kwargs)]
@@ -78,13 +80,13 @@ class SD3(FlowFamily):
     def load_trained(self, cfg: DictConfig) -> torch.nn.Module:
         from diffusers import SD3Transformer2DModel
 
-        return models.trained_module(cfg, SD3Transformer2DModel, "transformer",  # type: ignore[no-any-return]
+        return common.trained_module(cfg, SD3Transformer2DModel, "transformer",  # type: ignore[no-any-return]
                                      cfg.model.get("transformer"))
 
     def meta_trained(self, cfg: DictConfig) -> torch.nn.Module:
         from diffusers import SD3Transformer2DModel
 
-        return models.meta_module(cfg, SD3Transformer2DModel, "transformer")
+        return common.meta_module(cfg, SD3Transformer2DModel, "transformer")
 
     @torch.no_grad()
     def text_inputs(self, frozen: Frozen, prompts: list[str], device: torch.device,
@@ -94,7 +96,7 @@ class SD3(FlowFamily):
         states, pooled = [], []
         clips = ((frozen.tokenizer, frozen.text_encoder), (frozen.tokenizer_2, frozen.text_encoder_2))
         for tokenizer, encoder in clips:
-            out = encoder(models.token_ids(tokenizer, prompts).to(device), output_hidden_states=True)
+            out = encoder(common.token_ids(tokenizer, prompts).to(device), output_hidden_states=True)
             states.append(out.hidden_states[-2])
             pooled.append(out.text_embeds)
         clip = torch.cat(states, dim=-1)
@@ -118,7 +120,7 @@ class SD3(FlowFamily):
     def pipeline(self, cfg: DictConfig, frozen: Frozen, trained: dict[str, Any]) -> Any:
         from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
 
-        path, kwargs = models._source(cfg)
+        path, kwargs = common.source(cfg)
         return StableDiffusion3Pipeline(
             transformer=trained["transformer"] if "transformer" in trained else self.load_trained(cfg).eval(),
             scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(path, subfolder="scheduler", **kwargs),

@@ -1,42 +1,52 @@
 """SDXL: a UNet with text_time micro-conditioning, DDPM noise (epsilon or v-prediction, optional min-SNR
-weighting), CLIP-L and OpenCLIP-bigG (train/models.py builds and encodes), StableDiffusionXLPipeline."""
+weighting), CLIP-L and OpenCLIP-bigG, StableDiffusionXLPipeline; and SDXL's parts, built and encoded here.
+
+`model.pretrained` (a local diffusers folder, a hub id, or a single-file SDXL checkpoint: see single_file.py) loads
+weights, `model.vae` replaces the VAE; without it every part is built from the architecture's configs with random
+weights (common.py).
+"""
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from omegaconf import DictConfig
 
-from ds_trainer.train import models, text_encoders
+from ds_trainer import console
+from ds_trainer.config import checkpoint_file
+from ds_trainer.train.families import common, text_encoders
+from ds_trainer.train.families.base import Whole
 
 
 class SDXL:
     name = "sdxl"
     component = "unet"
 
-    def load_frozen(self, cfg: DictConfig, deepspeed_plugin: Any = None) -> models.Frozen:
-        return models.load_frozen(cfg, deepspeed_plugin)
+    def load_frozen(self, cfg: DictConfig, whole: Whole = nullcontext) -> Frozen:
+        return load_frozen(cfg, whole)
 
     def load_trained(self, cfg: DictConfig) -> torch.nn.Module:
-        return models.load_unet(cfg)  # type: ignore[no-any-return]
+        return load_unet(cfg)  # type: ignore[no-any-return]
 
     def meta_trained(self, cfg: DictConfig) -> torch.nn.Module:
         from diffusers import UNet2DConditionModel
 
-        return models.meta_module(cfg, UNet2DConditionModel, "unet")
+        return common.meta_module(cfg, UNet2DConditionModel, "unet")
 
     def text_inputs(self, frozen: Any, prompts: list[str], device: torch.device) -> dict[str, torch.Tensor]:
-        return models.text_inputs(frozen, prompts, device)
+        return text_inputs(frozen, prompts, device)
 
     def encode_images(self, frozen: Any, pixels: torch.Tensor) -> torch.Tensor:
-        return models.encode_images(frozen, pixels)
+        return encode_images(frozen, pixels)
 
     def storage_dtype(self, key: str) -> torch.dtype | None:
         return None
 
     def schedule(self, cfg: DictConfig) -> Any:
-        return models.noise_scheduler(cfg)
+        return noise_scheduler(cfg)
 
     def num_train_timesteps(self, schedule: Any) -> int:
         return int(schedule.config.num_train_timesteps)
@@ -87,8 +97,8 @@ class SDXL:
             vae=frozen.vae, text_encoder=trained.get("text_encoder", frozen.text_encoder),
             text_encoder_2=trained.get("text_encoder_2", frozen.text_encoder_2), tokenizer=frozen.tokenizer,
             tokenizer_2=frozen.tokenizer_2,
-            unet=trained["unet"] if "unet" in trained else models.load_unet(cfg).eval(),
-            scheduler=models.inference_scheduler(cfg))
+            unet=trained["unet"] if "unet" in trained else load_unet(cfg).eval(),
+            scheduler=inference_scheduler(cfg))
 
     def call_kwargs(self, cfg: DictConfig) -> dict[str, Any]:
         return {}
@@ -97,3 +107,133 @@ class SDXL:
         from diffusers import StableDiffusionXLPipeline
 
         return StableDiffusionXLPipeline
+
+
+# --- SDXL's parts: CLIP-L and OpenCLIP-bigG, the VAE, the UNet, its schedulers
+
+
+@dataclass
+class Frozen:
+    """The parts that are not trained: kept out of ZeRO, used to encode images and captions."""
+
+    vae: Any
+    text_encoder: Any  # None where it trains (text_encoders=lora|full): it is part of the trained module then
+    text_encoder_2: Any
+    tokenizer: Any
+    tokenizer_2: Any
+
+    def modules(self) -> list[Any]:
+        """The frozen modules (the VAE and the encoders that do not train)."""
+        return [m for m in (self.vae, *self.encoders())]
+
+    def encoders(self) -> list[Any]:
+        """The frozen text encoders (those that do not train)."""
+        return [m for m in (self.text_encoder, self.text_encoder_2) if m is not None]
+
+
+def load_frozen(cfg: DictConfig, whole: Whole = nullcontext) -> Frozen:
+    """VAE, both text encoders and tokenizers, in eval mode with gradients off, built inside `whole()`."""
+    from diffusers import AutoencoderKL
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
+
+    console.adopt()  # diffusers and transformers, imported now, log through the run's handlers
+
+    from ds_trainer.train.families import single_file
+
+    path, kwargs = common.source(cfg)
+    with whole():
+        tokenizer = CLIPTokenizer.from_pretrained(path, subfolder="tokenizer", **kwargs)
+        tokenizer_2 = CLIPTokenizer.from_pretrained(path, subfolder="tokenizer_2", **kwargs)
+        if checkpoint_file.is_single_file(cfg.model.pretrained):
+            state = single_file.checkpoint(cfg)
+            vae = single_file.vae(cfg, state)
+            te1, te2 = single_file.text_encoders(cfg, state)
+            del state
+        elif cfg.model.pretrained:
+            vae = AutoencoderKL.from_pretrained(path, subfolder="vae", **kwargs)
+            te1 = CLIPTextModel.from_pretrained(path, subfolder="text_encoder", **kwargs)
+            te2 = CLIPTextModelWithProjection.from_pretrained(path, subfolder="text_encoder_2", **kwargs)
+        else:
+            torch.manual_seed(int(cfg.train.seed))
+            vae = AutoencoderKL.from_config(AutoencoderKL.load_config(path, subfolder="vae"))
+            te1 = CLIPTextModel(CLIPTextConfig.from_pretrained(path, subfolder="text_encoder"))
+            te2 = CLIPTextModelWithProjection(CLIPTextConfig.from_pretrained(path, subfolder="text_encoder_2"))
+        if cfg.model.vae is not None and not checkpoint_file.is_single_file(cfg.model.pretrained):
+            # e.g. the fp16-safe SDXL VAE instead of the model's own (single_file.vae applied it above)
+            vae = single_file.vae(cfg)
+    for module in (vae, te1, te2):
+        module.requires_grad_(False)
+        module.eval()
+    return Frozen(vae, te1, te2, tokenizer, tokenizer_2)
+
+
+def load_unet(cfg: DictConfig) -> Any:
+    """The UNet to train, in fp32 (DeepSpeed or Accelerate casts for mixed precision)."""
+    from diffusers import UNet2DConditionModel
+
+    from ds_trainer.train.families import single_file
+
+    single = single_file.checkpoint(cfg) if checkpoint_file.is_single_file(cfg.model.pretrained) else None
+    return common.trained_module(cfg, UNet2DConditionModel, "unet", single)
+
+
+def noise_scheduler(cfg: DictConfig) -> Any:
+    """The training noise schedule (DDPM) from the model's scheduler config."""
+    from diffusers import DDPMScheduler
+
+    path, kwargs = common.source(cfg)
+    return DDPMScheduler.from_pretrained(path, subfolder="scheduler", **kwargs)
+
+
+def inference_scheduler(cfg: DictConfig) -> Any:
+    """The scheduler exported with the pipeline (the model's own, Euler for SDXL)."""
+    from diffusers import EulerDiscreteScheduler
+
+    path, kwargs = common.source(cfg)
+    return EulerDiscreteScheduler.from_pretrained(path, subfolder="scheduler", **kwargs)
+
+
+@torch.no_grad()
+def encode_prompts(frozen: Frozen, prompts: list[str], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """SDXL text conditioning: both encoders' penultimate hidden states, concatenated, and the
+    second encoder's pooled projection."""
+    states = []
+    pooled = None
+    for tokenizer, encoder in ((frozen.tokenizer, frozen.text_encoder), (frozen.tokenizer_2, frozen.text_encoder_2)):
+        ids = common.token_ids(tokenizer, prompts).to(device)
+        out = encoder(ids, output_hidden_states=True)
+        states.append(out.hidden_states[-2])
+        pooled = out.text_embeds if hasattr(out, "text_embeds") else out[0]
+    assert pooled is not None
+    return torch.cat(states, dim=-1), pooled
+
+
+@torch.no_grad()
+def text_inputs(frozen: Frozen, prompts: list[str], device: torch.device) -> dict[str, torch.Tensor]:
+    """What a batch carries for its captions: with both encoders frozen their conditioning (`prompt_embeds`,
+    `pooled`); with an encoder trained (its slot in `frozen` is None) its token ids (`input_ids`, `input_ids_2`)
+    and the frozen one's outputs (`embeds_1`, or `embeds_2` and `pooled`), which the trained module joins."""
+    if frozen.text_encoder is not None and frozen.text_encoder_2 is not None:
+        embeds, pooled = encode_prompts(frozen, prompts, device)
+        return {"prompt_embeds": embeds, "pooled": pooled}
+    out: dict[str, torch.Tensor] = {}
+    if frozen.text_encoder is None:
+        out["input_ids"] = common.token_ids(frozen.tokenizer, prompts)
+    else:
+        ids = common.token_ids(frozen.tokenizer, prompts).to(device)
+        out["embeds_1"] = frozen.text_encoder(ids, output_hidden_states=True).hidden_states[-2]
+    if frozen.text_encoder_2 is None:
+        out["input_ids_2"] = common.token_ids(frozen.tokenizer_2, prompts)
+    else:
+        ids = common.token_ids(frozen.tokenizer_2, prompts).to(device)
+        result = frozen.text_encoder_2(ids, output_hidden_states=True)
+        out["embeds_2"], out["pooled"] = result.hidden_states[-2], result.text_embeds
+    return out
+
+
+@torch.no_grad()
+def encode_images(frozen: Frozen, pixels: torch.Tensor) -> torch.Tensor:
+    """Images in [-1, 1] to scaled VAE latents (the VAE's mean: deterministic, cacheable)."""
+    vae = frozen.vae
+    latents = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist.mean
+    return latents * vae.config.scaling_factor

@@ -18,7 +18,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from ds_trainer.config import ds_config
-from ds_trainer.train import startup
+from ds_trainer.train.observe import startup
 
 log = logging.getLogger(__name__)
 

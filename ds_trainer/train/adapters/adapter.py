@@ -1,7 +1,7 @@
 """What a run trains: the whole UNet (`adapter=none`) or LoRA adapters on a frozen UNet (`adapter=lora`).
 
 The recipe calls it at named points: `build` after loading the UNet (inject, freeze, cast the frozen
-base to 16-bit), `parameters` for the optimizer, `save_kwargs`/`load_kwargs` for checkpoints that hold
+base to 16-bit), `parameters` for the optimizer, `save_kwargs` for checkpoints that hold
 the trainable state only, `on_save` with each checkpoint and `export` at the end (the diffusers LoRA file).
 """
 
@@ -11,14 +11,19 @@ import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from omegaconf import DictConfig
 
 from ds_trainer.config.adapter_rules import Rule
-from ds_trainer.train import families, lora_file, models, text_encoders
-from ds_trainer.train.lora_file import adaptable_names
+from ds_trainer.train import families
+from ds_trainer.train.adapters import lora_file
+from ds_trainer.train.adapters.lora_file import adaptable_names
+from ds_trainer.train.families import common, text_encoders
+
+if TYPE_CHECKING:
+    from ds_trainer.train.run import Run
 
 log = logging.getLogger("ds_trainer")
 
@@ -38,13 +43,13 @@ def lora_config(cfg: DictConfig) -> Any:
                       target_modules=list(a.targets), init_lora_weights="gaussian")
 
 
-def _inject(cfg: DictConfig, unet: torch.nn.Module) -> None:
+def _inject(cfg: DictConfig, model: torch.nn.Module) -> None:
     """Freeze the UNet, then add the adapters (peft makes only them trainable)."""
-    unet.requires_grad_(False)
-    unet.add_adapter(lora_config(cfg))  # type: ignore[operator]
+    model.requires_grad_(False)
+    model.add_adapter(lora_config(cfg))  # type: ignore[operator]
 
 
-def _meta_unet(cfg: DictConfig) -> torch.nn.Module:
+def _meta_model(cfg: DictConfig) -> torch.nn.Module:
     return families.of(cfg).meta_trained(cfg)
 
 
@@ -52,7 +57,7 @@ def inspect(cfg: DictConfig) -> tuple[list[Rule], int]:
     """Before training, on the models built on the meta device (no memory): the problems only the model
     shows (targets that match no module, listing the names that exist; an `adapter.init_from` file whose
     tensors do not fit) and the number of trainable parameters (the UNet's and the trained text encoders')."""
-    rules, count = _inspect_unet(cfg)
+    rules, count = _inspect_model(cfg)
     more, encoders = _inspect_encoders(cfg)
     return rules + more, count + encoders
 
@@ -63,9 +68,9 @@ def _inspect_encoders(cfg: DictConfig) -> tuple[list[Rule], int]:
         return [], 0
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
-    from ds_trainer.train.models import _source
+    from ds_trainer.train.families.common import source
 
-    path, kwargs = _source(cfg)
+    path, kwargs = source(cfg)
     classes = {"text_encoder": CLIPTextModel, "text_encoder_2": CLIPTextModelWithProjection}
     rules: list[Rule] = []
     count = 0
@@ -93,22 +98,23 @@ def _inspect_encoders(cfg: DictConfig) -> tuple[list[Rule], int]:
     return rules, count
 
 
-def _inspect_unet(cfg: DictConfig) -> tuple[list[Rule], int]:
+def _inspect_model(cfg: DictConfig) -> tuple[list[Rule], int]:
     if not enabled(cfg):
         return [], int(cfg.model.param_count)
-    unet = _meta_unet(cfg)
-    names = adaptable_names(unet)
+    model = _meta_model(cfg)
+    names = adaptable_names(model)
     unmatched = [t for t in cfg.adapter.targets if not any(n == t or n.endswith("." + t) for n in names)]
     if unmatched:
         endings = sorted({".".join(n.split(".")[-2:]) if n.split(".")[-1].isdigit() else n.split(".")[-1]
                           for n in names})
         return [("adapter.targets", list(cfg.adapter.targets),
-                 f"{', '.join(unmatched)}: no Linear/Conv module of the UNet has such a name; the names end "
+                 f"{', '.join(unmatched)}: no Linear/Conv module of the {families.label_of(model)} has such a name; "
+                 "the names end "
                  f"with: {', '.join(endings)}", "adapter.targets=[to_q,to_k,to_v,to_out.0] (or adapter=lora_wide)")], 0
-    _inject(cfg, unet)
-    count = sum(p.numel() for p in unet.parameters() if p.requires_grad)
+    _inject(cfg, model)
+    count = sum(p.numel() for p in model.parameters() if p.requires_grad)
     if cfg.adapter.init_from is not None:
-        why = lora_file.mismatch(Path(cfg.adapter.init_from), unet, families.component_of(unet))
+        why = lora_file.mismatch(Path(cfg.adapter.init_from), model, families.component_of(model))
         if why:
             return [("adapter.init_from", cfg.adapter.init_from, why,
                      "the adapter.rank and adapter.targets the file was trained with, or another file")], count
@@ -153,47 +159,29 @@ class Trained:
     def count(self) -> int:
         return sum(p.numel() for p in self.module.parameters() if p.requires_grad)
 
-    def save_kwargs(self, deepspeed: bool) -> dict[str, Any]:
-        """`accelerator.save_state` keyword arguments: DeepSpeed leaves frozen parameters out."""
-        return {"exclude_frozen_parameters": True} if self.partial and deepspeed else {}
+    def save_kwargs(self, run: Run) -> dict[str, Any]:
+        """`accelerator.save_state` keyword arguments: a module with frozen parameters is saved without them (they
+        come from the model at a resume, not from the checkpoint); the backend says how."""
+        return run.backend.keep_trainable_only(run.accelerator) if self.partial else {}
 
-    def load_kwargs(self, deepspeed: bool) -> dict[str, Any]:
-        """`accelerator.load_state` keyword arguments: the frozen parameters come from the model, not the checkpoint."""
-        if not self.partial:
-            return {}
-        return {"load_module_strict": False} if deepspeed else {"strict": False}
+    def after_prepare(self, run: Run) -> None:
+        """Collective, after `accelerator.prepare`: exact fp32 masters from `adapter.init_from`."""
+        if self.partial and self.lora and enabled(self.cfg) and self.cfg.adapter.init_from is not None:
+            lora_file.set_fp32(run.accelerator.unwrap_model(run.model), self.names, Path(self.cfg.adapter.init_from),
+                               run.backend.engine(run.accelerator))
 
-    def after_prepare(self, accelerator: Any, unet: Any) -> None:
-        """Collective, after `accelerator.prepare`: exact fp32 masters from `adapter.init_from`, and without
-        DeepSpeed a save hook (Accelerate would save the whole model) that keeps the trainable tensors only."""
-        if not self.partial:
-            return
-        engine = getattr(accelerator, "deepspeed_engine_wrapped", None)
-        if self.lora and enabled(self.cfg) and self.cfg.adapter.init_from is not None:
-            lora_file.set_fp32(accelerator.unwrap_model(unet), self.names, Path(self.cfg.adapter.init_from),
-                               engine.engine if engine else None)
-        if engine is not None:
-            return
-
-        def keep_trainable(models: list[Any], weights: list[dict[str, Any]], _dir: str) -> None:
-            for i, model in enumerate(models[:len(weights)]):
-                trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-                weights[i] = {k: v for k, v in weights[i].items() if k in trainable}
-
-        accelerator.register_save_state_pre_hook(keep_trainable)
-
-    def on_save(self, accelerator: Any, unet: Any, ema: Any, run_dir: Path) -> None:
+    def on_save(self, run: Run) -> None:
         """Collective, after each checkpoint: the LoRA file of the weights so far."""
         if self.lora:
-            self.export(accelerator, unet, ema, run_dir)
+            self.export(run)
 
-    def export(self, accelerator: Any, unet: Any, ema: Any, run_dir: Path) -> None:
+    def export(self, run: Run) -> None:
         """Collective: `<run>/lora/pytorch_lora_weights.safetensors` (and `<run>/lora_ema/` with EMA) from
         the fp32 master weights, gathered on every rank whatever the ZeRO stage; rank 0 writes. Every LoRA of the
         run is in the one file (`unet.`, `text_encoder.`, `text_encoder_2.` keys)."""
-        engine = getattr(accelerator, "deepspeed_engine_wrapped", None)
-        module = accelerator.unwrap_model(unet)
-        weights = lora_file.gather_fp32(module, self.names, engine.engine if engine else None,
+        accelerator, ema, run_dir = run.accelerator, run.ema, run.run_dir
+        module = accelerator.unwrap_model(run.model)
+        weights = lora_file.gather_fp32(module, self.names, run.backend.engine(accelerator),
                                         accelerator.is_main_process)
         shadow = ema.full(dst=0) if ema is not None else None  # collective: the EMA is sharded across the ranks
         if not accelerator.is_main_process:
@@ -209,23 +197,24 @@ def _lora_names(module: torch.nn.Module) -> list[str]:
     return [n for n, p in module.named_parameters() if p.requires_grad and "lora_" in n]
 
 
-def build(cfg: DictConfig, unet: torch.nn.Module, encoders: dict[str, torch.nn.Module] | None = None) -> Trained:
+def build(cfg: DictConfig, model: torch.nn.Module, encoders: dict[str, torch.nn.Module] | None = None) -> Trained:
     """Before `accelerator.prepare`: with `adapter=lora` inject the adapters, freeze and cast the base to
     the training precision's 16-bit type (the adapters stay fp32), and load `adapter.init_from`; with trained text
     encoders (`text_encoders.take` made them trainable) the UNet and them as one module."""
     if enabled(cfg):
-        _inject(cfg, unet)
-        half = models.lora_base_dtype(cfg)
+        _inject(cfg, model)
+        half = common.lora_base_dtype(cfg)
         if half is not None:
-            models.cast_frozen(unet, half)
+            common.cast_frozen(model, half)
         if cfg.adapter.init_from is not None:
-            lora_file.load_into(Path(cfg.adapter.init_from), unet, families.component_of(unet))
+            lora_file.load_into(Path(cfg.adapter.init_from), model, families.component_of(model))
             log.info("LoRA initialised from %s", cfg.adapter.init_from)
-        count, total = sum(p.numel() for p in unet.parameters() if p.requires_grad), sum(
-            p.numel() for p in unet.parameters())
-        log.info("adapter=lora: training %d of %d UNet parameters (%.2f%%), rank %d, alpha %g, targets %s",
-                 count, total, 100 * count / total, cfg.adapter.rank, cfg.adapter.alpha, list(cfg.adapter.targets))
-    module: torch.nn.Module = text_encoders.Denoiser(unet, encoders) if encoders else unet
+        count, total = sum(p.numel() for p in model.parameters() if p.requires_grad), sum(
+            p.numel() for p in model.parameters())
+        log.info("adapter=lora: training %d of %d %s parameters (%.2f%%), rank %d, alpha %g, targets %s",
+                 count, total, families.label_of(model), 100 * count / total, cfg.adapter.rank, cfg.adapter.alpha,
+                 list(cfg.adapter.targets))
+    module: torch.nn.Module = text_encoders.Denoiser(model, encoders) if encoders else model
     if enabled(cfg) and cfg.adapter.init_from is not None:  # the file's encoder adapters too (inspect checked them)
         for name, part in (encoders or {}).items():
             if text_encoders.is_lora(part):

@@ -1,29 +1,26 @@
-"""Training data: synthetic or a folder of captioned images, SDXL micro-conditioning, and the
-on-disk cache of VAE latents and text embeddings (as the model family encodes them) the training loop reads."""
+"""Training images and captions: synthetic ones or a folder of captioned images (checked before a run), with
+SDXL's micro-conditioning."""
 
 from __future__ import annotations
 
 import hashlib
-import itertools
 import json
 import logging
 import os
 import random
 from collections import Counter
-from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from ds_trainer.config import buckets as bucket_geometry
 from ds_trainer.config import holdout
 from ds_trainer.errors import DataError
-from ds_trainer.train import buckets, families, models, text_encoders
-from ds_trainer.train.families.base import Family
+from ds_trainer.train.data import buckets
 
 log = logging.getLogger(__name__)
 
@@ -247,7 +244,7 @@ def _check_images(root: Path, record: Path, accelerator: Any) -> tuple[dict[str,
     later start (a resumed or requeued job). The ranks split that work. Rank 0 lists the folder and reads
     the record for all of them, so every rank ends with the same list of files.
     """
-    from ds_trainer.train import accel
+    from ds_trainer.train.backends import accelerator as accel
 
     rank, world = (accelerator.process_index, accelerator.num_processes) if accelerator else (0, 1)
     listing: tuple[dict[str, list[int]], dict[str, list[Any]]] = ({}, {})
@@ -299,197 +296,3 @@ def validation_set(cfg: DictConfig, accelerator: Any = None) -> SyntheticImages 
         n = int(cfg.data.num_samples)
         return SyntheticImages(cfg, holdout.count(float(cfg.validation.split), n), first=n)
     return FolderImages(cfg, accelerator, "validation")
-
-
-def batch_indices(batch: int, rank: int, world: int, micro: int, n: int, seed: int) -> list[int]:
-    """Indices of global micro-batch `batch` for `rank`: a fixed function of its arguments, so a resumed
-    run sees exactly the data an uninterrupted one would. Epochs are seeded permutations of the data."""
-    return sample_indices((batch * world + rank) * micro, micro, n, seed)
-
-
-def sample_indices(position: int, count: int, n: int, seed: int) -> list[int]:
-    """The dataset indices of `count` samples from sample `position` of the run's endless sample sequence
-    (one seeded permutation per epoch): the sequence does not depend on ranks or batch sizes."""
-    out = []
-    for p in range(position, position + count):
-        epoch, offset = divmod(p, n)
-        out.append(_permutation(n, seed, epoch)[offset])
-    return out
-
-
-_perm_cache: dict[tuple[int, int, int], list[int]] = {}
-
-
-def _permutation(n: int, seed: int, epoch: int) -> list[int]:
-    key = (n, seed, epoch)
-    if key not in _perm_cache:
-        _perm_cache.clear()
-        _perm_cache[key] = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 10_007 + epoch)).tolist()
-    return _perm_cache[key]
-
-
-class LatentCache:
-    """VAE latents and text embeddings, one file per sample under `data.cache_dir/<key>`.
-
-    Without buckets the key hashes the model, resolution and data, so a change to any of them makes a
-    new cache. With buckets the key hashes the model alone and each sample's file, under its bucket's
-    folder, is named by a hash of its image, caption and crop: a later run, or a run on a folder
-    with images added, encodes only what it has not seen. A cache is complete when its manifest
-    exists; files are written atomically, so an interrupted build resumes where it stopped.
-    """
-
-    def __init__(self, cfg: DictConfig, data: SyntheticImages | FolderImages) -> None:
-        self.names = data.cache_names() if isinstance(data, FolderImages) else None
-        model: Any = OmegaConf.to_container(cfg.model, resolve=True)
-        # The encoders' dtype is part of what a latent is: a cache built on a GPU in bf16 and one built on a CPU
-        # in float32 must not be mixed in a shared cache_dir.
-        model["encoders_dtype"] = models.frozen_dtype_name(cfg, str(cfg.resolved.platform or "cpu"))
-        if str(getattr(cfg.model, "family", "sdxl")).split(".")[-1] == "sdxl":  # SDXL's keys as before families
-            model.pop("family", None)
-            model.pop("flow", None)
-        # A trained encoder's samples hold its token ids instead of its embeddings: another cache. (Absent when
-        # both are frozen, so the caches built before text-encoder training keep their keys.)
-        trained = text_encoders.trained(cfg)
-        if trained:
-            model["trained_text_encoders"] = list(trained)
-        identity = {"model": model, "resolution": [int(cfg.resolution.width), int(cfg.resolution.height)],
-                    "data": data.identity()} if self.names is None else {"model": model}
-        key = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
-        size = "buckets" if self.names is not None else f"{cfg.resolution.width}x{cfg.resolution.height}"
-        self.dir = Path(cfg.data.cache_dir) / f"{cfg.model.name}-{size}-{key}"
-        self.manifest = self.dir / "manifest.json"
-        if self.names is not None:  # one manifest per set of samples: the folder is shared by many sets
-            self.manifest = self.dir / f"manifest-{hashlib.sha256('|'.join(self.names).encode()).hexdigest()[:16]}.json"
-        self.n = len(data)
-        self.family = families.of(cfg)
-
-    @property
-    def complete(self) -> bool:
-        return self.manifest.exists()
-
-    def path(self, index: int) -> Path:
-        return self.dir / (f"{self.names[index]}.pt" if self.names is not None else f"{index:08d}.pt")
-
-    def build(self, data: SyntheticImages | FolderImages, frozen: Any, rank: int, world: int,
-              device: torch.device, batch_size: int = 8) -> int:
-        """Encode this rank's share of the samples not cached yet; returns how many it encoded.
-        Samples are encoded in batches of one shape (one bucket folder)."""
-        family = self.family
-        self.dir.mkdir(parents=True, exist_ok=True)
-        todo = sorted((i for i in range(rank, self.n, world) if not self.path(i).exists()),
-                      key=lambda i: (self.path(i).parent.name, i))
-        chunks = [list(group) for _, group in itertools.groupby(todo, key=lambda i: self.path(i).parent)]
-        for group in chunks:
-            self.path(group[0]).parent.mkdir(parents=True, exist_ok=True)
-            for start in range(0, len(group), batch_size):
-                part = group[start:start + batch_size]
-                chunk = [data[i] for i in part]
-                latents = family.encode_images(frozen, torch.stack([e.pixels for e in chunk]))
-                text = family.text_inputs(frozen, [e.caption for e in chunk], device)
-                for j, index in enumerate(part):
-                    item = {"latents": latents[j].to("cpu", torch.float32).clone(),
-                            **{key: _on_cpu(value[j], family.storage_dtype(key)) for key, value in text.items()},
-                            "time_ids": chunk[j].time_ids.clone()}
-                    tmp = self.path(index).with_suffix(f".tmp{os.getpid()}")
-                    torch.save(item, tmp)
-                    tmp.replace(self.path(index))
-        return len(todo)
-
-    def disk_bytes(self) -> int:
-        """What the cached samples take on disk."""
-        return sum(self.path(i).stat().st_size for i in range(self.n) if self.path(i).exists())
-
-    def finish(self) -> None:
-        """Mark the cache complete (rank 0, after every rank built its share)."""
-        missing = [i for i in range(self.n) if not self.path(i).exists()]
-        if missing:
-            raise RuntimeError(f"latent cache {self.dir} lacks {len(missing)} samples after building")
-        tmp = self.dir / f".manifest.tmp{os.getpid()}"
-        tmp.write_text(json.dumps({"samples": self.n}))
-        tmp.replace(self.manifest)
-
-    def load(self, indices: list[int]) -> dict[str, torch.Tensor]:
-        items = [torch.load(self.path(i), map_location="cpu", weights_only=True) for i in indices]
-        return {key: torch.stack([item[key] for item in items]) for key in items[0]}
-
-
-def encode_batch(data: SyntheticImages | FolderImages, frozen: Any, indices: list[int],
-                 device: torch.device, family: Family | None = None) -> dict[str, torch.Tensor]:
-    """The same tensors as LatentCache.load, computed now (data.cache=false), as `family` encodes them (SDXL's
-    when not given)."""
-    if family is None:
-        from ds_trainer.train.families.sdxl import SDXL
-
-        family = SDXL()
-    examples = [data[i] for i in indices]
-    latents = family.encode_images(frozen, torch.stack([e.pixels for e in examples]))
-    text = family.text_inputs(frozen, [e.caption for e in examples], device)
-    # On the CPU in float32, as the cache holds them: the step draws its noise on the CPU, and on a GPU the
-    # encoders' CUDA tensors would meet it there (diffusers' add_noise moves only the schedule's tensors).
-    return {"latents": latents.to("cpu", torch.float32),
-            **{key: _on_cpu(value, family.storage_dtype(key)) for key, value in text.items()},
-            "time_ids": torch.stack([e.time_ids for e in examples])}
-
-
-def _on_cpu(value: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """A tensor as the cache holds it: on the CPU, float32 if floating (or the family's `dtype` for it: SD3's long
-    text sequence in bf16), token ids as integers, not a view."""
-    floating = dtype or torch.float32
-    return value.to("cpu", floating if value.is_floating_point() else value.dtype).clone()
-
-
-class Loader:
-    """The micro-batches of one rank: `loader(b)` is this rank's part of global micro-batch `b`, from the
-    latent cache, or encoded now when there is none (`data.cache=false`).
-
-    `start` (step, samples) is where a resumed run continues: micro-batch `step * accumulation` begins at
-    sample `samples` of the sample sequence, so a resume under another world size or micro batch goes on
-    with the samples an uninterrupted run would have seen. Each batch carries its samples' positions
-    (`position`), which seed their noise.
-    """
-
-    def __init__(self, cfg: DictConfig, data: SyntheticImages | FolderImages, cache: LatentCache | None,
-                 frozen: Any, rank: int, world: int, device: torch.device,
-                 start: tuple[int, int] | None = None) -> None:
-        self.data, self.cache, self.frozen, self.device = data, cache, frozen, device
-        self.family = families.of(cfg)
-        self.rank, self.world = rank, world
-        self.micro, self.seed = int(cfg.train.micro_batch_size), int(cfg.train.seed)
-        self.plan = data.plan if isinstance(data, FolderImages) else None
-        step, self.offset = start or (0, 0)
-        self.first = step * int(cfg.train.gradient_accumulation_steps)
-        # The cache read of micro-batch b+1 runs in a thread while b trains (files, unpickling: no GPU work).
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="ds_trainer-prefetch") if cache is not None else None
-        self._next: tuple[int, Future[dict[str, torch.Tensor]]] | None = None
-
-    def position(self, b: int) -> int:
-        """The first sample position of this rank's part of micro-batch `b`."""
-        return self.offset + ((b - self.first) * self.world + self.rank) * self.micro
-
-    def __call__(self, b: int) -> dict[str, torch.Tensor]:
-        if self._pool is None:
-            return self._load(b)
-        ahead = self._next
-        if ahead is not None and ahead[0] == b:
-            batch = ahead[1].result()
-        else:  # not the batch read ahead (the first call): one reader at a time
-            if ahead is not None:
-                wait([ahead[1]])
-            batch = self._load(b)
-        self._next = (b + 1, self._pool.submit(self._load, b + 1))
-        return batch
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-
-    def _load(self, b: int) -> dict[str, torch.Tensor]:
-        position = self.position(b)
-        if self.plan is not None:  # one bucket per global batch: every rank gets the same shape
-            indices = self.plan.samples(position, self.micro)
-        else:
-            indices = sample_indices(position, self.micro, len(self.data), self.seed)
-        batch = self.cache.load(indices) if self.cache is not None else \
-            encode_batch(self.data, self.frozen, indices, self.device, self.family)
-        batch["position"] = torch.arange(position, position + self.micro)
-        return batch

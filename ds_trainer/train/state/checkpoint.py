@@ -17,13 +17,16 @@ import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, OmegaConf
 
 from ds_trainer.config import portability
 from ds_trainer.errors import TrainingError
-from ds_trainer.train import integrity
+from ds_trainer.train.state import integrity
+
+if TYPE_CHECKING:
+    from ds_trainer.train.run import Run
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +154,7 @@ def _not_running(path: Path | None, run_dir: Path) -> Path | None:
 def resume_point(cfg: DictConfig, run_dir: Path, accelerator: Any) -> Path | None:
     """`find_resume` on the main process, its answer (or its refusal, raised on every rank) everywhere."""
     from ds_trainer.config.validation import ConfigError
-    from ds_trainer.train import accel
+    from ds_trainer.train.backends import accelerator as accel
 
     answer: tuple[Path | None, str | None] = (None, None)
     if accelerator.is_main_process:
@@ -213,18 +216,19 @@ class Saver:
     time (what no signal handler can save, kill -9 or a lost node, then loses at most that), at the last step
     (unless `train.final_checkpoint=false`) and when the ranks agreed to stop. Collective, like `save`."""
 
-    def __init__(self, cfg: DictConfig, accelerator: Any, run_dir: Path, ema: Any, wandb_id: str | None,
-                 last: Path | None, save_kwargs: dict[str, Any] | None = None,
-                 on_save: Callable[[], None] | None = None, also: Callable[[Path, int], None] | None = None) -> None:
-        self.accelerator, self.run_dir, self.ema, self.last, self.also = accelerator, run_dir, ema, last, also
+    def __init__(self, run: Run, last: Path | None, on_save: Callable[[], None] | None = None,
+                 also: Callable[[Path, int], None] | None = None) -> None:
+        cfg, accelerator = run.cfg, run.accelerator
+        self.accelerator, self.run_dir, self.ema, self.last, self.also = accelerator, run.run_dir, run.ema, last, also
         # `accelerator.save_state` arguments (a LoRA leaves frozen weights out), and what to do after a save.
-        self.save_kwargs, self.on_save = save_kwargs, on_save
+        self.save_kwargs, self.on_save = run.trained.save_kwargs(run), on_save
         self.every, self.keep = int(cfg.train.checkpoint_every), int(cfg.train.checkpoints_to_keep)
         self.every_s = float(cfg.train.checkpoint_every_minutes) * 60
         self.since = time.monotonic()
         self.final = int(cfg.train.max_steps) if cfg.train.final_checkpoint else None
-        self.state = {"backend": cfg.resolved.backend, "stage": int(cfg.zero.stage),
-                      "world_size": accelerator.num_processes, "fingerprint": fingerprint(cfg), "wandb_id": wandb_id,
+        self.state = {"backend": run.backend.name, "stage": int(cfg.zero.stage),
+                      "world_size": accelerator.num_processes, "fingerprint": fingerprint(cfg),
+                      "wandb_id": run.tracker.wandb_id,
                       "layout": portability.layout(cfg)}  # checked at a resume when there is no portable state
 
     def due(self) -> bool:
@@ -240,46 +244,6 @@ class Saver:
                              self.also)
             if self.on_save is not None:
                 self.on_save()
-
-
-def restore_optimizer_clocks(engine: Any, optimizer_step: int | None = None) -> None:
-    """After a DeepSpeed checkpoint load, restore what `load_checkpoint` leaves out, so that a resumed run
-    takes the same steps as an uninterrupted one, bit for bit.
-
-    - The learning rate the optimizer holds: DeepSpeed restores its LR scheduler's position but not the
-      rate the scheduler had set for the next step (visible during warmup).
-    - DeepSpeed's C++ Adam (`DeepSpeedCPUAdam` for CPU and NVMe offload, `FusedAdam` on the CPU accelerator) keeps
-      beta1**t and beta2**t as running float32 products inside a C++ object that a new process creates
-      afresh; its first step after a resume computes them with pow() instead, which differs from the
-      running product in the last bit for most t, and the bias correction with it. Replaying steps 1..t
-      on empty tensors rebuilds the same running products. (CUDA's FusedAdam computes pow() every step
-      and needs nothing.) The step t comes from the optimizer's state, or where that is swapped out to NVMe (not
-      in `base.state` between steps), from `optimizer_step` (the portable state's count).
-    """
-    import torch
-    from deepspeed.accelerator import get_accelerator
-    from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
-
-    if engine.lr_scheduler is not None:
-        engine.lr_scheduler.step(engine.lr_scheduler.last_batch_iteration)
-    base = getattr(engine.optimizer, "optimizer", engine.optimizer)
-    steps = {int(s["step"]) for s in base.state.values() if isinstance(s, dict) and "step" in s}
-    if not steps and optimizer_step:
-        steps = {optimizer_step}
-    if len(steps) != 1 or not base.param_groups:
-        return
-    (t,), group, empty = steps, base.param_groups[0], torch.empty(0)
-    beta1, beta2 = group["betas"]
-    hyper = (group["lr"], beta1, beta2, group["eps"])
-    if isinstance(base, DeepSpeedCPUAdam):
-        for s in range(1, t + 1):
-            base.ds_opt_adam.adam_update(base.opt_id, s, *hyper, group["weight_decay"], group["bias_correction"],
-                                         empty, empty, empty, empty)
-    elif isinstance(base, FusedAdam) and get_accelerator().device_name() == "cpu":
-        lists = [[empty] for _ in range(4)]
-        for s in range(1, t + 1):
-            base.multi_tensor_adam(2048, base._dummy_overflow_buf, lists, *hyper, s, base.adam_w_mode,
-                                   int(group["bias_correction"]), group["weight_decay"])
 
 
 def disk_full(exc: BaseException, folder: Path) -> bool:

@@ -15,21 +15,23 @@ runs at steps that depend on the step alone (`holdout.due`); its time is measure
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from omegaconf import DictConfig
 
 from ds_trainer.config import holdout
-from ds_trainer.train import data, families, metrics, text_encoders
-from ds_trainer.train.ema import EMA
-from ds_trainer.train.sampling import ema_unet, plain_linear
+from ds_trainer.train import data
+from ds_trainer.train.families import text_encoders
+from ds_trainer.train.observe.sampling import ema_model, plain_linear
+
+if TYPE_CHECKING:
+    from ds_trainer.train.run import Run
 
 log = logging.getLogger("ds_trainer")
 
@@ -41,12 +43,12 @@ class ValidationSet:
     start (while the frozen encoders are on the device). `build_cache` builds a latent cache collectively (the
     recipe's, so the validation images are encoded once across runs, like the training ones)."""
 
-    def __init__(self, cfg: DictConfig, accelerator: Any, frozen: Any,
-                 build_cache: Callable[[Any], data.LatentCache | None]) -> None:
+    def __init__(self, run: Run, build_cache: Callable[[Any], data.LatentCache | None]) -> None:
+        cfg, accelerator, frozen = run.cfg, run.accelerator, run.frozen
         self.cfg = cfg
         images = data.validation_set(cfg, accelerator)
         self.names = images.names()
-        self.family = families.of(cfg)
+        self.family = run.family
         self.noise_sched = self.family.schedule(cfg)
         self.timesteps = holdout.timesteps(cfg, self.family.num_train_timesteps(self.noise_sched))
         pairs = [(i, j) for i in range(len(images)) for j in range(len(self.timesteps))]
@@ -99,12 +101,11 @@ def _source(cfg: DictConfig) -> str:
 class Validator:
     """Scores the weights at the steps `holdout.due` names. Collective: every rank calls `after_step`."""
 
-    def __init__(self, cfg: DictConfig, accelerator: Any, unet: Any, ema: EMA | None, vset: ValidationSet,
-                 tracker: metrics.Tracker, dtype: torch.dtype,
-                 weights: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> None:
-        self.cfg, self.accelerator, self.unet, self.vset = cfg, accelerator, unet, vset
-        self.tracker, self.dtype, self.weights = tracker, dtype, weights
-        self.ema = ema if cfg.validation.ema else None
+    def __init__(self, run: Run, vset: ValidationSet, dtype: torch.dtype) -> None:
+        cfg = run.cfg
+        self.cfg, self.accelerator, self.model, self.vset = cfg, run.accelerator, run.model, vset
+        self.tracker, self.dtype, self.weights = run.tracker, dtype, run.eval_weights
+        self.ema = run.ema if cfg.validation.ema else None
         # The EMA put into the live module (a LoRA's adapters on its frozen base; the UNet and text encoders trained
         # together), rather than a float32 UNet built on it.
         self.in_place = cfg.adapter.method.value != "none" or text_encoders.enabled(cfg)
@@ -115,13 +116,13 @@ class Validator:
             return
         start = time.perf_counter()
         with self.weights():
-            values = {"val_loss": self.score(self.accelerator.unwrap_model(self.unet), self.dtype)}
+            values = {"val_loss": self.score(self.accelerator.unwrap_model(self.model), self.dtype)}
         if self.ema is not None and self.in_place:
-            module = self.accelerator.unwrap_model(self.unet)
+            module = self.accelerator.unwrap_model(self.model)
             with self.ema.applied(module):
                 values["val_loss_ema"] = self.score(module, self.dtype)
         elif self.ema is not None:  # a float32 UNet on the EMA shadow, as samples and the export use
-            model = ema_unet(self.accelerator, self.unet, self.ema, "validation.ema")
+            model = ema_model(self.accelerator, self.model, self.ema, "validation.ema")
             values["val_loss_ema"] = self.score(model, torch.float32)
             del model
         values["val_s"] = time.perf_counter() - start

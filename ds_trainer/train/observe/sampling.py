@@ -22,18 +22,23 @@ import json
 import logging
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from omegaconf import DictConfig
 
 from ds_trainer.config import samples
 from ds_trainer.errors import TrainingError
-from ds_trainer.train import accel, families, metrics, sharded, text_encoders
-from ds_trainer.train.ema import EMA
+from ds_trainer.train import families
+from ds_trainer.train.backends import accelerator as accel
+from ds_trainer.train.backends import sharded
+from ds_trainer.train.families import text_encoders
+from ds_trainer.train.state.ema import EMA
+
+if TYPE_CHECKING:
+    from ds_trainer.train.run import Run
 
 log = logging.getLogger("ds_trainer")
 
@@ -50,11 +55,11 @@ class Settings:
     extra: tuple[tuple[str, Any], ...] = ()  # the family's own arguments (SD3: T5's max_sequence_length)
 
 
-def settings(cfg: DictConfig) -> Settings:
+def settings(cfg: DictConfig, family: families.Family) -> Settings:
     width, height = samples.size(cfg)
     s = cfg.samples
     return Settings(int(s.steps), float(s.guidance_scale), str(s.negative_prompt), width, height,
-                    tuple(sorted(families.of(cfg).call_kwargs(cfg).items())))
+                    tuple(sorted(family.call_kwargs(cfg).items())))
 
 
 def generate(pipe: Any, prompt: str, seed: int, s: Settings) -> Any:
@@ -80,11 +85,10 @@ _CONDITIONING = ("hidden_states", "encoder_hidden_states", "added_cond_kwargs", 
 
 
 @contextlib.contextmanager
-def unet_in_its_dtype(unet: torch.nn.Module) -> Iterator[None]:
-    """Run a 16-bit UNet (as DeepSpeed trains it) inside a float32 pipeline: its latents, text embeddings
-    and added conditions are cast to the UNet's dtype, its prediction back to the latents' dtype; the
+def model_in_its_dtype(model: Any) -> Iterator[None]:
+    """Run a 16-bit UNet or transformer (as DeepSpeed trains it) inside a float32 pipeline: its latents, text
+    embeddings and added conditions are cast to the model's dtype, its prediction back to the latents' dtype; the
     timestep is left alone (Euler's float timesteps would round in bf16). Training casts the same way."""
-    model: Any = unet
     # The input layer of a UNet, SD3's transformer, Flux's transformer
     first = model.conv_in if hasattr(model, "conv_in") else model.x_embedder if hasattr(model, "x_embedder") \
         else model.pos_embed.proj
@@ -103,7 +107,7 @@ def unet_in_its_dtype(unet: torch.nn.Module) -> Iterator[None]:
         output.sample = output.sample.to(back)
         return output
 
-    handles = [unet.register_forward_pre_hook(before, with_kwargs=True), unet.register_forward_hook(after)]
+    handles = [model.register_forward_pre_hook(before, with_kwargs=True), model.register_forward_hook(after)]
     try:
         yield
     finally:
@@ -155,33 +159,33 @@ def _grid(images: list[Any], columns: int) -> Any:
     return grid
 
 
-def ema_unet(accelerator: Any, unet: Any, ema: EMA, key: str) -> Any:
-    """A UNet (or a family's transformer) on the EMA shadow (its tensors, not a copy, when the shadow is on the
-    device): the same weights the export writes to `unet_ema` and the exported pipeline uses. Collective (the
+def ema_model(accelerator: Any, model: Any, ema: EMA, key: str) -> Any:
+    """A UNet or transformer on the EMA shadow (its tensors, not a copy, when the shadow is on the device): the same
+    weights the export writes to `unet_ema` (`transformer_ema`) and the exported pipeline uses. Collective (the
     shadow is gathered from its shards on every rank); `key` names the setting that asked for it in the error."""
-    module = accelerator.unwrap_model(unet)
+    module = accelerator.unwrap_model(model)
     with torch.device("meta"):
-        model = type(module).from_config(module.config)
-    missing = set(model.state_dict()) - set(ema.names)
+        built = type(module).from_config(module.config)
+    missing = set(built.state_dict()) - set(ema.names)
     if missing:
         raise TrainingError(f"{key}=true: the EMA holds only the trained parameters, not {len(missing)} "
-                            f"others of the UNet; use {key}=false")
-    model.load_state_dict(ema.full(), assign=True)
-    return model.to(accelerator.device).eval()
+                            f"others of the {families.label_of(module)}; use {key}=false")
+    built.load_state_dict(ema.full(), assign=True)
+    return built.to(accelerator.device).eval()
 
 
 class Sampler:
     """Samples at the steps `config.samples.due` names. Collective: every rank calls `after_step`."""
 
-    def __init__(self, cfg: DictConfig, accelerator: Any, unet: Any, ema: EMA | None, frozen: Any,
-                 run_dir: Path, tracker: metrics.Tracker, progress: Any,
-                 weights: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> None:
-        self.cfg, self.accelerator, self.unet, self.frozen = cfg, accelerator, unet, frozen
-        self.weights = weights  # the weights to sample with (schedule-free AdamW's evaluation weights), collective
-        self.tracker, self.progress = tracker, progress
+    def __init__(self, run: Run, progress: Any) -> None:
+        cfg, accelerator = run.cfg, run.accelerator
+        self.cfg, self.accelerator, self.model, self.frozen, self.family = cfg, accelerator, run.model, run.frozen, \
+            run.family
+        self.weights = run.eval_weights  # the weights to sample with (schedule-free AdamW's), collective
+        self.tracker, self.progress = run.tracker, progress
         self.enabled = bool(cfg.samples.enabled)
-        self.ema = ema if cfg.samples.ema else None
-        self.dir = run_dir / "samples"
+        self.ema = run.ema if cfg.samples.ema else None
+        self.dir = run.run_dir / "samples"
         if not self.enabled:
             return
         if self.ema is not None and cfg.adapter.method.value != "none" and not text_encoders.enabled(cfg):
@@ -192,7 +196,7 @@ class Sampler:
         # Rank 0 reads the prompts file: nodes could see different copies of it.
         self.prompts: list[str] = accel.from_main(
             accelerator, samples.prompts(cfg) if accelerator.is_main_process else None)
-        self.settings = settings(cfg)
+        self.settings = settings(cfg, self.family)
         self.units = [(i, int(seed)) for i in range(len(self.prompts)) for seed in cfg.samples.seeds]
         self._check_ranks_agree()
 
@@ -242,9 +246,9 @@ class Sampler:
         rank, world = self.accelerator.process_index, self.accelerator.num_processes
         calls = math.ceil(len(self.units) / world)
         device = self.accelerator.device
-        with self._sampling_unet() as (unet, encoders), self._frozen_on(device), plain_linear(), \
+        with self._sampling_model() as (model, encoders), self._frozen_on(device), plain_linear(), \
                 torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []):
-            pipe = self._pipeline(unet, encoders)
+            pipe = self._pipeline(model, encoders)
             out = []
             for k in range(calls):
                 u = k * world + rank
@@ -255,30 +259,30 @@ class Sampler:
         return out
 
     @contextlib.contextmanager
-    def _sampling_unet(self) -> Iterator[tuple[Any, dict[str, Any]]]:
+    def _sampling_model(self) -> Iterator[tuple[Any, dict[str, Any]]]:
         """The UNet to sample with and the trained text encoders (none when they are frozen), in eval mode (their
         modes are restored afterwards). The casts are no-ops where dtypes already agree (a float32 UNet on the CPU);
         on a GPU the text encoders are bf16. With trained encoders the EMA's values are put into the trained module
         for the time of the samples (`EMA.applied`: UNet and encoders together, cast to the module's dtype)."""
-        module = self.accelerator.unwrap_model(self.unet)
+        module = self.accelerator.unwrap_model(self.model)
         weights: list[contextlib.AbstractContextManager] = []
         if isinstance(module, text_encoders.Denoiser):
-            unet, encoders = module.unet, {name: getattr(module, name) for name in module.encoder_names}
+            model, encoders = module.unet, {name: getattr(module, name) for name in module.encoder_names}
             if self.ema is not None:
                 weights.append(self.ema.applied(module))
             weights.append(sharded.gathered(module))  # FSDP2: the pipeline calls the parts one by one
         else:
-            unet = ema_unet(self.accelerator, self.unet, self.ema, "samples.ema") if self.ema is not None else module
+            model = ema_model(self.accelerator, self.model, self.ema, "samples.ema") if self.ema is not None else module
             encoders = {}
-        parts = [unet, *encoders.values()]
+        parts = [model, *encoders.values()]
         modes = [part.training for part in parts]
         for part in parts:
             part.eval()
         try:
             with contextlib.ExitStack() as held:
-                for manager in [*weights, unet_in_its_dtype(unet), _vae_decode_in_its_dtype(self.frozen.vae)]:
+                for manager in [*weights, model_in_its_dtype(model), _vae_decode_in_its_dtype(self.frozen.vae)]:
                     held.enter_context(manager)
-                yield unet, encoders
+                yield model, encoders
         finally:
             for part, mode in zip(parts, modes, strict=True):
                 part.train(mode)
@@ -298,9 +302,8 @@ class Sampler:
             if device.type == "cuda" and any(where != device for where in before):
                 torch.cuda.empty_cache()
 
-    def _pipeline(self, unet: Any, encoders: dict[str, Any]) -> Any:
-        family = families.of(self.cfg)
-        pipe = family.pipeline(self.cfg, self.frozen, {family.component: unet, **encoders})
+    def _pipeline(self, model: Any, encoders: dict[str, Any]) -> Any:
+        pipe = self.family.pipeline(self.cfg, self.frozen, {self.family.component: model, **encoders})
         pipe.set_progress_bar_config(disable=True)  # type: ignore[attr-defined]
         return pipe
 

@@ -36,13 +36,14 @@ def absent(module: str) -> Iterator[None]:
             del sys.modules[module]
 
 
-def for_run(uses_bitsandbytes: bool, deepspeed: bool = False) -> None:
-    """Import the libraries whose import decides whether bitsandbytes is imported with them; under DeepSpeed, its
-    Muon module with torch.compile deferred to the first call."""
+def for_run(uses_bitsandbytes: bool, deferred_muon: bool = False) -> None:
+    """Import the libraries whose import decides whether bitsandbytes is imported with them; with `deferred_muon`
+    (a DeepSpeed run: every ZeRO optimizer imports it), DeepSpeed's Muon module with torch.compile deferred to the
+    first call."""
     with contextlib.nullcontext() if uses_bitsandbytes else absent("bitsandbytes"):
         import diffusers.utils.import_utils  # noqa: F401 - diffusers asks here, once per process
         import peft  # noqa: F401 - peft asks on import (and caches the answer)
-    if deepspeed:
+    if deferred_muon:
         muon_compiled_on_first_call()
 
 

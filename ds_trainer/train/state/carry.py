@@ -19,8 +19,9 @@ from omegaconf import DictConfig
 
 from ds_trainer.config import portability
 from ds_trainer.errors import TrainingError
-from ds_trainer.train import checkpoint, nvme_swap, portable, quantized, sharded
-from ds_trainer.train.portable import KINDS, Reader, _base_optimizer, _engine, _mapped, _scheduler, trainable
+from ds_trainer.train.backends import deepspeed, inner, nvme_swap, sharded
+from ds_trainer.train.state import quantized
+from ds_trainer.train.state.portable import KINDS, Reader, trainable
 
 log = logging.getLogger("ds_trainer")
 MOMENTS = portability.MOMENT_OPTIMIZERS
@@ -77,12 +78,12 @@ class Carry:
             log.info("resumed natively from %s under another layout (%s): torch.distributed.checkpoint resharded "
                      "the weights and the optimizer state", self.path, "; ".join(self.changes))
 
-    def before_prepare(self, unet: torch.nn.Module) -> None:
+    def before_prepare(self, model: torch.nn.Module) -> None:
         """Load the saved fp32 weights into the (not yet prepared) UNet, by name."""
         if self.reader is None:
             return
         assert self.meta is not None
-        named = trainable(unet)
+        named = trainable(model)
         self._check_names(named)
         with torch.no_grad():
             for name, p in named:
@@ -117,15 +118,15 @@ class Carry:
                             "the optimizer state cannot carry over. Resume with the same model and adapter "
                             "settings, or with resume_optimizer=reset to carry the weights only")
 
-    def after_prepare(self, accelerator: Any, unet: Any, optimizer: Any, scheduler: Any, ema: Any) -> int:
+    def after_prepare(self, accelerator: Any, model: Any, optimizer: Any, scheduler: Any, ema: Any) -> int:
         """Write the state into the prepared engine or optimizer; returns the step to continue after."""
         assert self.meta is not None and self.reader is not None
         if not self.meta["moments"] and not self.reset and self.meta["identity"]["optimizer"] in MOMENTS:
             raise TrainingError(f"resume={self.path}: the checkpoint's portable state holds no Adam moments (it was "
                                 f"saved under {self.meta['layout']}); resume with that layout, or with "
                                 "resume_optimizer=reset to carry the weights only")
-        base = _base_optimizer(accelerator, optimizer)
-        engine = _engine(accelerator)
+        base = inner.optimizer(accelerator, optimizer)
+        engine = inner.engine(accelerator)
         moments = bool(self.meta["moments"]) and not self.reset
         t = int(self.meta["optimizer_step"])
         if moments:
@@ -134,11 +135,11 @@ class Carry:
         renamed = {name: self._saved_name(name) for name in self.carried if self._saved_name(name) != name}
         if renamed:
             reader = _Renamed(self.reader, renamed)
-        write(accelerator, unet, base, reader, set(self.carried), moments, t)
+        write(accelerator, model, base, reader, set(self.carried), moments, t)
         if moments:  # bitsandbytes' 8-bit AdamW: the carried fp32 moments quantized into its own state
             quantized.absorb(engine, base, t)
         step = int(self.meta["step"])
-        sched = _scheduler(accelerator, scheduler)
+        sched = inner.scheduler(accelerator, scheduler)
         if sched is not None and (self.path / "portable" / "scheduler.pt").exists():  # type: ignore[operator]
             saved = torch.load(self.path / "portable" / "scheduler.pt", map_location="cpu",  # type: ignore[operator]
                                weights_only=False)
@@ -146,7 +147,7 @@ class Carry:
             if engine is None:
                 sched.step(sched.last_batch_iteration)  # the LR of the current position (as DeepSpeed's load)
         if engine is not None:
-            checkpoint.restore_optimizer_clocks(engine, t if moments else None)
+            deepspeed.restore_optimizer_clocks(engine, t if moments else None)
             engine.global_steps, engine.global_samples = step, int(self.meta["samples"])
         self._load_ema(ema)
         if self.rounding:
@@ -199,20 +200,20 @@ def swaps_optimizer(cfg: DictConfig) -> bool:
                 and resolved.get("optimizer_state_on") == "nvme")
 
 
-def write(accelerator: Any, unet: Any, base: Any, reader: Source, names: set[str], moments: bool, t: int) -> None:
+def write(accelerator: Any, model: Any, base: Any, reader: Source, names: set[str], moments: bool, t: int) -> None:
     """Collective: the fp32 weight (and with `moments` Adam's moments) of each named trainable parameter from
     `reader` into wherever this layout keeps them: DeepSpeed's masters and state (ZeRO-1/2/3, on NVMe a subgroup at
     a time; ZeRO-0's flat or per-parameter masters), FSDP's shards, or the parameter itself."""
-    engine = _engine(accelerator)
-    named = [(name, p) for name, p in trainable(accelerator.unwrap_model(unet)) if name in names]
+    engine = inner.engine(accelerator)
+    named = [(name, p) for name, p in trainable(accelerator.unwrap_model(model)) if name in names]
     zero = engine.optimizer if engine is not None else None
     if zero is not None and nvme_swap.swapping(zero):
         _set_swapped(zero, base, reader, dict(named), moments)
         return
-    places, masters = portable.flat_places(accelerator), portable.unfused_masters(accelerator)
+    places, masters = deepspeed.flat_places(engine), deepspeed.unfused_masters(engine)
     for name, p in named:
         if id(p) in places:
-            _set_flat(p, name, base, reader, moments, places[id(p)])
+            _set_flat(name, base, reader, moments, places[id(p)])
         else:  # a 16-bit parameter holds the weight already (set before `prepare`); its fp32 master gets it too
             _set(masters.get(id(p), p), name, base, reader, moments, t)
 
@@ -222,7 +223,7 @@ def _set(p: torch.Tensor, name: str, base: Any, reader: Source, moments: bool, t
 
     values = {kind: reader.get(f"{kind}/{name}") for kind in KINDS
               if kind == "fp32" or moments and f"{kind}/{name}" in reader}
-    if _mapped(p):
+    if deepspeed.mapped(p):
         safe_set_full_fp32_param(p, values["fp32"].to(p.device))
         for kind in ("exp_avg", "exp_avg_sq"):
             if kind in values:
@@ -235,7 +236,7 @@ def _set(p: torch.Tensor, name: str, base: Any, reader: Source, moments: bool, t
                          "exp_avg_sq": sharded.like(values["exp_avg_sq"], p)}
 
 
-def _set_flat(p: torch.nn.Parameter, name: str, base: Any, reader: Source, moments: bool,
+def _set_flat(name: str, base: Any, reader: Source, moments: bool,
               place: tuple[torch.Tensor, int, int]) -> None:
     """ZeRO-0 with bf16/fp16: the fp32 master and moments are slices of the group's flat tensors; the
     bf16/fp16 parameter already holds the carried weight (loaded before `prepare`, then cast)."""
@@ -306,11 +307,11 @@ class Exact:
     of their 11) and export them so after any number of steps too small to move them. FSDP and DDP keep the loaded
     fp32 weights. Here the loaded tensors are held through `prepare` (DeepSpeed's cast makes new tensors; on a GPU the
     module moves to the device, so these host tensors are what was there before `prepare`, no more host memory) and
-    written into the masters after it, as a resume writes carried weights."""
+    written into the masters after it, as a resume writes carried weights. `kept`: whether the backend builds its
+    masters from a cast (`Backend.masters_from_cast`); nothing is held otherwise."""
 
-    def __init__(self, cfg: DictConfig, deepspeed: bool, resume_from: Path | None, unet: torch.nn.Module) -> None:
-        kept = deepspeed and resume_from is None and str(cfg.precision.name.value) in ("bf16", "fp16")
-        self.weights = {f"fp32/{name}": p.data for name, p in trainable(unet)} if kept else {}
+    def __init__(self, kept: bool, model: torch.nn.Module) -> None:
+        self.weights = {f"fp32/{name}": p.data for name, p in trainable(model)} if kept else {}
 
     def __contains__(self, key: str) -> bool:
         return key in self.weights
@@ -318,11 +319,11 @@ class Exact:
     def get(self, key: str) -> torch.Tensor:
         return self.weights[key]
 
-    def after_prepare(self, accelerator: Any, unet: Any, optimizer: Any) -> None:
+    def after_prepare(self, accelerator: Any, model: Any, optimizer: Any) -> None:
         """Collective: write the held fp32 weights into DeepSpeed's masters, then let them go."""
         if not self.weights:
             return
         names = {key.removeprefix("fp32/") for key in self.weights}
-        write(accelerator, unet, _base_optimizer(accelerator, optimizer), self, names, moments=False, t=0)
+        write(accelerator, model, inner.optimizer(accelerator, optimizer), self, names, moments=False, t=0)
         log.debug("fp32 masters set from the loaded weights (%d parameters)", len(names))
         self.weights = {}

@@ -20,12 +20,16 @@ laid out the same way (`follow_shards`), so an update is a lerp of each rank's o
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 from typing import Any
 
 import torch
+from omegaconf import DictConfig
 
-from ds_trainer.train import sharded
+from ds_trainer.train.backends import sharded
+
+log = logging.getLogger("ds_trainer")
 
 _GATHER_CHUNK = 100_000_000  # elements gathered at once under ZeRO-3
 
@@ -76,29 +80,45 @@ def _regather(params: list[Any]) -> None:
         gathered[0].all_gather(gathered)
 
 
+def for_run(cfg: DictConfig, accelerator: Any, model: torch.nn.Module) -> EMA | None:
+    """The run's EMA of the trained parameters (`train.ema`), on the host or the training device as
+    `train.ema_device` says, sharded over the ranks; None without one."""
+    if not cfg.train.ema:
+        return None
+    device = "cpu" if cfg.train.ema_device == "cpu" else str(accelerator.device)
+    ema = EMA(model, float(cfg.train.ema_decay), device, accelerator.process_index, accelerator.num_processes,
+              accelerator.device)
+    if accelerator.num_processes > 1 and accelerator.is_main_process:
+        whole = sum(torch.Size(s).numel() for s in ema.shapes.values()) * 4 / 2**20
+        mine = sum(v.numel() for v in ema.shadow.values()) * 4 / 2**20
+        log.info("EMA (%.0f MiB in fp32) sharded over %d ranks: rank 0 keeps and updates %.0f MiB of it",
+                 whole, accelerator.num_processes, mine)
+    return ema
+
+
 class EMA:
     """Exponential moving average of named parameters, with the usual warm-up of the decay.
 
     `rank`, `world`: this rank's place (the shadow is sharded); `comm_device`: where a tensor must be for the
     process group's collectives (the GPU under NCCL, the CPU under gloo)."""
 
-    def __init__(self, unet: torch.nn.Module, decay: float, device: str = "cpu", rank: int = 0, world: int = 1,
+    def __init__(self, model: torch.nn.Module, decay: float, device: str = "cpu", rank: int = 0, world: int = 1,
                  comm_device: Any = "cpu") -> None:
         self.decay, self.device, self.step = decay, device, 0
         self.rank, self.world, self.comm_device = rank, world, comm_device
-        named = [(n, p) for n, p in unet.named_parameters() if p.requires_grad]
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.names = [n for n, _ in named]
         self.shapes = {n: tuple(getattr(p, "ds_shape", p.shape)) for n, p in named}
         self.owner = owners({n: int(torch.Size(s).numel()) for n, s in self.shapes.items()}, world)
         self.shadow: dict[str, torch.Tensor] = {}  # this rank's slice
         # FSDP2 (after `follow_shards`): each name's DTensor layout; the shadow holds this rank's shard of every name.
         self.layouts: dict[str, tuple[Any, Any, torch.Size, tuple[int, ...]]] = {}
-        self._read(unet, init=True)
+        self._read(model, init=True)
 
-    def follow_shards(self, unet: torch.nn.Module) -> None:
+    def follow_shards(self, model: torch.nn.Module) -> None:
         """Collective, once after `prepare` under FSDP2: from slices by owner to this rank's shard of every name, as
         the parameters are sharded. A no-op for parameters that are not DTensors."""
-        named = dict(unet.named_parameters())
+        named = dict(model.named_parameters())
         if self.layouts or not any(sharded.is_sharded(named[n]) for n in self.names):
             return
         whole = self.full()  # every rank gets every tensor, one at a time from its owner
@@ -118,8 +138,8 @@ class EMA:
     def mine(self, name: str) -> bool:
         return self.owner[name] == self.rank
 
-    def _read(self, unet: torch.nn.Module, init: bool, weight: float = 1.0) -> None:
-        named = dict(unet.named_parameters())
+    def _read(self, model: torch.nn.Module, init: bool, weight: float = 1.0) -> None:
+        named = dict(model.named_parameters())
         if self.layouts:  # FSDP2: this rank's shards, read where they are
             with torch.no_grad():
                 for n in self.names:
@@ -151,11 +171,11 @@ class EMA:
                     else:
                         self.shadow[name].lerp_(value, weight)
 
-    def update(self, unet: torch.nn.Module) -> None:
+    def update(self, model: torch.nn.Module) -> None:
         """Collective under ZeRO-3: call on every rank after each optimizer step."""
         self.step += 1
         decay = min(self.decay, (1 + self.step) / (10 + self.step))
-        self._read(unet, init=False, weight=1.0 - decay)
+        self._read(model, init=False, weight=1.0 - decay)
 
     def full(self, dst: int | None = None) -> dict[str, torch.Tensor]:
         """Collective: the whole shadow (float32), on rank `dst` (None: on every rank; an empty dict on the

@@ -149,7 +149,7 @@ def _fail(cfg: DictConfig, run_dir: Path, world: int, rank: int, message: str) -
     print(f"ds_trainer: {message}", file=sys.stderr, flush=True)
     log.error("%s", message)
     if rank == 0:
-        from ds_trainer.train import metrics
+        from ds_trainer.train.observe import metrics
 
         metrics.write_summary(run_dir, metrics.summarize(cfg, [], "error", message, world))
 

@@ -15,15 +15,15 @@ from typing import Any
 
 import torch
 
-from ds_trainer.train import sharded
+from ds_trainer.train.backends import sharded
 
 WEIGHT_NAME = "pytorch_lora_weights.safetensors"
 
 
-def adaptable_names(unet: torch.nn.Module) -> list[str]:
+def adaptable_names(model: torch.nn.Module) -> list[str]:
     """Names of the modules LoRA can adapt (Linear and Conv layers)."""
     kinds = (torch.nn.Linear, torch.nn.Conv2d)
-    return [n for n, m in unet.named_modules() if isinstance(m, kinds) and "lora_" not in n]
+    return [n for n, m in model.named_modules() if isinstance(m, kinds) and "lora_" not in n]
 
 
 def _zero0_masters(engine: Any) -> dict[int, torch.Tensor]:
@@ -90,7 +90,8 @@ def write(folder: Path, module: Any, weights: dict[str, torch.Tensor], dtype: to
     from diffusers.utils import convert_state_dict_to_diffusers
     from peft.utils import get_peft_model_state_dict
 
-    from ds_trainer.train import families, text_encoders
+    from ds_trainer.train import families
+    from ds_trainer.train.families import text_encoders
 
     kwargs: dict[str, Any] = {}
     whole = not isinstance(module, text_encoders.Denoiser)
@@ -135,7 +136,7 @@ def read(path: Path, component: str = "unet") -> dict[str, torch.Tensor]:
 def read_module(path: Path, module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The file's tensors named as `module`'s parameters are without peft's adapter name: the UNet's, or with
     trained text encoders every component's under its prefix (`unet.`, `text_encoder.`, `text_encoder_2.`)."""
-    from ds_trainer.train import text_encoders
+    from ds_trainer.train.families import text_encoders
 
     if not isinstance(module, text_encoders.Denoiser):
         from ds_trainer.train.families.base import component_of

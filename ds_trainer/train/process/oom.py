@@ -17,9 +17,10 @@ def is_oom(exc: BaseException) -> bool:
 
 def message(cfg: DictConfig, device: str) -> str:
     """One line: the memory settings of the run and what to try next."""
-    zero = f"zero={ds_config.zero_option(cfg)}"
+    option = ds_config.zero_option(cfg)
+    zero = f"zero={option}"
     tries = []
-    if cfg.resolved.backend != "deepspeed" or int(cfg.zero.stage) < 3:
+    if option != "stage3":
         tries.append("a higher ZeRO stage (zero=stage3)")
     if cfg.offload.device.value == "none":
         tries.append("offload=cpu")

@@ -20,13 +20,16 @@ import logging
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from omegaconf import DictConfig
 
 from ds_trainer.config import portability
-from ds_trainer.train import nvme_swap, quantized, sharded
+from ds_trainer.train.backends import deepspeed, inner, nvme_swap, sharded
+from ds_trainer.train.state import quantized
+
+if TYPE_CHECKING:
+    from ds_trainer.train.run import Run
 
 log = logging.getLogger("ds_trainer")
 
@@ -42,81 +45,25 @@ def _shape(p: torch.nn.Parameter) -> list[int]:
     return list(getattr(p, "ds_shape", p.shape))
 
 
-def _engine(accelerator: Any) -> Any:
-    wrapped = getattr(accelerator, "deepspeed_engine_wrapped", None)
-    return wrapped.engine if wrapped is not None else None
-
-
-def _base_optimizer(accelerator: Any, optimizer: Any) -> Any:
-    """The optimizer that holds the Adam state: DeepSpeed's inner one (or its basic one on ZeRO-0), or torch's."""
-    engine = _engine(accelerator)
-    outer = engine.optimizer if engine is not None else optimizer
-    return getattr(outer, "optimizer", outer)
-
-
-def _mapped(p: torch.Tensor) -> bool:
-    """Whether DeepSpeed keeps this parameter's fp32 master apart (ZeRO-1/2/3, BF16_Optimizer)."""
-    return hasattr(p, "ds_id") or hasattr(p, "_hp_mapping")
-
-
-def flat_places(accelerator: Any) -> dict[int, tuple[torch.Tensor, int, int]]:
-    """ZeRO-0 with bf16/fp16 (DeepSpeed's FP16_Optimizer keeps one flat fp32 master per group, and the Adam
-    state on it): each parameter's (flat master, offset, numel), by the parameter's id. Empty elsewhere."""
-    engine = _engine(accelerator)
-    outer = engine.optimizer if engine is not None else None
-    flats, groups = getattr(outer, "fp32_groups_flat", None), getattr(outer, "fp16_groups", None)
-    places: dict[int, tuple[torch.Tensor, int, int]] = {}
-    if flats is None or groups is None:  # ZeRO-3 has fp16_groups too, but partitioned masters
-        return places
-    for flat, params in zip(flats, groups, strict=True):
-        offset = 0
-        for p in params:  # flattened in this order, without padding
-            places[id(p)] = (flat, offset, p.numel())
-            offset += p.numel()
-    return places
-
-
-def unfused_masters(accelerator: Any) -> dict[int, torch.Tensor]:
-    """ZeRO-0 with bf16/fp16 and an optimizer ds_trainer built (DeepSpeed's FP16_UnfusedOptimizer keeps an fp32
-    master per parameter, and the optimizer's state on it): each 16-bit parameter's master, by its id."""
-    return unfused_masters_of(_engine(accelerator))
-
-
-def unfused_masters_of(engine: Any) -> dict[int, torch.Tensor]:
-    """`unfused_masters` of a DeepSpeed engine (None: no DeepSpeed, no such masters)."""
-    outer: Any = engine.optimizer if engine is not None else None
-    if type(outer).__name__ != "FP16_UnfusedOptimizer":
-        return {}
-    return {id(p): master for group, masters in zip(outer.fp16_groups, outer.fp32_groups, strict=True)
-            for p, master in zip(group, masters, strict=True)}
-
-
 def _step_count(base: Any) -> int:
     steps = [int(s["step"]) for s in base.state.values() if isinstance(s, dict) and "step" in s]
     return max(steps) if steps else 0
 
 
-def _scheduler(accelerator: Any, scheduler: Any) -> Any:
-    engine = _engine(accelerator)
-    if engine is not None and engine.lr_scheduler is not None:
-        return engine.lr_scheduler
-    return getattr(scheduler, "scheduler", scheduler)  # ours: DDP, FSDP, per-group schedules (group_schedule.py)
-
-
-def full_values(accelerator: Any, unet: Any, base: Any, moments: bool,
+def full_values(accelerator: Any, model: Any, base: Any, moments: bool,
                 ) -> Iterator[tuple[str, torch.nn.Parameter, tuple[torch.Tensor | None, ...]]]:
     """Collective (every rank iterates to the end, in the same order): (name, parameter, its whole fp32 master weight
     and, with `moments`, Adam's `exp_avg` and `exp_avg_sq` (None where there are none)) for every trainable
     parameter, under any layout: DeepSpeed's kept-apart masters (ZeRO-1/2/3, BF16_Optimizer), ZeRO-0's flat or
     per-parameter 16-bit masters, ZeRO-3's state on NVMe (a subgroup swapped in once), FSDP's shards, or the
-    parameter itself. `base` is the optimizer that holds the state (`_base_optimizer`)."""
-    named = trainable(accelerator.unwrap_model(unet))
-    engine = _engine(accelerator)
+    parameter itself. `base` is the optimizer that holds the state (`backends.inner.optimizer`)."""
+    named = trainable(accelerator.unwrap_model(model))
+    engine = inner.engine(accelerator)
     zero = engine.optimizer if engine is not None else None
     if moments:
         _link_every_group(zero)
     if zero is None or not nvme_swap.swapping(zero):
-        places, masters = flat_places(accelerator), unfused_masters(accelerator)
+        places, masters = deepspeed.flat_places(engine), deepspeed.unfused_masters(engine)
         for name, p in named:
             if id(p) in places:
                 yield name, p, _read_flat(p, base, places[id(p)], moments)
@@ -157,7 +104,7 @@ def _read_flat(p: torch.nn.Parameter, base: Any, place: tuple[torch.Tensor, int,
 def _read(p: torch.Tensor, base: Any, moments: bool) -> tuple[torch.Tensor | None, ...]:
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
-    if _mapped(p):
+    if deepspeed.mapped(p):
         weight = safe_get_full_fp32_param(p)
         if not moments:
             return weight, None, None
@@ -172,9 +119,10 @@ def _read(p: torch.Tensor, base: Any, moments: bool) -> tuple[torch.Tensor | Non
 class Writer:
     """Writes `portable/` into a checkpoint folder being saved (`checkpoint.Saver` calls it, collectively)."""
 
-    def __init__(self, cfg: DictConfig, accelerator: Any, unet: Any, optimizer: Any, scheduler: Any,
-                 start: tuple[int, int]) -> None:
-        self.accelerator, self.unet, self.optimizer, self.scheduler = accelerator, unet, optimizer, scheduler
+    def __init__(self, run: Run, start: tuple[int, int]) -> None:
+        cfg, accelerator = run.cfg, run.accelerator
+        self.accelerator, self.model, self.optimizer, self.scheduler = accelerator, run.model, run.optimizer, \
+            run.scheduler
         self.start_step, self.start_samples = start
         self.global_batch = (int(cfg.train.micro_batch_size) * int(cfg.train.gradient_accumulation_steps)
                              * accelerator.num_processes)
@@ -191,14 +139,14 @@ class Writer:
         out = folder / "portable"
         if main:
             out.mkdir(parents=True, exist_ok=True)
-        base = _base_optimizer(self.accelerator, self.optimizer)
+        base = inner.optimizer(self.accelerator, self.optimizer)
         shard: dict[str, torch.Tensor] = {}
         index: dict[str, str] = {}
         params: dict[str, list[int]] = {}
         written, without_moments = 0, 0
         # 8-bit moments (bitsandbytes): read as the fp32 moments they encode.
-        with quantized.exposed(_engine(self.accelerator), base):
-            for name, p, values in full_values(self.accelerator, self.unet, base, self.moments):  # collective
+        with quantized.exposed(inner.engine(self.accelerator), base):
+            for name, p, values in full_values(self.accelerator, self.model, base, self.moments):  # collective
                 params[name] = _shape(p)
                 if not main:
                     continue
@@ -210,7 +158,7 @@ class Writer:
                     written += self._flush(out, shard, index)
         if main:
             written += self._flush(out, shard, index)
-            sched = _scheduler(self.accelerator, self.scheduler)
+            sched = inner.scheduler(self.accelerator, self.scheduler)
             if sched is not None:
                 torch.save(sched.state_dict(), out / "scheduler.pt")
             group = base.param_groups[0]

@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from ds_trainer.train import startup
+from ds_trainer.train.observe import startup
 
 log = logging.getLogger("ds_trainer")
 

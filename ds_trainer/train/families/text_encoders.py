@@ -27,7 +27,7 @@ import torch
 from omegaconf import DictConfig
 
 from ds_trainer.config import schema
-from ds_trainer.train import models
+from ds_trainer.train.families import common
 
 log = logging.getLogger("ds_trainer")
 
@@ -95,7 +95,7 @@ class Spec:
     def of(cls, cfg: DictConfig) -> Spec:
         te = cfg.text_encoders
         return cls(te.mode.value, int(te.rank), int(te.alpha), float(te.dropout), tuple(str(t) for t in te.targets),
-                   models.lora_base_dtype(cfg), bool(cfg.train.gradient_checkpointing))
+                   common.lora_base_dtype(cfg), bool(cfg.train.gradient_checkpointing))
 
 
 def prepare_encoder(spec: Spec, name: str, encoder: torch.nn.Module) -> None:
@@ -109,7 +109,7 @@ def prepare_encoder(spec: Spec, name: str, encoder: torch.nn.Module) -> None:
                             target_modules=lora_targets(spec.targets, name, encoder), init_lora_weights="gaussian")
         encoder.add_adapter(config)  # type: ignore[operator]
         if spec.half is not None:
-            models.cast_frozen(encoder, spec.half)
+            common.cast_frozen(encoder, spec.half)
     else:
         skip = frozen_by_design(name, encoder)
         for n, p in encoder.named_parameters():

@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from ds_trainer.train import portable
+from ds_trainer.train.backends import deepspeed, inner
+from ds_trainer.train.state import portable
 
 Write = Callable[[torch.Tensor], Any]
 
@@ -74,10 +75,10 @@ def _refresh(params: list[torch.nn.Parameter], masters: dict[int, torch.Tensor])
         gathered[0].all_gather(gathered)
 
 
-def eval_weights(accelerator: Any, unet: Any, optimizer: Any) -> contextlib.AbstractContextManager:
+def eval_weights(accelerator: Any, model: Any, optimizer: Any) -> contextlib.AbstractContextManager:
     """`moved` for a run's prepared UNet and optimizer."""
-    engine = portable._engine(accelerator)
-    return moved(accelerator.unwrap_model(unet), portable._base_optimizer(accelerator, optimizer), engine)
+    engine = inner.engine(accelerator)
+    return moved(accelerator.unwrap_model(model), inner.optimizer(accelerator, optimizer), engine)
 
 
 @contextlib.contextmanager
@@ -89,7 +90,7 @@ def moved(module: torch.nn.Module, base: Any, engine: Any) -> Iterator[None]:
         yield
         return
     weight = 1 - 1 / float(base.param_groups[0]["betas"][0])
-    masters = portable.unfused_masters_of(engine)
+    masters = deepspeed.unfused_masters(engine)
     saved: list[tuple[Write, torch.Tensor]] = []
     params: list[torch.nn.Parameter] = []
     with torch.no_grad():
@@ -109,8 +110,8 @@ def moved(module: torch.nn.Module, base: Any, engine: Any) -> Iterator[None]:
             _refresh(params, masters)
 
 
-def context(cfg: Any, accelerator: Any, unet: Any, optimizer: Any) -> Callable[[], contextlib.AbstractContextManager]:
+def context(cfg: Any, accelerator: Any, model: Any, optimizer: Any) -> Callable[[], contextlib.AbstractContextManager]:
     """What samples and exports run in: the evaluation weights for schedule-free AdamW, nothing otherwise."""
     if str(cfg.resolved.optimizer) != "schedule_free_adamw":
         return contextlib.nullcontext
-    return lambda: eval_weights(accelerator, unet, optimizer)
+    return lambda: eval_weights(accelerator, model, optimizer)

@@ -1,0 +1,243 @@
+"""DeepSpeed ZeRO 0-3 (with CPU or NVMe offload) through Accelerate's DeepSpeedPlugin.
+
+DeepSpeed builds the optimizer and LR schedule its JSON defines (DummyOptim/DummyScheduler stand in for them), or
+takes a client optimizer ds_trainer builds; it clips inside its step, keeps the fp32 masters apart from the
+module's 16-bit parameters, and saves its own checkpoint (frozen parameters left out with
+`exclude_frozen_parameters`). Where its load leaves something out, `restore_optimizer_clocks` puts it back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from ds_trainer.errors import TrainingError
+from ds_trainer.train.backends import accelerator as accel
+from ds_trainer.train.backends import inner, nvme_swap
+
+log = logging.getLogger("ds_trainer")
+
+
+@dataclass
+class DeepSpeed:
+    """The DeepSpeed backend of a run whose JSON is `ds`."""
+
+    cfg: DictConfig
+    ds: dict[str, Any]
+    name: str = field(default="deepspeed", init=False)
+    init_label: str = field(default="DeepSpeed init", init=False)
+    fused: bool = field(default=True, init=False)
+
+    def start_process(self) -> None:
+        from ds_trainer.config import op_cache
+
+        op_cache.prepare()  # this environment's compiled ops (never another venv's), no CPU probes per op load
+
+    def accelerator_kwargs(self, platform_kind: str) -> tuple[dict[str, Any], list[Any]]:  # noqa: ARG002
+        return {"deepspeed_plugin": plugin(self.ds)}, []
+
+    def after_accelerator(self, accelerator: Any, platform_kind: str) -> None:
+        pass
+
+    def whole(self, accelerator: Any) -> contextlib.AbstractContextManager[None]:
+        return outside_zero3(accelerator.state.deepspeed_plugin)
+
+    def before_build(self, accelerator: Any) -> None:
+        _prepare_nvme(self.cfg, accelerator)
+
+    def own_optimizer(self, params: list[Any]) -> tuple[Any, Any] | None:
+        if "optimizer" not in self.ds:  # a client optimizer (torch's AdamW, bitsandbytes', Prodigy, ...)
+            return None
+        from accelerate.utils import DummyOptim, DummyScheduler
+
+        optimizer = DummyOptim(params, lr=self.ds["optimizer"]["params"]["lr"])
+        return optimizer, DummyScheduler(optimizer) if "scheduler" in self.ds else None
+
+    def before_prepare(self, model: Any) -> None:
+        pass
+
+    def prepare(self, accelerator: Any, model: Any, optimizer: Any, scheduler: Any) -> tuple[Any, Any, Any]:
+        if "nvme" in (self.cfg.resolved.optimizer_state_on, self.cfg.resolved.params_on):
+            _check_swap_space(self.cfg, accelerator)
+        return accel.prepare(accelerator, model, optimizer, scheduler)
+
+    def masters_from_cast(self, resuming: bool) -> bool:
+        return not resuming and str(self.cfg.precision.name.value) in ("bf16", "fp16")
+
+    def compute_dtype(self, model: Any) -> Any:
+        return next(model.parameters()).dtype
+
+    def clip(self, accelerator: Any, model: Any, limit: float) -> Any:
+        return None  # DeepSpeed clips inside its step (gradient_clipping in its JSON)
+
+    def grad_norm(self, accelerator: Any, measured: Any) -> float | None:  # noqa: ARG002
+        norm = inner.engine(accelerator).get_global_grad_norm()
+        return float(norm) if norm is not None else None
+
+    def owns_schedule(self, accelerator: Any) -> bool:
+        # The schedule handed to `prepare` (its JSON's or ours); per-group schedules come after it, and are ours.
+        return inner.engine(accelerator).lr_scheduler is not None
+
+    def engine(self, accelerator: Any) -> Any:
+        return inner.engine(accelerator)
+
+    def keep_trainable_only(self, accelerator: Any) -> dict[str, Any]:  # noqa: ARG002
+        return {"exclude_frozen_parameters": True}
+
+    def load(self, accelerator: Any, path: Path, partial: bool) -> None:
+        accelerator.load_state(str(path), **({"load_module_strict": False} if partial else {}))
+        restore_optimizer_clocks(inner.engine(accelerator))
+
+
+def plugin(ds: dict[str, Any]) -> Any:
+    """A DeepSpeedPlugin for `ds` with every field explicit (nothing read from the environment)."""
+    from accelerate.utils import DeepSpeedPlugin
+
+    zero = ds["zero_optimization"]
+    offload_optimizer = zero.get("offload_optimizer", {})
+    offload_param = zero.get("offload_param", {})
+    return DeepSpeedPlugin(
+        hf_ds_config=ds,
+        gradient_accumulation_steps=ds["gradient_accumulation_steps"],
+        gradient_clipping=ds["gradient_clipping"],
+        zero_stage=zero["stage"],
+        is_train_batch_min=True,
+        offload_optimizer_device=offload_optimizer.get("device", "none"),
+        offload_param_device=offload_param.get("device", "none"),
+        offload_optimizer_nvme_path=offload_optimizer.get("nvme_path", "none"),
+        offload_param_nvme_path=offload_param.get("nvme_path", "none"),
+        zero3_init_flag=zero["stage"] == 3,
+        zero3_save_16bit_model=bool(zero.get("stage3_gather_16bit_weights_on_model_save", False)),
+        # None, not "": Accelerate would look for a layer class named "" (a UNet has no MoE layers).
+        transformer_moe_cls_names=None,
+        enable_msamp=False,
+        msamp_opt_level="O1",
+    )
+
+
+@contextlib.contextmanager
+def outside_zero3(deepspeed_plugin: Any) -> Iterator[None]:
+    """Build frozen models whole: loaded while a ZeRO-3 config is live, transformers would partition
+    them with zero.Init and their forward would fail on shapes (diffusers#1865). A no-op without ZeRO-3."""
+    if deepspeed_plugin is None or deepspeed_plugin.zero_stage != 3:
+        yield
+        return
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    with deepspeed_plugin.zero3_init_context_manager(enable=False):
+        unset_hf_deepspeed_config()
+        yield
+
+
+def _prepare_nvme(cfg: DictConfig, accelerator: Any) -> None:
+    """Before DeepSpeed starts: the async_io op must load, and stale swap from earlier runs must go."""
+    if "nvme" not in (cfg.resolved.optimizer_state_on, cfg.resolved.params_on):
+        return
+    import torch
+
+    from ds_trainer.config import nvme
+
+    if cfg.resolved.optimizer_state_on == "nvme":
+        nvme_swap.align_gradient_reads()  # DeepSpeed's swapped-gradient read misses unaligned slices
+    if accelerator.local_process_index == 0:
+        error = nvme.aio_load_error(gpu=torch.cuda.is_available())
+        if error:
+            raise TrainingError(f"offload=nvme: {error}")
+        for stale in nvme.remove_stale_swap(cfg.offload.nvme_path):
+            log.warning("removed stale NVMe swap folder %s (left by an earlier run; it breaks resumes)", stale)
+    accelerator.wait_for_everyone()
+
+
+def _check_swap_space(cfg: DictConfig, accelerator: Any) -> None:
+    """Right before DeepSpeed writes its NVMe swap, check the room again: the disk may have filled up since
+    the configuration was checked, and DeepSpeed does not notice a full swap disk (the files end short
+    and it aborts the process on reading one back: no message, no summary)."""
+    from ds_trainer.config import validation
+
+    why = validation.swap_problem(cfg) if accelerator.local_process_index == 0 else None
+    if accel.any_rank(accelerator, why is not None):
+        raise TrainingError(f"offload.nvme_path={cfg.offload.nvme_path} {why or 'is full on another node'}: the disk "
+                            "filled up after the configuration was checked; nothing was trained and no checkpoint "
+                            "was touched. Free space there or set offload.nvme_path to a larger disk, then run "
+                            "again (resume=latest continues)")
+
+
+def restore_optimizer_clocks(engine: Any, optimizer_step: int | None = None) -> None:
+    """After a DeepSpeed checkpoint load, restore what `load_checkpoint` leaves out, so that a resumed run
+    takes the same steps as an uninterrupted one, bit for bit.
+
+    - The learning rate the optimizer holds: DeepSpeed restores its LR scheduler's position but not the
+      rate the scheduler had set for the next step (visible during warmup).
+    - DeepSpeed's C++ Adam (`DeepSpeedCPUAdam` for CPU and NVMe offload, `FusedAdam` on the CPU accelerator) keeps
+      beta1**t and beta2**t as running float32 products inside a C++ object that a new process creates
+      afresh; its first step after a resume computes them with pow() instead, which differs from the
+      running product in the last bit for most t, and the bias correction with it. Replaying steps 1..t
+      on empty tensors rebuilds the same running products. (CUDA's FusedAdam computes pow() every step
+      and needs nothing.) The step t comes from the optimizer's state, or where that is swapped out to NVMe (not
+      in `base.state` between steps), from `optimizer_step` (the portable state's count).
+    """
+    import torch
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
+
+    if engine.lr_scheduler is not None:
+        engine.lr_scheduler.step(engine.lr_scheduler.last_batch_iteration)
+    base = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    steps = {int(s["step"]) for s in base.state.values() if isinstance(s, dict) and "step" in s}
+    if not steps and optimizer_step:
+        steps = {optimizer_step}
+    if len(steps) != 1 or not base.param_groups:
+        return
+    (t,), group, empty = steps, base.param_groups[0], torch.empty(0)
+    beta1, beta2 = group["betas"]
+    hyper = (group["lr"], beta1, beta2, group["eps"])
+    if isinstance(base, DeepSpeedCPUAdam):
+        for s in range(1, t + 1):
+            base.ds_opt_adam.adam_update(base.opt_id, s, *hyper, group["weight_decay"], group["bias_correction"],
+                                         empty, empty, empty, empty)
+    elif isinstance(base, FusedAdam) and get_accelerator().device_name() == "cpu":
+        lists = [[empty] for _ in range(4)]
+        for s in range(1, t + 1):
+            base.multi_tensor_adam(2048, base._dummy_overflow_buf, lists, *hyper, s, base.adam_w_mode,
+                                   int(group["bias_correction"]), group["weight_decay"])
+
+
+# --- where DeepSpeed keeps a parameter's fp32 master (the portable state, the LoRA file, schedule-free read it)
+
+
+def mapped(p: Any) -> bool:
+    """Whether DeepSpeed keeps this parameter's fp32 master apart (ZeRO-1/2/3, BF16_Optimizer)."""
+    return hasattr(p, "ds_id") or hasattr(p, "_hp_mapping")
+
+
+def flat_places(engine: Any) -> dict[int, tuple[Any, int, int]]:
+    """ZeRO-0 with bf16/fp16 (DeepSpeed's FP16_Optimizer keeps one flat fp32 master per group, and the Adam
+    state on it): each parameter's (flat master, offset, numel), by the parameter's id. Empty elsewhere."""
+    outer = engine.optimizer if engine is not None else None
+    flats, groups = getattr(outer, "fp32_groups_flat", None), getattr(outer, "fp16_groups", None)
+    places: dict[int, tuple[Any, int, int]] = {}
+    if flats is None or groups is None:  # ZeRO-3 has fp16_groups too, but partitioned masters
+        return places
+    for flat, params in zip(flats, groups, strict=True):
+        offset = 0
+        for p in params:  # flattened in this order, without padding
+            places[id(p)] = (flat, offset, p.numel())
+            offset += p.numel()
+    return places
+
+
+def unfused_masters(engine: Any) -> dict[int, Any]:
+    """ZeRO-0 with bf16/fp16 and an optimizer ds_trainer built (DeepSpeed's FP16_UnfusedOptimizer keeps an fp32
+    master per parameter, and the optimizer's state on it): each 16-bit parameter's master, by its id. Empty
+    without such an optimizer (or without DeepSpeed: `engine` None)."""
+    outer: Any = engine.optimizer if engine is not None else None
+    if type(outer).__name__ != "FP16_UnfusedOptimizer":
+        return {}
+    return {id(p): master for group, masters in zip(outer.fp16_groups, outer.fp32_groups, strict=True)
+            for p, master in zip(group, masters, strict=True)}

@@ -1,0 +1,130 @@
+"""The on-disk cache of VAE latents and text embeddings, as the model family encodes them."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from ds_trainer.train.data.images import FolderImages, SyntheticImages
+from ds_trainer.train.families import common, text_encoders
+from ds_trainer.train.families.base import Family
+
+log = logging.getLogger(__name__)
+
+
+class LatentCache:
+    """VAE latents and text embeddings, one file per sample under `data.cache_dir/<key>`.
+
+    Without buckets the key hashes the model, resolution and data, so a change to any of them makes a
+    new cache. With buckets the key hashes the model alone and each sample's file, under its bucket's
+    folder, is named by a hash of its image, caption and crop: a later run, or a run on a folder
+    with images added, encodes only what it has not seen. A cache is complete when its manifest
+    exists; files are written atomically, so an interrupted build resumes where it stopped.
+    """
+
+    def __init__(self, cfg: DictConfig, data: SyntheticImages | FolderImages, family: Family) -> None:
+        self.names = data.cache_names() if isinstance(data, FolderImages) else None
+        model: Any = OmegaConf.to_container(cfg.model, resolve=True)
+        # The encoders' dtype is part of what a latent is: a cache built on a GPU in bf16 and one built on a CPU
+        # in float32 must not be mixed in a shared cache_dir.
+        model["encoders_dtype"] = common.frozen_dtype_name(cfg, str(cfg.resolved.platform or "cpu"))
+        if str(getattr(cfg.model, "family", "sdxl")).split(".")[-1] == "sdxl":  # SDXL's keys as before families
+            model.pop("family", None)
+            model.pop("flow", None)
+        # A trained encoder's samples hold its token ids instead of its embeddings: another cache. (Absent when
+        # both are frozen, so the caches built before text-encoder training keep their keys.)
+        trained = text_encoders.trained(cfg)
+        if trained:
+            model["trained_text_encoders"] = list(trained)
+        identity = {"model": model, "resolution": [int(cfg.resolution.width), int(cfg.resolution.height)],
+                    "data": data.identity()} if self.names is None else {"model": model}
+        key = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
+        size = "buckets" if self.names is not None else f"{cfg.resolution.width}x{cfg.resolution.height}"
+        self.dir = Path(cfg.data.cache_dir) / f"{cfg.model.name}-{size}-{key}"
+        self.manifest = self.dir / "manifest.json"
+        if self.names is not None:  # one manifest per set of samples: the folder is shared by many sets
+            self.manifest = self.dir / f"manifest-{hashlib.sha256('|'.join(self.names).encode()).hexdigest()[:16]}.json"
+        self.n = len(data)
+        self.family = family
+
+    @property
+    def complete(self) -> bool:
+        return self.manifest.exists()
+
+    def path(self, index: int) -> Path:
+        return self.dir / (f"{self.names[index]}.pt" if self.names is not None else f"{index:08d}.pt")
+
+    def build(self, data: SyntheticImages | FolderImages, frozen: Any, rank: int, world: int,
+              device: torch.device, batch_size: int = 8) -> int:
+        """Encode this rank's share of the samples not cached yet; returns how many it encoded.
+        Samples are encoded in batches of one shape (one bucket folder)."""
+        family = self.family
+        self.dir.mkdir(parents=True, exist_ok=True)
+        todo = sorted((i for i in range(rank, self.n, world) if not self.path(i).exists()),
+                      key=lambda i: (self.path(i).parent.name, i))
+        chunks = [list(group) for _, group in itertools.groupby(todo, key=lambda i: self.path(i).parent)]
+        for group in chunks:
+            self.path(group[0]).parent.mkdir(parents=True, exist_ok=True)
+            for start in range(0, len(group), batch_size):
+                part = group[start:start + batch_size]
+                chunk = [data[i] for i in part]
+                latents = family.encode_images(frozen, torch.stack([e.pixels for e in chunk]))
+                text = family.text_inputs(frozen, [e.caption for e in chunk], device)
+                for j, index in enumerate(part):
+                    item = {"latents": latents[j].to("cpu", torch.float32).clone(),
+                            **{key: _on_cpu(value[j], family.storage_dtype(key)) for key, value in text.items()},
+                            "time_ids": chunk[j].time_ids.clone()}
+                    tmp = self.path(index).with_suffix(f".tmp{os.getpid()}")
+                    torch.save(item, tmp)
+                    tmp.replace(self.path(index))
+        return len(todo)
+
+    def disk_bytes(self) -> int:
+        """What the cached samples take on disk."""
+        return sum(self.path(i).stat().st_size for i in range(self.n) if self.path(i).exists())
+
+    def finish(self) -> None:
+        """Mark the cache complete (rank 0, after every rank built its share)."""
+        missing = [i for i in range(self.n) if not self.path(i).exists()]
+        if missing:
+            raise RuntimeError(f"latent cache {self.dir} lacks {len(missing)} samples after building")
+        tmp = self.dir / f".manifest.tmp{os.getpid()}"
+        tmp.write_text(json.dumps({"samples": self.n}))
+        tmp.replace(self.manifest)
+
+    def load(self, indices: list[int]) -> dict[str, torch.Tensor]:
+        items = [torch.load(self.path(i), map_location="cpu", weights_only=True) for i in indices]
+        return {key: torch.stack([item[key] for item in items]) for key in items[0]}
+
+
+def encode_batch(data: SyntheticImages | FolderImages, frozen: Any, indices: list[int],
+                 device: torch.device, family: Family | None = None) -> dict[str, torch.Tensor]:
+    """The same tensors as LatentCache.load, computed now (data.cache=false), as `family` encodes them (SDXL's
+    when not given)."""
+    if family is None:
+        from ds_trainer.train.families.sdxl import SDXL
+
+        family = SDXL()
+    examples = [data[i] for i in indices]
+    latents = family.encode_images(frozen, torch.stack([e.pixels for e in examples]))
+    text = family.text_inputs(frozen, [e.caption for e in examples], device)
+    # On the CPU in float32, as the cache holds them: the step draws its noise on the CPU, and on a GPU the
+    # encoders' CUDA tensors would meet it there (diffusers' add_noise moves only the schedule's tensors).
+    return {"latents": latents.to("cpu", torch.float32),
+            **{key: _on_cpu(value, family.storage_dtype(key)) for key, value in text.items()},
+            "time_ids": torch.stack([e.time_ids for e in examples])}
+
+
+def _on_cpu(value: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A tensor as the cache holds it: on the CPU, float32 if floating (or the family's `dtype` for it: SD3's long
+    text sequence in bf16), token ids as integers, not a view."""
+    floating = dtype or torch.float32
+    return value.to("cpu", floating if value.is_floating_point() else value.dtype).clone()

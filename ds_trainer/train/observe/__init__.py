@@ -1,0 +1,1 @@
+"""What a run reports while it trains: metrics, samples, the held-out validation loss, start-up marks."""

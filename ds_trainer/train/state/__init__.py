@@ -1,0 +1,1 @@
+"""What a run keeps and restores: checkpoints, their portable state, resumes, the EMA, content hashes."""

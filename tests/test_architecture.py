@@ -1,0 +1,150 @@
+"""The shape of the code, held by tests (STYLE.md made executable): the layers of a run and no import circle
+(import-linter's contracts in pyproject.toml, and grimp's graph), no function over 60 lines, no code outside
+`train/backends/` asking which backend runs, no use of another module's private names, and docs/architecture.md
+naming every module. Each fails with the places that break the rule."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "ds_trainer"
+MODULES = sorted(p for p in PACKAGE.rglob("*.py") if "assets" not in p.parts)
+
+
+def _name(path: Path) -> str:
+    return str(path.relative_to(PACKAGE))
+
+
+def test_imports_point_down_the_layers_of_a_run() -> None:
+    from importlinter import cli
+
+    assert cli.lint_imports(config_filename=str(ROOT / "pyproject.toml"), no_cache=True) == 0, \
+        "an import points up a layer (the contracts' report above names it)"
+
+
+def test_no_two_modules_import_each_other_through_any_chain() -> None:
+    import grimp
+
+    graph = grimp.build_graph("ds_trainer", exclude_type_checking_imports=True)
+    imports = {m: set(graph.find_modules_directly_imported_by(m)) for m in graph.modules}
+    circles = [sorted(group) for group in _strongly_connected(imports) if len(group) > 1]
+    assert circles == [], f"import circles: {circles}"
+
+
+def _strongly_connected(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Tarjan's components, iteratively (the graph has a few hundred modules)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for root in sorted(edges):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(edges[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(edges.get(child, ())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                group = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    group.append(member)
+                    if member == node:
+                        break
+                found.append(group)
+    return found
+
+
+def test_the_strongly_connected_search_finds_a_circle() -> None:
+    """The circle check can fail: a planted circle a -> b -> c -> a is found, a chain is not."""
+    circles = [g for g in _strongly_connected({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) if len(g) > 1]
+    assert [sorted(g) for g in circles] == [["a", "b", "c"]]
+    assert all(len(g) == 1 for g in _strongly_connected({"a": {"b"}, "b": {"c"}, "c": set()}))
+
+
+def test_no_function_is_over_60_lines() -> None:
+    long = []
+    for path in MODULES:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+                if node.end_lineno is not None and node.end_lineno - first + 1 > 60:
+                    long.append(f"{_name(path)}:{node.lineno} {node.name} ({node.end_lineno - first + 1} lines)")
+    assert long == [], "functions over 60 lines (STYLE.md): " + "; ".join(long)
+
+
+# What asks which backend runs: the DeepSpeed JSON used as a flag, Accelerate's DeepSpeed wrapper or FSDP2 flag, the
+# resolved backend's name compared, a `deepspeed: bool` parameter.
+_BACKEND_QUESTION = re.compile(r"\bds is (not )?None|deepspeed_engine_wrapped|is_fsdp2|DistributedType\."
+                               r"|resolved\.backend\s*[=!]=|backend\s*[=!]=\s*\"(deepspeed|fsdp|ddp)\"|deepspeed: bool")
+
+
+def test_only_the_backends_ask_which_backend_runs() -> None:
+    asked = []
+    for path in sorted((PACKAGE / "train").rglob("*.py")):
+        if "backends" in path.parts:
+            continue
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if _BACKEND_QUESTION.search(line.split("#")[0]):
+                asked.append(f"{_name(path)}:{number}: {line.strip()}")
+    assert asked == [], "asked outside train/backends/: " + "; ".join(asked)
+
+
+def test_the_backend_question_pattern_matches_what_it_names() -> None:
+    for line in ("if ds is not None:", "x = accelerator.deepspeed_engine_wrapped.engine", 'if backend != "fsdp":',
+                 "if cfg.resolved.backend == 'x'", "def f(deepspeed: bool) -> None:", "accelerator.is_fsdp2"):
+        assert _BACKEND_QUESTION.search(line), line
+    assert not _BACKEND_QUESTION.search("backend = backends.of(cfg, ds)")
+
+
+def test_no_module_uses_another_modules_private_names() -> None:
+    """`from ds_trainer.x import _y` or `x._y` on a ds_trainer module imported as `x` (a library's private name,
+    DeepSpeed's internals that a workaround needs, is the workaround's own business and says why)."""
+    used = []
+    for path in MODULES:
+        tree = ast.parse(path.read_text())
+        ours: set[str] = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("ds_trainer"):
+                for alias in node.names:
+                    if alias.name.startswith("_") and not alias.name.startswith("__"):
+                        used.append(f"{_name(path)}:{node.lineno} imports {node.module}.{alias.name}")
+                    ours.add(alias.asname or alias.name)
+            elif isinstance(node, ast.Import):
+                ours.update(a.asname or a.name for a in node.names if a.name.startswith("ds_trainer"))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in ours \
+                    and node.attr.startswith("_") and not node.attr.startswith("__"):
+                used.append(f"{_name(path)}:{node.lineno} uses {node.value.id}.{node.attr}")
+    assert used == [], "private names used across modules: " + "; ".join(used)
+
+
+def test_the_architecture_page_names_every_module() -> None:
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    missing = []
+    for path in MODULES:
+        if path.name == "__init__.py" and path.parent.name != "backends":
+            continue
+        if path.name not in page:
+            missing.append(_name(path))
+    assert missing == [], "docs/architecture.md does not name: " + ", ".join(missing)
