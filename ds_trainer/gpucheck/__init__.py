@@ -5,3 +5,10 @@ UNet, then Flux-dev if time remains), each in a process of its own under its own
 budget. After every step DIR/results.json and DIR/results.md are rewritten, so a check cut short keeps what it
 measured. `--cpu` runs the same sequence with what a CPU can run (the tiny models). See docs/gpu-check.md.
 """
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The command line (cli.main), importable from the package as the other commands' are."""
+    from ds_trainer.gpucheck.cli import main as cli_main
+
+    return cli_main(argv)

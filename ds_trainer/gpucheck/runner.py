@@ -89,9 +89,14 @@ def error_line(log: Path, summary: dict[str, Any]) -> str | None:
     if summary.get("message") and summary.get("status") != "ok":
         return str(summary["message"]).strip().splitlines()[0][:300]
     lines = [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()]
-    named = [line for line in lines if ERROR.search(line) and "Warning" not in line]
-    pick = named[-1] if named else (lines[-1] if lines else None)
-    return pick[:300] if pick else None
+    named = [i for i, line in enumerate(lines) if ERROR.search(line) and "Warning" not in line]
+    at = named[-1] if named else len(lines) - 1
+    if at < 0:
+        return None
+    pick = lines[at]
+    if pick.endswith(":"):  # ds_trainer's "N problem(s) in the configuration:" names them on the next lines
+        pick = " ".join(lines[at:at + 3])
+    return pick[:300]
 
 
 def _gib(mib: Any) -> float | None:

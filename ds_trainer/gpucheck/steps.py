@@ -108,8 +108,9 @@ def real_size_steps(cpu: bool) -> list[Step]:
     the tiny model at 128 px, for the mechanics): s/it, peak memory, MFU beside the planner's figures."""
     # On a CPU: 256 px without checkpointing, so that the planner's activations (logged in GiB to two places)
     # are not 0.00 and the cell gives a calibration line.
-    model = {"model": "sdxl_tiny", "resolution": "px256", "train.gradient_checkpointing": "false"} if cpu else {
-        "model": "sdxl_base"}
+    # Three steps: the third is timed.
+    model = {"model": "sdxl_tiny", "resolution": "px256", "train.gradient_checkpointing": "false",
+             "train.max_steps": "3"} if cpu else {"model": "sdxl_base"}
     t = _timeouts(cpu)
     cells = [("sdxl_zero2", 35, {"zero": "stage2"}, "zero=stage2"),
              ("sdxl_zero2_cpu", 40, {"zero": "stage2", "offload": "cpu"}, "zero=stage2 offload=cpu"),
