@@ -12,6 +12,7 @@ from ds_trainer.gpucheck import results, runner
 from ds_trainer.gpucheck.steps import GPU_BUDGET_S, Step, sequence
 
 MIN_STEP_S = 5.0  # less left than this: the step is not started
+STOP_S = 6.0  # what stopping a step at its timeout may take (runner.GRACE_S, then SIGKILL): kept out of its timeout
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -63,11 +64,11 @@ def check(args: argparse.Namespace) -> int:
     for step in steps:
         left = budget - (time.monotonic() - start)
         timeout = max(left, step.timeout_s) if step.greedy else step.timeout_s
-        timeout = min(timeout, left - 1.0)  # stopping a step takes a moment: the budget holds
+        timeout = min(timeout, left - STOP_S)  # so that the budget holds when the step is stopped
         if (missing := runner.missing_modules(step)):
             row = {"step": step.name, "group": step.group, "what": step.what, "status": "skipped",
                    "error": f"{', '.join(missing)} not installed (its wheel set: docs/gpu-check.md)"}
-        elif left - 1.0 < MIN_STEP_S:
+        elif left - STOP_S < MIN_STEP_S:
             row = {"step": step.name, "group": step.group, "what": step.what, "status": "skipped",
                    "error": f"budget spent ({max(left, 0):.0f} s left of {budget:.0f} s)"}
         else:

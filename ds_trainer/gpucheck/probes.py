@@ -13,6 +13,7 @@ import importlib
 import json
 import os
 import platform
+import shutil
 import socket
 import subprocess
 import sys
@@ -41,6 +42,13 @@ def _driver() -> str | None:
         return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
     except (OSError, subprocess.TimeoutExpired):
         return None
+
+
+def _nccl() -> str:
+    import torch
+
+    version = torch.cuda.nccl.version()  # a tuple in recent torch, an int (2.18.3 -> 21803) in older ones
+    return ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
 
 
 def matmul_tflops() -> float:
@@ -100,8 +108,8 @@ def machine(flops: list[str]) -> dict[str, Any]:
     if cuda:
         props = torch.cuda.get_device_properties(0)
         data.update(gpu_name=torch.cuda.get_device_name(0), gpu_memory_gib=round(props.total_memory / 2**30, 1),
-                    capability=f"{props.major}.{props.minor}", nccl=".".join(map(str, torch.cuda.nccl.version())),
-                    driver=_driver(), nvcc=bool(subprocess.run(["which", "nvcc"], capture_output=True).stdout))
+                    capability=f"{props.major}.{props.minor}", nccl=_nccl(), driver=_driver(),
+                    nvcc=shutil.which("nvcc"), cuda_home=os.environ.get("CUDA_HOME"))
     data["peak_tflops"] = round(matmul_tflops(), 3)
     data["tflop_per_image"] = {}
     for item in flops:

@@ -23,6 +23,7 @@ from typing import Any
 from ds_trainer.gpucheck.steps import Step
 
 MIB = 2**20
+GRACE_S = 3.0  # SIGTERM to SIGKILL: a run stopped at its timeout may not write a checkpoint on the budget's time
 # The line a run logs at its start (tools/plan.py: log_for_run / describe): the planner's estimate of this run.
 PLAN = re.compile(r"memory plan \(python -m ds_trainer\.plan\)[^:]*: about ([\d.]+) GiB GPU per rank \(params "
                   r"([\d.]+), grads ([\d.]+), optimizer ([\d.]+), activations ([\d.]+), buffers ([\d.]+) GiB\), "
@@ -71,7 +72,7 @@ def execute(cmd: list[str], log: Path, timeout: float) -> tuple[int | None, floa
             if time.monotonic() - start > timeout:
                 break
             time.sleep(0.2)
-        for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 10.0)):
+        for sig, wait in ((signal.SIGTERM, GRACE_S), (signal.SIGKILL, 10.0)):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, sig)
             deadline = time.monotonic() + wait
@@ -114,31 +115,39 @@ def planned(log: Path) -> dict[str, float] | None:
     return dict(zip(keys, (float(v) for v in match.groups()), strict=True))
 
 
-def timed(run: Path, warmup: int = 2) -> tuple[float | None, float | None]:
-    """Median s/it and images/s after `warmup` steps from metrics.jsonl (there also when the run was stopped)."""
+def from_metrics(run: Path, warmup: int = 2) -> dict[str, float | None]:
+    """Median s/it and images/s after `warmup` steps, and the memory peaks, from metrics.jsonl: it is written step
+    by step, so a run stopped at its timeout still has them (summary.json is written at the end)."""
     path = run / "metrics.jsonl"
-    if not path.exists():
-        return None, None
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip().startswith("{")]
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip().startswith("{")] if (
+        path.exists()) else []
     rows = [r for r in rows if "s_per_it" in r]
     late = [r for r in rows if r.get("step", 0) > warmup] or rows
-    if not late:
-        return None, None
-    return statistics.median(r["s_per_it"] for r in late), statistics.median(r.get("images_per_s", 0) for r in late)
+
+    def peak(key: str) -> float | None:
+        values = [r[key] for r in rows if r.get(key) is not None]
+        return max(values) if values else None
+    return {"s_per_it": statistics.median(r["s_per_it"] for r in late) if late else None,
+            "images_per_s": statistics.median(r.get("images_per_s", 0) for r in late) if late else None,
+            **{key: peak(key) for key in ("gpu_mem_peak_allocated_mib", "gpu_mem_peak_reserved_mib",
+                                          "host_rss_peak_mib")}}
 
 
 def train_row(step: Step, run: Path) -> dict[str, Any]:
     """What a training run left in its folder: status, speed, memory, the planner's estimate, samples written."""
     summary_path = run / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
-    s_per_it, images_per_s = timed(run)
+    measured = from_metrics(run)
+    s_per_it = measured["s_per_it"]
+    figures = {k: summary.get(k) if summary.get(k) is not None else measured[k] for k in (
+        "gpu_mem_peak_allocated_mib", "gpu_mem_peak_reserved_mib", "host_rss_peak_mib")}
     plan = planned(run / "ds_trainer.log")
-    alloc = _gib(summary.get("gpu_mem_peak_allocated_mib"))
+    alloc = _gib(figures["gpu_mem_peak_allocated_mib"])
     row: dict[str, Any] = {
         "run_status": summary.get("status"), "steps_done": summary.get("steps"), "run_summary": summary,
-        "s_per_it": round(s_per_it, 4) if s_per_it else None, "images_per_s": images_per_s,
-        "gpu_alloc_gib": alloc, "gpu_reserved_gib": _gib(summary.get("gpu_mem_peak_reserved_mib")),
-        "host_rss_gib": _gib(summary.get("host_rss_peak_mib")), "plan": plan,
+        "s_per_it": round(s_per_it, 4) if s_per_it else None, "images_per_s": measured["images_per_s"],
+        "gpu_alloc_gib": alloc, "gpu_reserved_gib": _gib(figures["gpu_mem_peak_reserved_mib"]),
+        "host_rss_gib": _gib(figures["host_rss_peak_mib"]), "plan": plan,
         "plan_gib": plan["gpu"] if plan else None,
         "measured_over_planned": round(alloc / plan["gpu"], 3) if alloc and plan and plan["gpu"] else None}
     notes = []
