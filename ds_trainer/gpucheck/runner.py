@@ -100,6 +100,14 @@ def error_line(log: Path, summary: dict[str, Any]) -> str | None:
     return pick[:300]
 
 
+def last_line(path: Path) -> str | None:
+    """The last line a process wrote (a progress bar's last redraw), cut to 300 characters."""
+    if not path.exists():
+        return None
+    parts = [p.strip() for p in path.read_text(errors="replace").replace("\r", "\n").splitlines() if p.strip()]
+    return parts[-1][:300] if parts else None
+
+
 def _gib(mib: Any) -> float | None:
     return round(float(mib) / 1024, 3) if mib is not None else None
 
@@ -194,9 +202,11 @@ def run_step(step: Step, out: Path, timeout: float) -> dict[str, Any]:
     extra = train_row(step, out / "runs" / step.name) if step.kind == "train" else (
         probe_row(log) if step.kind == "probe" else {})
     row.update({k: v for k, v in extra.items() if v is not None or k not in row})
-    if status is None:
+    if status is None:  # what it was doing: its last line, or its run log's when it printed nothing
+        run_log = out / "runs" / step.name / "ds_trainer.log"
+        last = last_line(log) or last_line(run_log)
         row["status"] = "timeout"
-        row["error"] = f"no result within {timeout:.0f} s; stopped (last output: {error_line(log, {}) or 'none'})"
+        row["error"] = f"no result within {timeout:.0f} s; stopped (last output: {last or 'none'})"
     elif status == 0 and extra.get("run_status", "ok") == "ok":
         row["status"] = "ok"
     else:
