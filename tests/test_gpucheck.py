@@ -56,7 +56,9 @@ def _rows(check: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 def test_results_are_rewritten_after_every_step(check: dict[str, Any]) -> None:
     """A check cut short keeps what it measured: results.json grew one step at a time while the check ran."""
-    assert check["seen"][:3] == [1, 2, 3], check["output"]
+    # The first two steps end seconds apart; the last two may be written within one look (a skip is immediate).
+    assert check["seen"][:2] == [1, 2] and check["seen"] == sorted(check["seen"]), (check["seen"], check["output"])
+    assert check["seen"][-1] == len(STEPS)
     assert [row["step"] for row in check["results"]["steps"]] == STEPS
     for step in STEPS:
         assert f"| {step} |" in check["md"]

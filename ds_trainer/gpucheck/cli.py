@@ -65,6 +65,7 @@ def check(args: argparse.Namespace) -> int:
         left = budget - (time.monotonic() - start)
         timeout = max(left, step.timeout_s) if step.greedy else step.timeout_s
         timeout = min(timeout, left - STOP_S)  # so that the budget holds when the step is stopped
+        row: dict[str, Any]
         if (missing := runner.missing_modules(step)):
             row = {"step": step.name, "group": step.group, "what": step.what, "status": "skipped",
                    "error": f"{', '.join(missing)} not installed (its wheel set: docs/gpu-check.md)"}

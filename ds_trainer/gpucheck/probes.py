@@ -160,7 +160,8 @@ def mechanisms() -> dict[str, Any]:
     # C3: an FSDP2 parameter under CPUOffloadPolicy: its local shard lives on the CPU, its mesh says "cuda".
     layer = torch.nn.Linear(64, 64)
     fully_shard(layer, offload_policy=CPUOffloadPolicy(pin_memory=cuda))
-    local, mesh = layer.weight.to_local().device.type, layer.weight.device_mesh.device_type
+    weight: Any = layer.weight  # a DTensor now
+    local, mesh = weight.to_local().device.type, weight.device_mesh.device_type
     findings["C3"] = (f"reproduced: the shard is on {local}, its mesh on {mesh} (a shard built on the mesh's device "
                       "is on the wrong one)" if local != mesh else f"not reproduced: shard and mesh both on {local}")
     dist.destroy_process_group()
