@@ -27,7 +27,7 @@ RUN :=
 endif
 PIP := $(PY) -m pip install --disable-pip-version-check -c $(CONSTRAINTS)
 
-.PHONY: setup system-deps python ops run test test-long lint lock upgrade
+.PHONY: setup system-deps python ops run test test-long lint lock upgrade wheelhouse gpucheck
 
 # torch first, and only when missing: a torch the user already has (CUDA build, nightly) is kept, and nothing
 # below pulls a second one (the constraints leave torch out). DeepSpeed builds against that torch (no build
@@ -81,6 +81,16 @@ test: setup
 # time limit, a longer fuzz).
 test-long: setup
 	$(RUN) $(PY) -m pytest -n 2 --dist loadgroup -m long $(PYTEST_ARGS)
+
+# The wheels a GPU machine without network lacks, for CPython 3.12 manylinux x86-64 at the versions of
+# constraints.txt, in sets of at most 60 MiB: .wheelhouse/core (the run path), bnb (optimizer=adamw8bit), wandb
+# (logger=wandb). Needs the network here; docs/gpu-check.md says how to install and run them there.
+wheelhouse: setup
+	$(RUN) $(PY) -m ds_trainer.gpucheck.wheelhouse --out .wheelhouse --constraints $(CONSTRAINTS)
+
+# The GPU check's CPU form (python -m ds_trainer.gpucheck --cpu): every step a CPU can run, tiny models.
+gpucheck: setup
+	$(RUN) $(PY) -m ds_trainer.gpucheck --cpu --out outputs/gpucheck-cpu
 
 lint:
 	$(RUN) $(PY) -m ruff check ds_trainer tests
