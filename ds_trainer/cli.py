@@ -27,6 +27,7 @@ from ds_trainer.config import (
     schema,
     validation,
 )
+from ds_trainer.config.problems import ConfigError, Problem, Report, first_problem
 from ds_trainer.errors import NodesError, TrainingError
 from ds_trainer.launch import sweep
 from ds_trainer.train import checkpoint, startup
@@ -49,12 +50,12 @@ def prepare(cfg: DictConfig, run_dir: Path) -> tuple[DictConfig, dict | None]:
     """Validate `cfg` and write the run files; raises ConfigError with the report on a user mistake."""
     report = validation.check(cfg)
     if not report.ok:
-        raise validation.ConfigError(report.render())
+        raise ConfigError(report.render())
     cfg = report.cfg
     # A resume under another optimizer or architecture is refused here, before anything starts.
     problems, carried = portability.check(cfg, checkpoint.find_resume(cfg, run_dir) if cfg.resume else None)
     if problems:
-        raise validation.ConfigError(validation.Report(cfg, problems).render())
+        raise ConfigError(Report(cfg, problems).render())
     cfg.resolved.warnings = [*report.warnings, *carried]  # recorded in config.yaml
     for warning in cfg.resolved.warnings:
         log.warning("%s", warning)
@@ -79,10 +80,9 @@ def _lock(run_dir: Path) -> None:
         elif distributed.one_machine():
             runlock.follow(run_dir)
     except runlock.Busy as busy:
-        problem = validation.Problem("hydra.run.dir", str(run_dir), f"another run is training in this folder: {busy}",
-                                     "wait for it to end (or stop it); resume=latest then continues from its "
-                                     "checkpoints")
-        raise validation.ConfigError(overrides.render([problem])) from None
+        problem = Problem("hydra.run.dir", str(run_dir), f"another run is training in this folder: {busy}",
+                          "wait for it to end (or stop it); resume=latest then continues from its checkpoints")
+        raise ConfigError(overrides.render([problem])) from None
 
 
 def run(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> None:
@@ -107,7 +107,7 @@ def run(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> None:
 
     rules, cfg.resolved.trainable_params = adapter.inspect(cfg)  # what needs the model's module names
     if rules:
-        raise validation.ConfigError(validation.Report(cfg, [validation.Problem(*r) for r in rules]).render())
+        raise ConfigError(Report(cfg, [Problem(*r) for r in rules]).render())
 
     recipe.run(cfg, ds, run_dir, metrics.run_name(overrides), memory_plan=plan.log_for_run)
 
@@ -138,7 +138,7 @@ def hydra_main(cfg: DictConfig) -> None:
     if hydra_cfg.mode != RunMode.MULTIRUN:
         try:
             run(cfg, run_dir, overrides)
-        except validation.ConfigError as exc:
+        except ConfigError as exc:
             print(exc, file=sys.stderr)
             raise SystemExit(2) from None
         except TrainingError as exc:  # the run's summary, already printed, says what failed and why
@@ -152,9 +152,9 @@ def hydra_main(cfg: DictConfig) -> None:
         return
     try:  # a submitit job is a process of its own: train here
         run(cfg, run_dir, overrides)
-    except validation.ConfigError as exc:
+    except ConfigError as exc:
         log.error("%s", exc)
-        sweep.failed_cell(cfg, run_dir, "error", validation.first_problem(str(exc)))
+        sweep.failed_cell(cfg, run_dir, "error", first_problem(str(exc)))
     except NodesError:
         raise  # the job fails with the message, which the launcher records where it can see
     except TrainingError as exc:

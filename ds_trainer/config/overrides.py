@@ -1,4 +1,4 @@
-"""Command-line mistakes at Hydra's layer, reported like validation's problems. Torch-free.
+"""Command-line mistakes at Hydra's layer, reported like the config checks' problems. Torch-free.
 
 Hydra parses the overrides and composes the config before our task function runs; its errors would
 end in a traceback (`zero=2`: "Config group override must be a string or a list. Got int") or in
@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from ds_trainer import CONF_DIR
-from ds_trainer.config.validation import Problem, Report
+from ds_trainer.config.problems import Problem, Report
 
 F = TypeVar("F", bound=Callable[..., Any])
 _OURS = "_DS_TRAINER_FULL_ERROR_SET"  # we set HYDRA_FULL_ERROR ourselves (not the user)
@@ -41,7 +41,7 @@ class TaskFailed(Exception):
 
 
 def render(problems: list[Problem]) -> str:
-    """The same one-screen report as validation's."""
+    """The same one-screen report as the config checks'."""
     import omegaconf
 
     return Report(omegaconf.OmegaConf.create(), problems).render()

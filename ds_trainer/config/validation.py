@@ -13,7 +13,6 @@ import importlib.util
 import math
 import os
 import re
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -31,50 +30,10 @@ from ds_trainer.config import (
     schema,
     toolkit,
 )
+from ds_trainer.config.problems import Problem, Report
 
 # Top-level keys that may hold anything (added by launchers and sweeps).
 _FREE_FORM = frozenset({"hydra"})
-
-
-@dataclass
-class Problem:
-    """One thing wrong with the configuration, as a user should read it."""
-
-    key: str
-    value: object
-    why: str
-    fix: str
-
-    def render(self) -> str:
-        return f"  - {self.key}={self.value}\n      why: {self.why}\n      fix: {self.fix}"
-
-
-@dataclass
-class Report:
-    """The outcome of `check`: the config to run (fallbacks applied), warnings, problems."""
-
-    cfg: DictConfig
-    problems: list[Problem] = field(default_factory=list)
-    warnings: list[str] = field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        return not self.problems
-
-    def render(self) -> str:
-        n = len(self.problems)
-        head = f"ds_trainer: {n} problem{'s' if n != 1 else ''} in the configuration, nothing was run:"
-        return "\n".join([head, *(p.render() for p in self.problems)])
-
-
-class ConfigError(Exception):
-    """A user mistake found before training; its message is the whole report."""
-
-
-def first_problem(report: str) -> str:
-    """The problems of a rendered report on one line each, without the heading (for a sweep table)."""
-    lines = [line.strip().removeprefix("- ") for line in report.splitlines()[1:] if line.strip()]
-    return "; ".join(lines)
 
 
 def world_size_of(cfg: DictConfig) -> int:

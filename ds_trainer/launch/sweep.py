@@ -71,7 +71,7 @@ def run_cell_process(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> No
     text = "".join(tail)
     report = re.search(r"^ds_trainer: \d+ problems? in the configuration.*", text, flags=re.M | re.S)
     if code == 2 and report:
-        from ds_trainer.config.validation import first_problem
+        from ds_trainer.config.problems import first_problem
 
         message = first_problem(report.group(0))
     else:

@@ -12,7 +12,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from ds_trainer.config.validation import Problem
+from ds_trainer.config.problems import Problem
 from ds_trainer.tools import calibration, tune_cell, tune_out
 from ds_trainer.tools.tune_space import GIB, MEASURE_KEYS, BadInput, Cell, override_key
 

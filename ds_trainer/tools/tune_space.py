@@ -9,7 +9,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from ds_trainer.config.validation import Problem
+from ds_trainer.config.problems import Problem, first_problem
 
 GIB = 2**30
 AXES = {"zero": "zero", "offload": "offload", "train.micro_batch_size": "micro_batch_size",
@@ -125,7 +125,7 @@ def plan_cells(cells: list[Cell], compose: Any, base: list[str], budget: float |
     for cell in cells:
         report = validation.check(compose(base + cell.overrides()), info)
         if not report.ok:
-            cell.status, cell.message = "invalid", validation.first_problem(report.render())
+            cell.status, cell.message = "invalid", first_problem(report.render())
             continue
         cfg = report.cfg
         zero = ds_config.zero_option(cfg)

@@ -24,6 +24,7 @@ import torch
 from omegaconf import DictConfig
 
 from ds_trainer.config import distributed, ds_config, hardware, nvme, op_cache, optimizers, validation
+from ds_trainer.config.problems import ConfigError
 from ds_trainer.errors import Stopped, TrainingError
 from ds_trainer.train import (
     accel,
@@ -251,7 +252,7 @@ def _run(cfg: DictConfig, ds: dict[str, Any] | None, run_dir: Path, name: str,
                 memory_plan(cfg, info, accelerator.num_processes)
         startup.mark("memory plan")
         _train(cfg, ds, run_dir, accelerator, info, tracker, resume_from)
-    except validation.ConfigError:
+    except ConfigError:
         raise  # a refused resume: the configuration's one-screen message, before anything ran
     except (Exception, KeyboardInterrupt) as exc:  # every failure is recorded in summary.json first
         failure = exc
