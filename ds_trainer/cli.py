@@ -105,9 +105,9 @@ def run(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> None:
     from ds_trainer.tools import plan
     from ds_trainer.train import adapter, metrics, recipe
 
-    rules, cfg.resolved.trainable_params = adapter.inspect(cfg)  # what needs the model's module names
-    if rules:
-        raise ConfigError(Report(cfg, [Problem(*r) for r in rules]).render())
+    problems, cfg.resolved.trainable_params = adapter.inspect(cfg)  # what needs the model's module names
+    if problems:
+        raise ConfigError(Report(cfg, problems).render())
 
     recipe.run(cfg, ds, run_dir, metrics.run_name(overrides), memory_plan=plan.log_for_run)
 

@@ -20,7 +20,6 @@ from omegaconf import DictConfig, OmegaConf
 from ds_trainer.config import (
     adapter_rules,
     buckets,
-    checkpoint_file,
     ds_config,
     hardware,
     holdout,
@@ -29,6 +28,7 @@ from ds_trainer.config import (
     samples,
     schema,
     toolkit,
+    weights_file,
 )
 from ds_trainer.config.problems import Problem, Report
 
@@ -135,7 +135,7 @@ def _family(cfg: DictConfig, out: list[Problem]) -> None:
     resolution-dependent shift and guidance input are Flux's."""
     family, flow = cfg.model.family.value, cfg.model.flow
     if cfg.model.get("transformer"):
-        out.extend(Problem(*p) for p in checkpoint_file.transformer_problems(cfg))
+        out.extend(weights_file.transformer_problems(cfg))
     if family == "sdxl":
         if flow is not None:
             out.append(Problem("model.flow", "{...}", "model.family=sdxl trains with DDPM noise (its scheduler's "
@@ -183,7 +183,7 @@ def _family(cfg: DictConfig, out: list[Problem]) -> None:
         out.append(Problem("model.vae", cfg.model.vae, why_sdxl + "uses its own VAE (its latent "
                            "scale and shift)",
                            "model.vae=null"))
-    if checkpoint_file.is_single_file(cfg.model.pretrained):
+    if weights_file.is_single_file(cfg.model.pretrained):
         out.append(Problem("model.pretrained", cfg.model.pretrained, f"model={cfg.model.name} loads its VAE and text "
                            "encoders from a diffusers folder or hub id; its transformer alone may come from one file",
                            "model.pretrained=<a diffusers folder or hub id> (stabilityai/stable-diffusion-3.5-medium, "
@@ -581,13 +581,13 @@ def _paths(cfg: DictConfig, out: list[Problem]) -> None:
         elif not Path(cfg.data.path).is_dir():
             out.append(Problem("data.path", cfg.data.path, "is not a folder", "data.path=/path/to/images"))
     pretrained = cfg.model.pretrained
-    if checkpoint_file.is_single_file(pretrained) and not Path(pretrained).exists():
+    if weights_file.is_single_file(pretrained) and not Path(pretrained).exists():
         out.append(Problem("model.pretrained", pretrained, "no such checkpoint file",
                            "model.pretrained=/path/to/sd_xl_base_1.0.safetensors"))
     elif pretrained and not Path(pretrained).exists() and not re.fullmatch(r"[\w.-]+/[\w.-]+", pretrained):
         out.append(Problem("model.pretrained", pretrained, "is neither a local folder nor a hub id (org/name)",
                            "model.pretrained=/path/to/diffusers/folder (or stabilityai/stable-diffusion-xl-base-1.0)"))
-    out.extend(Problem(*p) for p in checkpoint_file.problems(cfg))
+    out.extend(weights_file.problems(cfg))
     resume = cfg.resume
     if resume not in (None, "latest") and not Path(resume).is_dir():
         out.append(Problem("resume", resume, "is neither `latest` nor a checkpoint folder",
@@ -608,7 +608,7 @@ def check(cfg: DictConfig, info: hardware.PlatformInfo | None = None) -> Report:
     _numbers(cfg, problems)
     _resolution(cfg, problems)
     _family(cfg, problems)
-    problems.extend(Problem(*p) for p in buckets.problems(cfg))
+    problems.extend(buckets.problems(cfg))
     _platform(cfg, info, problems, warnings)
     _offload(cfg, problems, warnings)
     _fsdp(cfg, info, problems)
@@ -617,9 +617,9 @@ def check(cfg: DictConfig, info: hardware.PlatformInfo | None = None) -> Report:
     _cuda_ops(cfg, info, optimizer, problems, warnings)
     swap = _nvme(cfg, optimizer, problems, info.kind == "cuda") if not problems else 0
     _paths(cfg, problems)
-    problems.extend(Problem(*rule) for rule in adapter_rules.check(cfg))
-    problems.extend(Problem(*issue) for issue in samples.issues(cfg))
-    problems.extend(Problem(*issue) for issue in holdout.issues(cfg))
+    problems.extend(adapter_rules.problems(cfg))
+    problems.extend(samples.problems(cfg))
+    problems.extend(holdout.problems(cfg))
     optimizer_on, params_on = ds_config.placement(cfg)
     cfg.resolved.platform = info.kind
     cfg.resolved.backend = cfg.zero.backend.value

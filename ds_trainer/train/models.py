@@ -18,7 +18,7 @@ import torch
 from omegaconf import DictConfig
 
 from ds_trainer import console
-from ds_trainer.config import checkpoint_file
+from ds_trainer.config import weights_file
 
 
 @dataclass
@@ -42,7 +42,7 @@ class Frozen:
 
 def _source(cfg: DictConfig) -> tuple[str, dict[str, Any]]:
     """Where to load from, and the from_pretrained keyword arguments."""
-    if cfg.model.pretrained and not checkpoint_file.is_single_file(cfg.model.pretrained):
+    if cfg.model.pretrained and not weights_file.is_single_file(cfg.model.pretrained):
         kwargs = {"revision": cfg.model.revision, "variant": cfg.model.variant}
         return str(cfg.model.pretrained), {k: v for k, v in kwargs.items() if v}
     return str(cfg.model.architecture), {}
@@ -98,7 +98,7 @@ def load_frozen(cfg: DictConfig, deepspeed_plugin: Any = None) -> Frozen:
     with outside_zero3(deepspeed_plugin):
         tokenizer = CLIPTokenizer.from_pretrained(path, subfolder="tokenizer", **kwargs)
         tokenizer_2 = CLIPTokenizer.from_pretrained(path, subfolder="tokenizer_2", **kwargs)
-        if checkpoint_file.is_single_file(cfg.model.pretrained):
+        if weights_file.is_single_file(cfg.model.pretrained):
             state = single_file.checkpoint(cfg)
             vae = single_file.vae(cfg, state)
             te1, te2 = single_file.text_encoders(cfg, state)
@@ -112,7 +112,7 @@ def load_frozen(cfg: DictConfig, deepspeed_plugin: Any = None) -> Frozen:
             vae = AutoencoderKL.from_config(AutoencoderKL.load_config(path, subfolder="vae"))
             te1 = CLIPTextModel(CLIPTextConfig.from_pretrained(path, subfolder="text_encoder"))
             te2 = CLIPTextModelWithProjection(CLIPTextConfig.from_pretrained(path, subfolder="text_encoder_2"))
-        if cfg.model.vae is not None and not checkpoint_file.is_single_file(cfg.model.pretrained):
+        if cfg.model.vae is not None and not weights_file.is_single_file(cfg.model.pretrained):
             # e.g. the fp16-safe SDXL VAE instead of the model's own (single_file.vae applied it above)
             vae = single_file.vae(cfg)
     for module in (vae, te1, te2):
@@ -127,7 +127,7 @@ def load_unet(cfg: DictConfig) -> Any:
 
     from ds_trainer.train import single_file
 
-    single = single_file.checkpoint(cfg) if checkpoint_file.is_single_file(cfg.model.pretrained) else None
+    single = single_file.checkpoint(cfg) if weights_file.is_single_file(cfg.model.pretrained) else None
     return trained_module(cfg, UNet2DConditionModel, "unet", single)
 
 
