@@ -1,4 +1,4 @@
-"""`python -m ds_trainer`: compose, validate, write the run files, then train (or stop: dry run)."""
+"""`python -m ds_trainer`: compose, check, write the run files, then train (or stop: dry run)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 from ds_trainer import CONF_DIR, console
 from ds_trainer.config import (
     accelerate_file,
+    checks,
     distributed,
     ds_config,
     optimizers,
@@ -25,7 +26,6 @@ from ds_trainer.config import (
     rundir,
     runlock,
     schema,
-    validation,
 )
 from ds_trainer.config.problems import ConfigError, Problem, Report, first_problem
 from ds_trainer.errors import NodesError, TrainingError
@@ -47,8 +47,8 @@ rundir.register_resolvers()
 
 
 def prepare(cfg: DictConfig, run_dir: Path) -> tuple[DictConfig, dict | None]:
-    """Validate `cfg` and write the run files; raises ConfigError with the report on a user mistake."""
-    report = validation.check(cfg)
+    """Check `cfg` and write the run files; raises ConfigError with the report on a user mistake."""
+    report = checks.check(cfg)
     if not report.ok:
         raise ConfigError(report.render())
     cfg = report.cfg
@@ -86,7 +86,7 @@ def _lock(run_dir: Path) -> None:
 
 
 def run(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> None:
-    """One run: validate, write the run files, then train unless it is a dry run."""
+    """One run: check, write the run files, then train unless it is a dry run."""
     cfg, ds = prepare(cfg, run_dir)
     startup.mark("validate")
     if cfg.dry_run:

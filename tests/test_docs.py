@@ -48,7 +48,7 @@ from omegaconf import OmegaConf
 
 import ds_trainer.cli  # noqa: F401 - registers the schemas and the launcher configs, as the CLI does
 from ds_trainer import CONF_DIR
-from ds_trainer.config import overrides, reference, validation
+from ds_trainer.config import checks, overrides, reference
 from ds_trainer.config.problems import Problem, Report
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -152,7 +152,7 @@ def _problems(cell: list[str], world_size: int) -> list[Problem]:
     cell = [*cell, *([f"world_size={world_size}"] if world_size > 1 else [])]
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose(config_name="config", overrides=cell)
-    return validation.check(cfg).problems
+    return checks.check(cfg).problems
 
 
 def _dry_run(cell: list[str], world_size: int, tmp: Path) -> tuple[int, str, Path]:

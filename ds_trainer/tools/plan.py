@@ -328,7 +328,8 @@ def log_for_run(cfg: DictConfig, info: Any, world: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Compose the overrides like training does, print the table and the recommendation."""
-    from ds_trainer.config import hardware, overrides, rundir, schema, validation
+    from ds_trainer.config import hardware, overrides, rundir, schema
+    from ds_trainer.config.checks import resolve
     from ds_trainer.tools import calibration
 
     schema.register()
@@ -337,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     info = hardware.detect(cfg.platform.value)
     if info.kind == "cuda" and cfg.plan.vram_gib is None:
         info = hardware.confirm_with_torch(info)  # torch's figure: a MIG slice's memory, not the whole card's
-    world = validation.world_size_of(cfg)
+    world = resolve.world_size_of(cfg)
     budget_gib = cfg.plan.vram_gib if cfg.plan.vram_gib is not None else (
         info.gpu_memory_mib / 1024 * (1 - float(cfg.plan.margin)) if info.gpu_memory_mib else None)
     budget = budget_gib * GIB if budget_gib is not None else None

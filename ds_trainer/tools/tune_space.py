@@ -119,11 +119,11 @@ def measure_overrides(t: DictConfig, logger: str, name: str) -> list[str]:
 def plan_cells(cells: list[Cell], compose: Any, base: list[str], budget: float | None, info: Any,
                factor: float) -> None:
     """Drop the invalid cells, predict the others' peak per rank, prune those above the budget."""
-    from ds_trainer.config import ds_config, validation
+    from ds_trainer.config import checks, ds_config
     from ds_trainer.tools import plan
 
     for cell in cells:
-        report = validation.check(compose(base + cell.overrides()), info)
+        report = checks.check(compose(base + cell.overrides()), info)
         if not report.ok:
             cell.status, cell.message = "invalid", first_problem(report.render())
             continue

@@ -23,7 +23,8 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from ds_trainer.config import distributed, ds_config, hardware, nvme, op_cache, optimizers, validation
+from ds_trainer.config import distributed, ds_config, hardware, nvme, op_cache, optimizers
+from ds_trainer.config.checks import resolve
 from ds_trainer.config.problems import ConfigError
 from ds_trainer.errors import Stopped, TrainingError
 from ds_trainer.train import (
@@ -120,9 +121,9 @@ def _torch_optimizer(cfg: DictConfig, params: list[Any]) -> Any:
         from prodigyopt import Prodigy
 
         # Sharded over several ranks each sees a part of the sums behind d: its all-reduce joins them (on CUDA
-        # only; validation refuses the case elsewhere).
+        # only; the config checks refuse the case elsewhere).
         with contextlib.redirect_stdout(io.StringIO()):  # its print() of "Using decoupled weight decay" on every rank
-            return Prodigy(params, **block["params"], fsdp_in_use=validation.partitioned_over_ranks(cfg))
+            return Prodigy(params, **block["params"], fsdp_in_use=resolve.partitioned_over_ranks(cfg))
     if name == "schedule_free_adamw":
         import schedulefree
 
@@ -182,7 +183,7 @@ def _check_swap_space(cfg: DictConfig, accelerator: Any) -> None:
     """Right before DeepSpeed writes its NVMe swap, check the room again: the disk may have filled up since
     the configuration was checked, and DeepSpeed does not notice a full swap disk (the files end short
     and it aborts the process on reading one back: no message, no summary)."""
-    why = validation.swap_problem(cfg) if accelerator.local_process_index == 0 else None
+    why = resolve.swap_problem(cfg) if accelerator.local_process_index == 0 else None
     if accel.any_rank(accelerator, why is not None):
         raise TrainingError(f"offload.nvme_path={cfg.offload.nvme_path} {why or 'is full on another node'}: the disk "
                             "filled up after the configuration was checked; nothing was trained and no checkpoint "
