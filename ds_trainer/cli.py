@@ -1,4 +1,4 @@
-"""`python -m ds_trainer`: compose, validate, write the run files, then train (or stop: dry run)."""
+"""`python -m ds_trainer`: compose, check, write the run files, then train (or stop: dry run)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 from ds_trainer import CONF_DIR, console
 from ds_trainer.config import (
     accelerate_file,
+    checks,
     distributed,
     ds_config,
     optimizers,
@@ -25,8 +26,8 @@ from ds_trainer.config import (
     rundir,
     runlock,
     schema,
-    validation,
 )
+from ds_trainer.config.problems import ConfigError, Problem, Report, first_problem
 from ds_trainer.errors import NodesError, TrainingError
 from ds_trainer.launch import sweep
 from ds_trainer.train.observe import startup
@@ -47,15 +48,15 @@ rundir.register_resolvers()
 
 
 def prepare(cfg: DictConfig, run_dir: Path) -> tuple[DictConfig, dict | None]:
-    """Validate `cfg` and write the run files; raises ConfigError with the report on a user mistake."""
-    report = validation.check(cfg)
+    """Check `cfg` and write the run files; raises ConfigError with the report on a user mistake."""
+    report = checks.check(cfg)
     if not report.ok:
-        raise validation.ConfigError(report.render())
+        raise ConfigError(report.render())
     cfg = report.cfg
     # A resume under another optimizer or architecture is refused here, before anything starts.
     problems, carried = portability.check(cfg, checkpoint.find_resume(cfg, run_dir) if cfg.resume else None)
     if problems:
-        raise validation.ConfigError(validation.Report(cfg, problems).render())
+        raise ConfigError(Report(cfg, problems).render())
     cfg.resolved.warnings = [*report.warnings, *carried]  # recorded in config.yaml
     for warning in cfg.resolved.warnings:
         log.warning("%s", warning)
@@ -80,14 +81,13 @@ def _lock(run_dir: Path) -> None:
         elif distributed.one_machine():
             runlock.follow(run_dir)
     except runlock.Busy as busy:
-        problem = validation.Problem("hydra.run.dir", str(run_dir), f"another run is training in this folder: {busy}",
-                                     "wait for it to end (or stop it); resume=latest then continues from its "
-                                     "checkpoints")
-        raise validation.ConfigError(overrides.render([problem])) from None
+        problem = Problem("hydra.run.dir", str(run_dir), f"another run is training in this folder: {busy}",
+                          "wait for it to end (or stop it); resume=latest then continues from its checkpoints")
+        raise ConfigError(overrides.render([problem])) from None
 
 
 def run(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> None:
-    """One run: validate, write the run files, then train unless it is a dry run."""
+    """One run: check, write the run files, then train unless it is a dry run."""
     cfg, ds = prepare(cfg, run_dir)
     startup.mark("validate")
     if cfg.dry_run:
@@ -108,9 +108,9 @@ def run(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> None:
     from ds_trainer.train.adapters import adapter
     from ds_trainer.train.observe import metrics
 
-    rules, cfg.resolved.trainable_params = adapter.inspect(cfg)  # what needs the model's module names
-    if rules:
-        raise validation.ConfigError(validation.Report(cfg, [validation.Problem(*r) for r in rules]).render())
+    problems, cfg.resolved.trainable_params = adapter.inspect(cfg)  # what needs the model's module names
+    if problems:
+        raise ConfigError(Report(cfg, problems).render())
 
     recipe.run(cfg, ds, run_dir, metrics.run_name(overrides), memory_plan=plan.log_for_run)
 
@@ -141,7 +141,7 @@ def hydra_main(cfg: DictConfig) -> None:
     if hydra_cfg.mode != RunMode.MULTIRUN:
         try:
             run(cfg, run_dir, overrides)
-        except validation.ConfigError as exc:
+        except ConfigError as exc:
             print(exc, file=sys.stderr)
             raise SystemExit(2) from None
         except TrainingError as exc:  # the run's summary, already printed, says what failed and why
@@ -155,9 +155,9 @@ def hydra_main(cfg: DictConfig) -> None:
         return
     try:  # a submitit job is a process of its own: train here
         run(cfg, run_dir, overrides)
-    except validation.ConfigError as exc:
+    except ConfigError as exc:
         log.error("%s", exc)
-        sweep.failed_cell(cfg, run_dir, "error", validation.first_problem(str(exc)))
+        sweep.failed_cell(cfg, run_dir, "error", first_problem(str(exc)))
     except NodesError:
         raise  # the job fails with the message, which the launcher records where it can see
     except TrainingError as exc:

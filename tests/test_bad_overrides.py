@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from conftest import make_cfg, run_cli
 
-from ds_trainer.config import hardware, nvme, validation
+from ds_trainer.config import checks, hardware, nvme
 
 # (overrides, text the message must contain: the key or the value at fault, and the fix)
 BAD = [
@@ -81,7 +81,7 @@ def test_all_problems_are_reported_at_once(workdir: Path) -> None:
 @pytest.mark.parametrize(("given", "expected"), [("AdamW", "adamw"), ("adam_w", "adamw"), ("Adam-W", "adamw"),
                                                  ("ADAGRAD", "adagrad"), ("Lion", "lion")])
 def test_optimizer_names_are_normalized(given: str, expected: str) -> None:
-    report = validation.check(make_cfg(f"optimizer.name={given}", "offload=cpu"))
+    report = checks.check(make_cfg(f"optimizer.name={given}", "offload=cpu"))
     assert report.ok, report.render()
     assert report.cfg.resolved.optimizer == expected
 
@@ -96,7 +96,7 @@ def test_cpuadam_and_fusedadam_become_adamw_with_a_warning(workdir: Path, given:
 
 @pytest.mark.parametrize("platform", ["mps", "rocm"])
 def test_platform_without_deepspeed_falls_back_to_ddp(platform: str) -> None:
-    report = validation.check(make_cfg("zero=stage3", "offload=cpu"), hardware.PlatformInfo(platform, True, True))
+    report = checks.check(make_cfg("zero=stage3", "offload=cpu"), hardware.PlatformInfo(platform, True, True))
     assert report.ok, report.render()
     assert report.cfg.resolved.backend == "ddp"
     assert report.cfg.resolved.optimizer_state_on == "gpu"
@@ -105,32 +105,32 @@ def test_platform_without_deepspeed_falls_back_to_ddp(platform: str) -> None:
 
 def test_precision_follows_the_device() -> None:
     no_bf16 = hardware.PlatformInfo("cuda", bf16=False, fp16=True, gpu_name="Tesla V100")
-    report = validation.check(make_cfg("precision=bf16"), no_bf16)
+    report = checks.check(make_cfg("precision=bf16"), no_bf16)
     assert [(p.key, p.fix) for p in report.problems] == [("precision", "precision=fp16")]
     assert "V100" in report.problems[0].why
     cpu_without_fp16 = hardware.PlatformInfo("cpu", bf16=True, fp16=False)
-    report = validation.check(make_cfg("precision=fp16"), cpu_without_fp16)
+    report = checks.check(make_cfg("precision=fp16"), cpu_without_fp16)
     assert [p.key for p in report.problems] == ["precision"]
 
 
 def test_nvme_path_must_be_writable(tmp_path: Path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("")
-    report = validation.check(make_cfg("zero=stage3", "offload=nvme", f"offload.nvme_path={blocker}/swap"))
+    report = checks.check(make_cfg("zero=stage3", "offload=nvme", f"offload.nvme_path={blocker}/swap"))
     assert [p.key for p in report.problems] == ["offload.nvme_path"]
     assert "cannot be created" in report.problems[0].why
 
 
 def test_nvme_path_read_only() -> None:
     # /proc exists and nobody, root included, can create a file in it.
-    report = validation.check(make_cfg("zero=stage3", "offload=nvme", "offload.nvme_path=/proc"))
+    report = checks.check(make_cfg("zero=stage3", "offload=nvme", "offload.nvme_path=/proc"))
     assert [p.key for p in report.problems] == ["offload.nvme_path"]
     assert "not writable" in report.problems[0].why
 
 
 def test_nvme_free_space_is_checked_against_the_swap_estimate(tmp_path: Path) -> None:
     # sdxl_base at stage 3 with params on NVMe needs ~46 GB of swap; demand it 10^6 times over to be sure.
-    report = validation.check(make_cfg("zero=stage3", "offload=nvme", "model=sdxl_base",
+    report = checks.check(make_cfg("zero=stage3", "offload=nvme", "model=sdxl_base",
                                        f"offload.nvme_path={tmp_path}", "offload.free_space_margin=1e6"))
     assert [p.key for p in report.problems] == ["offload.nvme_path"]
     assert "GiB free" in report.problems[0].why

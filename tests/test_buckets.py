@@ -39,10 +39,10 @@ def make_folder(root: Path, images: dict[str, tuple[tuple[int, int], str]] = IMA
 
 
 def folder_data(path: Path, *overrides: str):  # noqa: ANN201 - FolderImages
-    from ds_trainer.config import validation
+    from ds_trainer.config import checks
     from ds_trainer.train import data
 
-    cfg = validation.check(make_cfg("data=folder", f"data.path={path}", f"paths.outputs={path.parent / 'out'}",
+    cfg = checks.check(make_cfg("data=folder", f"data.path={path}", f"paths.outputs={path.parent / 'out'}",
                                     *overrides)).cfg
     return data.FolderImages(cfg)
 

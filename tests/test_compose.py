@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
 
 from ds_trainer import CONF_DIR
-from ds_trainer.config import ds_config, validation
+from ds_trainer.config import checks, ds_config
 
 
 @pytest.mark.parametrize(("group", "option"), group_options())
@@ -52,7 +52,7 @@ def test_typos_and_wrong_types_fail_at_composition(override: str, message: str) 
 
 
 def test_force_added_keys_are_reported_not_ignored() -> None:
-    report = validation.check(make_cfg("+zero.stage3_prefetch=1"))
+    report = checks.check(make_cfg("+zero.stage3_prefetch=1"))
     assert [p.key for p in report.problems] == ["zero.stage3_prefetch"]
     assert "zero.stage3_prefetch_bucket_size" in report.problems[0].fix
 
@@ -68,7 +68,7 @@ def test_option_files_are_typed_by_the_schema(tmp_path: Path) -> None:
 
 
 def test_batch_size_and_no_auto_in_the_deepspeed_json() -> None:
-    cfg = validation.check(make_cfg("train.micro_batch_size=3", "train.gradient_accumulation_steps=4")).cfg
+    cfg = checks.check(make_cfg("train.micro_batch_size=3", "train.gradient_accumulation_steps=4")).cfg
     ds = ds_config.build(cfg, world_size=8)
     assert (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]) == (96, 3,
                                                                                                                4)

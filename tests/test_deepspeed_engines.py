@@ -15,7 +15,7 @@ import pytest
 from conftest import free_port, make_cfg, one_rank_process_group, require
 
 from ds_trainer import cli
-from ds_trainer.config import nvme, optimizers, validation
+from ds_trainer.config import checks, nvme, optimizers
 
 torch = pytest.importorskip("torch")
 deepspeed = pytest.importorskip("deepspeed")
@@ -75,7 +75,7 @@ def valid_cases() -> list[tuple[str, str, str]]:
 @pytest.mark.parametrize(("zero", "offload", "precision"), valid_cases())
 def test_zero_offload_precision_engine_trains(tmp_path: Path, zero: str, offload: str, precision: str) -> None:
     overrides = (f"zero={zero}", f"offload={offload}", f"precision={precision}", "scheduler=constant")
-    report = validation.check(make_cfg(f"paths.outputs={tmp_path}", *overrides))
+    report = checks.check(make_cfg(f"paths.outputs={tmp_path}", *overrides))
     if not report.ok:
         # Invalid here: the only reasons are offload below stage 1 and fp16 without kernels.
         keys = {p.key for p in report.problems}
@@ -106,7 +106,7 @@ def test_every_optimizer_trains_or_is_refused(tmp_path: Path, optimizer: str) ->
     offload = "cpu" if optimizer == "lion" else "none"
     overrides = (f"optimizer={optimizer}", f"offload={offload}", "scheduler=constant",
                  *(("adapter=lora",) if optimizer == "muon" else ()))
-    report = validation.check(make_cfg(f"paths.outputs={tmp_path}", *overrides))
+    report = checks.check(make_cfg(f"paths.outputs={tmp_path}", *overrides))
     if not report.ok:
         assert optimizer == "lamb" and report.problems[0].key == "optimizer.name", report.render()
         assert "CUDA" in report.problems[0].why

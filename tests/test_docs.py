@@ -48,7 +48,8 @@ from omegaconf import OmegaConf
 
 import ds_trainer.cli  # noqa: F401 - registers the schemas and the launcher configs, as the CLI does
 from ds_trainer import CONF_DIR
-from ds_trainer.config import overrides, reference, validation
+from ds_trainer.config import checks, overrides, reference
+from ds_trainer.config.problems import Problem, Report
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -131,7 +132,7 @@ def _cells(args: list[str]) -> list[list[str]]:
     given = [o for o in given if not (o.startswith("+experiment=") and
                                       not (CONF_DIR / "experiment" / f"{o.split('=', 1)[1]}.yaml").is_file())]
     problems = overrides.check_args(given, multirun)
-    assert not problems, validation.Report(None, problems).render()  # type: ignore[arg-type]
+    assert not problems, Report(None, problems).render()  # type: ignore[arg-type]
     axes: list[list[str]] = []
     fixed: list[str] = []
     for raw, parsed in zip(given, OverridesParser.create().parse_overrides(given), strict=True):
@@ -148,11 +149,11 @@ def _cells(args: list[str]) -> list[list[str]]:
     return [[*fixed, *cell] for cell in itertools.product(*axes)] if axes else [fixed]
 
 
-def _problems(cell: list[str], world_size: int) -> list[validation.Problem]:
+def _problems(cell: list[str], world_size: int) -> list[Problem]:
     cell = [*cell, *([f"world_size={world_size}"] if world_size > 1 else [])]
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose(config_name="config", overrides=cell)
-    return validation.check(cfg).problems
+    return checks.check(cfg).problems
 
 
 def _dry_run(cell: list[str], world_size: int, tmp: Path) -> tuple[int, str, Path]:
@@ -240,7 +241,7 @@ def test_a_documented_command_composes_and_passes_validation(line: str, inline: 
             assert (code, printed.strip()) == (2, shown), f"{where}: fails otherwise than its page shows"
             continue
         wrong = [p for p in by_cell[0] if not (p.key in USER_FILES and not Path(str(p.value)).exists())]
-        assert not wrong, f"{where}\n" + validation.Report(None, wrong).render()  # type: ignore[arg-type]
+        assert not wrong, f"{where}\n" + Report(None, wrong).render()  # type: ignore[arg-type]
         if module == "ds_trainer" and not by_cell[0]:
             code, printed, run_dir = _dry_run(cells[0], world_size, tmp_path)
             assert code == 0, f"{where}: its dry run exits {code}:\n{printed[-3000:]}"

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from conftest import make_cfg
 
-from ds_trainer.config import validation
+from ds_trainer.config import checks
 from ds_trainer.train import data, families
 from ds_trainer.train.families import common, sdxl
 
@@ -16,15 +16,15 @@ from ds_trainer.train.families import common, sdxl
 def test_frozen_encoders_follow_the_precision_and_the_cache_key_records_it() -> None:
     """The encoders' dtype per precision as a GPU run decides it (platform=cuda, no GPU needed), float32 on
     the CPU whatever the precision; caches built in other dtypes do not share a folder."""
-    from ds_trainer.config import validation
+    from ds_trainer.config import checks
     from ds_trainer.train import data, families
 
     dtypes, folders = {}, set()
     for precision in ("bf16", "fp16", "fp32"):
-        cfg = validation.check(make_cfg(f"precision={precision}", "platform=cuda")).cfg
+        cfg = checks.check(make_cfg(f"precision={precision}", "platform=cuda")).cfg
         dtypes[precision] = common.frozen_dtype_name(cfg, cfg.resolved.platform)
         folders.add(data.LatentCache(cfg, data.SyntheticImages(cfg), families.of(cfg)).dir)
-        cpu = validation.check(make_cfg(f"precision={precision}", "platform=cpu")).cfg
+        cpu = checks.check(make_cfg(f"precision={precision}", "platform=cpu")).cfg
         assert common.frozen_dtype_name(cpu, cpu.resolved.platform) == "float32"
     assert dtypes == {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
     assert len(folders) == 3
@@ -34,7 +34,7 @@ def test_a_batch_encoded_now_is_what_the_cache_returns_on_the_cpu_in_float32(tmp
     """data.cache=false encodes each batch: the step draws its noise on the CPU, so what the encoders return
     must be there, in float32, as the cache's tensors are (on a GPU they were CUDA tensors and the first step
     failed in add_noise). The same samples give the same tensors either way."""
-    cfg = validation.check(make_cfg("data.num_samples=3", f"data.cache_dir={tmp_path}")).cfg
+    cfg = checks.check(make_cfg("data.num_samples=3", f"data.cache_dir={tmp_path}")).cfg
     frozen = sdxl.load_frozen(cfg)
     images = data.SyntheticImages(cfg)
     cache = data.LatentCache(cfg, images, families.of(cfg))

@@ -21,7 +21,7 @@ import pytest
 import yaml
 from conftest import make_cfg, run_cli, run_dirs, torchrun
 
-from ds_trainer.config import accelerate_file, validation
+from ds_trainer.config import accelerate_file, checks
 
 torch = pytest.importorskip("torch")
 
@@ -153,13 +153,13 @@ def test_a_native_fsdp_checkpoint_of_two_ranks_resumes_on_one(fsdp_run: tuple[Pa
     (["zero.stage=1"], "zero.stage=1", "zero=fsdp_shard_grad_op"),
 ])
 def test_what_fsdp_cannot_do_gets_the_one_screen_message(overrides: list[str], key: str, fix: str) -> None:
-    report = validation.check(make_cfg("zero=fsdp_full_shard", *overrides))
+    report = checks.check(make_cfg("zero=fsdp_full_shard", *overrides))
     text = report.render()
     assert not report.ok and f"- {key}\n" in text and fix in text, text
 
 
 def test_the_dry_run_records_what_fsdp_runs_and_writes_a_launchable_yaml(tmp_path: Path) -> None:
-    cfg = validation.check(make_cfg("zero=fsdp_shard_grad_op", "offload=cpu", "precision=bf16")).cfg
+    cfg = checks.check(make_cfg("zero=fsdp_shard_grad_op", "offload=cpu", "precision=bf16")).cfg
     assert cfg.resolved.fsdp.reshard_after_forward is False and cfg.resolved.fsdp.compute_dtype == "bf16"
     assert cfg.resolved.optimizer_state_on == cfg.resolved.params_on == "cpu"  # FSDP offloads all or nothing
     written = accelerate_file.config_file(cfg, None, 2)

@@ -17,7 +17,7 @@ import pytest
 from conftest import free_port, make_cfg, one_rank_process_group, run_cli, run_dirs, terminal_chatter
 from test_deepspeed_engines import SmallNet, written_config
 
-from ds_trainer.config import validation
+from ds_trainer.config import checks
 
 torch = pytest.importorskip("torch")
 deepspeed = pytest.importorskip("deepspeed")
@@ -43,7 +43,7 @@ def one_rank_group() -> Iterator[None]:
 def _train(tmp_path: Path, *overrides: str) -> tuple[Any, list[float], dict[str, Any]]:
     from ds_trainer.train.optim import build
 
-    report = validation.check(make_cfg(f"paths.outputs={tmp_path}", "scheduler=constant", "optimizer.lr=1e-3",
+    report = checks.check(make_cfg(f"paths.outputs={tmp_path}", "scheduler=constant", "optimizer.lr=1e-3",
                                        *overrides))
     assert report.ok, report.render()
     ds = written_config(tmp_path, "scheduler=constant", *overrides)
@@ -117,7 +117,7 @@ def test_torch_adamw_is_handed_to_deepspeed_as_itself(one_rank_group: None, tmp_
 
 
 def _rule(overrides: list[str]) -> str:
-    report = validation.check(make_cfg(*overrides))
+    report = checks.check(make_cfg(*overrides))
     if not report.ok:
         return "refused: " + report.problems[0].key
     name = report.cfg.resolved.optimizer
@@ -150,10 +150,10 @@ def test_every_offload_and_backend_runs_the_client_optimizer_as_named_or_refuses
 
 def test_schedule_free_refuses_a_decaying_schedule_and_global_state_takes_one_zero3_sub_group() -> None:
     _package("schedulefree")
-    report = validation.check(make_cfg("optimizer=schedule_free_adamw", "scheduler=warmup_cosine"))
+    report = checks.check(make_cfg("optimizer=schedule_free_adamw", "scheduler=warmup_cosine"))
     assert [(p.key, p.value) for p in report.problems] == [("scheduler", "warmup_cosine")]
     assert "scheduler=warmup" in report.problems[0].fix
-    report = validation.check(make_cfg("optimizer=prodigy", "zero=stage3", "optimizer.lr=1e-4"))
+    report = checks.check(make_cfg("optimizer=prodigy", "zero=stage3", "optimizer.lr=1e-4"))
     assert report.ok and report.cfg.zero.sub_group_size >= 10**12
     said = " ".join(report.warnings)
     assert "sub_group_size raised from 1000000000" in said and "10000 times slower" in said
@@ -195,7 +195,7 @@ def _reference(tmp_path: Path, steps: int, *overrides: str) -> tuple[Any, Any, l
     what the optimizer's authors' code does unsharded."""
     from ds_trainer.train.optim import build
 
-    report = validation.check(make_cfg(f"paths.outputs={tmp_path}", "scheduler=constant", "optimizer.lr=1e-3",
+    report = checks.check(make_cfg(f"paths.outputs={tmp_path}", "scheduler=constant", "optimizer.lr=1e-3",
                                        "precision=fp32", *overrides))
     ds = written_config(tmp_path, "scheduler=constant", "precision=fp32", *overrides)
     torch.manual_seed(0)
@@ -280,9 +280,9 @@ def test_the_planner_counts_each_optimizers_state() -> None:
     from ds_trainer.tools import plan
 
     def state(*overrides: str) -> float:
-        report = validation.check(make_cfg("model=sdxl_tiny", *overrides))
+        report = checks.check(make_cfg("model=sdxl_tiny", *overrides))
         assert report.ok, report.render()
-        adam = plan.estimate(validation.check(make_cfg("model=sdxl_tiny", "optimizer=adamw")).cfg, "stage2", "none", 1)
+        adam = plan.estimate(checks.check(make_cfg("model=sdxl_tiny", "optimizer=adamw")).cfg, "stage2", "none", 1)
         return plan.estimate(report.cfg, "stage2", "none", 1).optimizer / (adam.optimizer / 12)
 
     assert state("optimizer=schedule_free_adamw") == pytest.approx(12)
@@ -354,7 +354,7 @@ def test_nothing_to_train_is_one_message_before_any_optimizer_is_built(optimizer
     from ds_trainer.train import backends
     from ds_trainer.train.optim import build
 
-    cfg = validation.check(make_cfg(f"optimizer={optimizer}", "adapter=lora")).cfg
+    cfg = checks.check(make_cfg(f"optimizer={optimizer}", "adapter=lora")).cfg
     ds = {"optimizer": {"params": {"lr": 1e-4}}} if optimizer == "adamw" else None
     with pytest.raises(TrainingError, match="no parameter left to train") as caught:
         build.for_run(cfg, backends.of(cfg, ds), [])
@@ -397,7 +397,7 @@ def test_8bit_adamw_trains_lora_on_two_zero3_ranks_and_torch_adamw_lora_under_dd
 
 @pytest.mark.parametrize("name", ["adafactor", "CAME"])
 def test_a_factored_optimizer_is_refused_with_why_its_factorisation_is_lost_under_zero(name: str) -> None:
-    report = validation.check(make_cfg(f"optimizer.name={name}", "zero=stage2"))
+    report = checks.check(make_cfg(f"optimizer.name={name}", "zero=stage2"))
     assert [(p.key, p.value) for p in report.problems] == [("optimizer.name", name)]
     problem = report.problems[0]
     assert "factored" in problem.why and "flat 1-D partitions" in problem.why

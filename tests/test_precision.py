@@ -11,7 +11,7 @@ import json
 import pytest
 from conftest import make_cfg
 
-from ds_trainer.config import ds_config, validation
+from ds_trainer.config import checks, ds_config
 from ds_trainer.tools import plan
 
 # (zero, precision) -> (masters, gradients, optimizer state, compute, reduce), as config.yaml records them.
@@ -27,7 +27,7 @@ MEANINGS = {
 
 @pytest.mark.parametrize(("zero", "precision"), list(MEANINGS))
 def test_config_records_what_the_precision_means_under_the_backend(zero: str, precision: str) -> None:
-    report = validation.check(make_cfg(f"zero={zero}", f"precision={precision}"))
+    report = checks.check(make_cfg(f"zero={zero}", f"precision={precision}"))
     assert report.ok, report.render()
     meaning = report.cfg.resolved.precision
     assert (meaning.master_weights, meaning.gradients, meaning.optimizer_state, meaning.compute_dtype,
@@ -35,10 +35,10 @@ def test_config_records_what_the_precision_means_under_the_backend(zero: str, pr
 
 
 def test_bf16_pure_writes_deepspeeds_bf16_masters_and_optimizer_states() -> None:
-    cfg = validation.check(make_cfg("zero=stage3", "offload=cpu", "precision=bf16_pure")).cfg
+    cfg = checks.check(make_cfg("zero=stage3", "offload=cpu", "precision=bf16_pure")).cfg
     written = json.loads(json.dumps(ds_config.build(cfg, 2)))
     assert written["bf16"] == {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
-    assert "bf16_master_weights_and_grads" not in ds_config.build(validation.check(make_cfg()).cfg, 1)["bf16"]
+    assert "bf16_master_weights_and_grads" not in ds_config.build(checks.check(make_cfg()).cfg, 1)["bf16"]
 
 
 @pytest.mark.parametrize(("overrides", "key", "fix"), [
@@ -49,7 +49,7 @@ def test_bf16_pure_writes_deepspeeds_bf16_masters_and_optimizer_states() -> None
 ])
 def test_bf16_pure_where_it_does_not_exist_gets_the_one_screen_message(overrides: list[str], key: str,
                                                                        fix: str) -> None:
-    report = validation.check(make_cfg("precision=bf16_pure", *overrides))
+    report = checks.check(make_cfg("precision=bf16_pure", *overrides))
     text = report.render()
     assert not report.ok and f"- {key}\n" in text and fix in text, text
 

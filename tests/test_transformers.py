@@ -317,12 +317,12 @@ def test_a_transformer_reads_from_its_makers_single_file_and_other_files_are_nam
     """`model.transformer=<file>`: SD3.5's transformer in Stability's layout loads to the weights it was written from
     (diffusers' single-file loader, configs from the repo, offline); a file of another family, depth, variant or
     format, or one diffusers cannot read for this model, is named before a run, with the fix."""
-    from ds_trainer.config import validation
+    from ds_trainer.config import checks
     from ds_trainer.train import families
 
     path = _single_file(tmp_path, 5)
     cfg = make_cfg("model=sd3_tiny", f"model.transformer={path}")
-    assert not validation.check(cfg).problems
+    assert not checks.check(cfg).problems
     loaded = families.of(cfg).load_trained(cfg)
     assert loaded.training and next(loaded.parameters()).dtype == torch.float32
     assert numerics.mean_abs_difference(loaded.state_dict(), _transformer("sd3_tiny", 5).state_dict()) == 0
@@ -341,12 +341,12 @@ def test_a_transformer_reads_from_its_makers_single_file_and_other_files_are_nam
         tmp_path / "missing.safetensors": "no such file",
         tmp_path / "sd3.ckpt": "one .safetensors file"}
     for file, why in cases.items():
-        problems = validation.check(make_cfg("model=sd3_tiny", f"model.transformer={file}")).problems
+        problems = checks.check(make_cfg("model=sd3_tiny", f"model.transformer={file}")).problems
         assert [p.key for p in problems] == ["model.transformer"] and why in problems[0].why, (file, problems)
         assert problems[0].fix.startswith("model.transformer=/path/to/sd3.5_medium.safetensors")
-    (flux,) = validation.check(make_cfg("model=flux_tiny", f"model.transformer={path}")).problems
+    (flux,) = checks.check(make_cfg("model=flux_tiny", f"model.transformer={path}")).problems
     assert "reads Flux.1's width (3072) only" in flux.why and flux.fix.startswith("model=flux_dev")
-    (sdxl,) = validation.check(make_cfg(f"model.transformer={path}")).problems
+    (sdxl,) = checks.check(make_cfg(f"model.transformer={path}")).problems
     assert "model.pretrained=" in sdxl.fix
 
 
@@ -358,7 +358,7 @@ def test_a_flux_transformer_at_flux1s_width_reads_from_black_forest_labs_layout(
     from diffusers import FluxTransformer2DModel
     from safetensors.torch import save_file
 
-    from ds_trainer.config import validation
+    from ds_trainer.config import checks
     from ds_trainer.train import families
 
     config = {"patch_size": 1, "in_channels": 64, "num_layers": 1, "num_single_layers": 1, "attention_head_dim": 128,
@@ -372,7 +372,7 @@ def test_a_flux_transformer_at_flux1s_width_reads_from_black_forest_labs_layout(
     path = tmp_path / "flux1.safetensors"
     save_file({k: v.contiguous() for k, v in transformer_files.flux(module.state_dict(), 1, 1).items()}, path)
     cfg = make_cfg("model=flux_tiny", f"model.architecture={arch}", f"model.transformer={path}")
-    assert not validation.check(cfg).problems
+    assert not checks.check(cfg).problems
     loaded = families.of(cfg).load_trained(cfg)
     expected = {k: v.float() for k, v in module.state_dict().items()}
     assert numerics.mean_abs_difference(loaded.state_dict(), expected) == 0

@@ -11,14 +11,14 @@ import pytest
 from conftest import make_cfg
 from test_buckets import IMAGES, make_folder
 
-from ds_trainer.config import holdout, validation
+from ds_trainer.config import checks, holdout
 from ds_trainer.errors import DataError
 
 pytest.importorskip("torch")
 
 
 def _cfg(folder: Path, *overrides: str):  # noqa: ANN202 - DictConfig
-    return validation.check(make_cfg("data=folder", f"data.path={folder}", f"paths.outputs={folder.parent / 'out'}",
+    return checks.check(make_cfg("data=folder", f"data.path={folder}", f"paths.outputs={folder.parent / 'out'}",
                                      "validation=on", *overrides)).cfg
 
 
@@ -50,7 +50,7 @@ def test_a_fraction_holds_out_at_least_one_image_and_synthetic_data_gets_images_
     from ds_trainer.train import data
 
     assert [holdout.count(0.05, n) for n in (4, 100, 1000)] == [1, 5, 50]
-    cfg = validation.check(make_cfg("validation=on", "validation.split=3", "data.num_samples=8")).cfg
+    cfg = checks.check(make_cfg("validation=on", "validation.split=3", "data.num_samples=8")).cfg
     trained, held = data.dataset(cfg), data.validation_set(cfg)
     assert len(trained) == 8 and len(held) == 3
     assert held.names() == ["synthetic #8", "synthetic #9", "synthetic #10"]
@@ -80,12 +80,12 @@ def test_bad_validation_data_gets_the_key_the_value_and_the_fix(tmp_path: Path) 
     empty.mkdir()
     with pytest.raises(DataError, match=r"validation.path=.*empty: no jpg/png/webp files; nothing to score"):
         data.validation_set(_cfg(folder, f"validation.path={empty}"))
-    report = validation.check(make_cfg("data=folder", f"data.path={folder}", "validation=on",
+    report = checks.check(make_cfg("data=folder", f"data.path={folder}", "validation=on",
                                        f"validation.path={folder}", "validation.every=-1", "validation.split=0"))
     text = report.render()
     assert "validation.every=-1" in text and "is the training folder" in text
     assert "validation.split=0" not in text  # with validation.path the split does not apply
-    bad_split = validation.check(make_cfg("validation=on", "validation.split=0")).render()
+    bad_split = checks.check(make_cfg("validation=on", "validation.split=0")).render()
     assert "validation.split=0" in bad_split and "validation.split=0.05, or validation.split=8" in bad_split
 
 
@@ -93,7 +93,7 @@ def test_the_planner_counts_the_validation_peak_with_the_ema_unet() -> None:
     from ds_trainer.tools import plan
 
     def peak(*overrides: str) -> int | None:
-        cfg = validation.check(make_cfg("train.ema=true", "precision=fp32", *overrides)).cfg  # one forward's shape
+        cfg = checks.check(make_cfg("train.ema=true", "precision=fp32", *overrides)).cfg  # one forward's shape
         return plan.estimate(cfg, "stage2", "none", 1).sampling
 
     assert peak() is None  # neither samples nor validation: no evaluation peak

@@ -1,5 +1,5 @@
-"""Before a run, torch-free: the typed config groups, validation, the DeepSpeed JSON, the run directory.
+"""Before a run, torch-free: the typed config groups, their checks, the DeepSpeed JSON, the run directory.
 
-Nothing here imports torch, DeepSpeed, diffusers or Accelerate at module level: composing, validating
+Nothing here imports torch, DeepSpeed, diffusers or Accelerate at module level: composing, checking
 and writing `ds_config.json` (a dry run) takes well under a second.
 """

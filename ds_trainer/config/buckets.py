@@ -1,5 +1,5 @@
-"""Aspect-ratio bucket geometry: which WIDTHxHEIGHT sizes a run trains at. Torch-free, so validation
-and the planner use it before a run; `train/buckets.py` assigns images and plans the batches.
+"""Aspect-ratio bucket geometry: which WIDTHxHEIGHT sizes a run trains at. Torch-free, so the config
+checks and the planner use it before a run; `train/buckets.py` assigns images and plans the batches.
 
 Buckets keep about the resolution's area (px1024: about 1024x1024 pixels), with sides multiples of
 `step` (data.bucket_step and the model's downsampling factor), between a min and a max side and
@@ -13,6 +13,8 @@ import math
 from dataclasses import dataclass
 
 from omegaconf import DictConfig
+
+from ds_trainer.config.problems import Problem
 
 Bucket = tuple[int, int]  # (width, height) in pixels
 
@@ -68,26 +70,28 @@ def largest(cfg: DictConfig) -> Bucket:
     return max(found, key=lambda b: (b[0] * b[1], max(b)))
 
 
-def problems(cfg: DictConfig) -> list[tuple[str, object, str, str]]:
-    """(key, value, why, fix) for bucket settings that cannot work; checked before a run."""
+def problems(cfg: DictConfig) -> list[Problem]:
+    """Bucket settings that cannot work; `config.checks` asks it before a run."""
     if not enabled(cfg):
         return []
     d, out = cfg.data, []
     if d.bucket_step < 8 or d.bucket_step % 8:
-        out.append(("data.bucket_step", d.bucket_step, "must be a positive multiple of 8 (the VAE's factor)",
-                    "data.bucket_step=64"))
+        out.append(Problem("data.bucket_step", d.bucket_step, "must be a positive multiple of 8 (the VAE's factor)",
+                           "data.bucket_step=64"))
     if d.bucket_max_aspect_ratio < 1:
-        out.append(("data.bucket_max_aspect_ratio", d.bucket_max_aspect_ratio,
-                    "is width/height of the most elongated bucket, at least 1", "data.bucket_max_aspect_ratio=4.0"))
+        out.append(Problem("data.bucket_max_aspect_ratio", d.bucket_max_aspect_ratio,
+                           "is width/height of the most elongated bucket, at least 1",
+                           "data.bucket_max_aspect_ratio=4.0"))
     for key in ("bucket_min_side", "bucket_max_side"):
         if d[key] is not None and d[key] < 1:
-            out.append((f"data.{key}", d[key], "must be a positive number of pixels", f"data.{key}=null"))
+            out.append(Problem(f"data.{key}", d[key], "must be a positive number of pixels", f"data.{key}=null"))
     if out:
         return out
     s = spec(cfg)
     if not generate(s):
-        out.append(("data.bucket_min_side", s.min_side,
-                    f"no bucket of about {s.area} pixels (resolution {cfg.resolution.width}x{cfg.resolution.height})"
-                    f" has both sides in [{s.min_side}, {s.max_side}] as multiples of {s.step} and an aspect ratio "
-                    f"within {s.max_ratio}", "data.bucket_min_side=null data.bucket_max_side=null (the defaults)"))
+        out.append(Problem("data.bucket_min_side", s.min_side,
+                           f"no bucket of about {s.area} pixels (resolution "
+                           f"{cfg.resolution.width}x{cfg.resolution.height}) has both sides in [{s.min_side}, "
+                           f"{s.max_side}] as multiples of {s.step} and an aspect ratio within {s.max_ratio}",
+                           "data.bucket_min_side=null data.bucket_max_side=null (the defaults)"))
     return out

@@ -25,7 +25,7 @@ def placement(cfg: DictConfig) -> tuple[str, str]:
     device, stage = str(cfg.offload.device.value), int(cfg.zero.stage)
     if device == "none" or cfg.zero.backend.value == "ddp" or stage == 0:
         return "gpu", "gpu"
-    if cfg.zero.backend.value == "fsdp":  # CPUOffloadPolicy: all or nothing (validation refuses the rest)
+    if cfg.zero.backend.value == "fsdp":  # CPUOffloadPolicy: all or nothing (config/checks refuses the rest)
         return device, device
     optimizer_on = device if stage == 3 else "cpu"
     params_on = device if stage == 3 and cfg.offload.params is not False else "gpu"
@@ -34,7 +34,7 @@ def placement(cfg: DictConfig) -> tuple[str, str]:
 
 def zero_option(cfg: DictConfig) -> str:
     """The `zero` option a config runs as: `ddp`, `stageN` or `fsdp_full_shard`/`fsdp_shard_grad_op` (after
-    validation, any fallback included)."""
+    the config checks, any fallback included)."""
     return option_name(cfg.zero.backend.value, int(cfg.zero.stage))
 
 
@@ -58,7 +58,7 @@ def optimizer_block(cfg: DictConfig) -> dict[str, Any]:
     """DeepSpeed's `optimizer` block (DDP builds the same torch optimizer from it)."""
     name, _ = optimizers.resolve(cfg.optimizer.name)
     if name is None:
-        raise ValueError(f"unknown optimizer {cfg.optimizer.name!r}: run validation first")
+        raise ValueError(f"unknown optimizer {cfg.optimizer.name!r}: run config.checks.check first")
     params: dict[str, Any] = {}
     for key in optimizers.PARAMS.get(name, ("lr", "weight_decay")):
         value = cfg.optimizer[key]
@@ -197,7 +197,7 @@ def _zero_block(cfg: DictConfig) -> dict[str, Any]:
     optimizer_on, params_on = placement(cfg)
     if optimizer_on != "gpu":
         # The effective device: below stage 3 an NVMe request is written as cpu, which is what
-        # DeepSpeed does with it anyway (validation warns about it).
+        # DeepSpeed does with it anyway (config/checks/resolve.py warns about it).
         block["offload_optimizer"] = _offload_block(cfg, optimizer_on, for_params=False)
     if params_on != "gpu":
         block["offload_param"] = _offload_block(cfg, params_on, for_params=True)
@@ -234,7 +234,8 @@ def build(cfg: DictConfig, world_size: int) -> dict[str, Any]:
     else:
         ds["optimizer"] = optimizer_block(cfg)
         if OmegaConf.select(cfg, "resolved.torch_adam", default=False):
-            # No nvcc matching torch here (validation said so): torch's AdamW instead of compiling FusedAdam.
+            # No nvcc matching torch here (config/checks/resolve.py said so): torch's AdamW instead of compiling
+            # FusedAdam.
             ds["optimizer"]["params"]["torch_adam"] = True
         scheduler = scheduler_block(cfg)
         if scheduler is not None:

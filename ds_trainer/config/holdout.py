@@ -14,8 +14,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-# (key, value, why, fix): validation turns each into a Problem.
-Issue = tuple[str, object, str, str]
+from ds_trainer.config.problems import Problem
 
 
 def count(split: float, n: int) -> int:
@@ -48,40 +47,41 @@ def due(cfg: DictConfig, step: int) -> bool:
     return (every > 0 and step % every == 0) or step == int(cfg.train.max_steps)
 
 
-def issues(cfg: DictConfig) -> list[Issue]:
+def problems(cfg: DictConfig) -> list[Problem]:
     """Everything wrong with `validation` that the configuration alone shows (nothing when it is off); a split
-    that leaves no image to train on is found when the folder is read."""
+    that leaves no image to train on is found when the folder is read. `config.checks` asks it."""
     v = cfg.validation
     if not v.enabled:
         return []
-    out: list[Issue] = []
+    out: list[Problem] = []
     if v.every < 0:
-        out.append(("validation.every", v.every, "must be >= 0 (0 validates only at the end)", "validation.every=100"))
+        out.append(Problem("validation.every", v.every, "must be >= 0 (0 validates only at the end)",
+                           "validation.every=100"))
     if v.timesteps < 1:
-        out.append(("validation.timesteps", v.timesteps, "needs at least one timestep to score the images at",
-                    "validation.timesteps=4"))
+        out.append(Problem("validation.timesteps", v.timesteps, "needs at least one timestep to score the images at",
+                           "validation.timesteps=4"))
     elif v.timesteps > 1000:
-        out.append(("validation.timesteps", v.timesteps, "is more than the 1000 diffusion timesteps of the model",
-                    "validation.timesteps=4"))
+        out.append(Problem("validation.timesteps", v.timesteps,
+                           "is more than the 1000 diffusion timesteps of the model", "validation.timesteps=4"))
     if v.batch_size < 0:
-        out.append(("validation.batch_size", v.batch_size, "must be >= 0 (0: train.micro_batch_size)",
-                    "validation.batch_size=0"))
+        out.append(Problem("validation.batch_size", v.batch_size, "must be >= 0 (0: train.micro_batch_size)",
+                           "validation.batch_size=0"))
     if v.path is not None:
         if not Path(v.path).is_dir():
-            out.append(("validation.path", v.path, "is not a folder (validation scores the images in it)",
-                        "validation.path=/path/to/validation/images, or leave it unset to hold out part of "
-                        "data.path (validation.split)"))
+            out.append(Problem("validation.path", v.path, "is not a folder (validation scores the images in it)",
+                               "validation.path=/path/to/validation/images, or leave it unset to hold out part of "
+                               "data.path (validation.split)"))
         elif cfg.data.source.value == "folder" and cfg.data.path and Path(v.path).resolve() == Path(
                 cfg.data.path).resolve():
-            out.append(("validation.path", v.path, "is the training folder: its images would be trained on and "
-                        "scored, which measures memorising, not quality", "leave validation.path unset to hold out "
-                        "validation.split of data.path, or name a folder of other images"))
+            out.append(Problem("validation.path", v.path, "is the training folder: its images would be trained on "
+                               "and scored, which measures memorising, not quality", "leave validation.path unset to "
+                               "hold out validation.split of data.path, or name a folder of other images"))
         return out
     split = float(v.split)
     if not split > 0 or (split >= 1 and split != int(split)):
-        out.append(("validation.split", v.split, "must be a fraction of the images (0 < split < 1) or a whole "
-                    "count of them (>= 1)", "validation.split=0.05, or validation.split=8"))
+        out.append(Problem("validation.split", v.split, "must be a fraction of the images (0 < split < 1) or a whole "
+                           "count of them (>= 1)", "validation.split=0.05, or validation.split=8"))
     elif cfg.data.source.value == "synthetic" and count(split, int(cfg.data.num_samples)) > 4096:
-        out.append(("validation.split", v.split, f"asks for {count(split, int(cfg.data.num_samples))} synthetic "
-                    "validation images", "validation.split=8"))
+        out.append(Problem("validation.split", v.split, f"asks for {count(split, int(cfg.data.num_samples))} synthetic "
+                           "validation images", "validation.split=8"))
     return out

@@ -33,7 +33,7 @@ CLIENT_PACKAGE = {"adamw8bit": ("bitsandbytes", "pip install -c constraints.txt 
                   "schedule_free_adamw": ("schedulefree", "pip install -c constraints.txt schedulefree")}
 # Optimizers with state kept per step in their param groups, not per element (Prodigy's step size d from sums over
 # every parameter, schedule-free's step count k and average weights): each `step()` call must see every trained
-# parameter once. ZeRO-3 calls `step()` once per sub-group, so they need one sub-group (see validation).
+# parameter once. ZeRO-3 calls `step()` once per sub-group, so they need one sub-group (see config/checks/resolve.py).
 GLOBAL_STATE = frozenset({"prodigy", "schedule_free_adamw"})
 # Optimizers whose state is kept elementwise in fp32 (what DeepSpeed's NVMe swapper and the portable state's Adam
 # moments assume): the Adam family, DeepSpeed's and torch's.

@@ -1,4 +1,4 @@
-"""Command-line mistakes at Hydra's layer, reported like validation's problems. Torch-free.
+"""Command-line mistakes at Hydra's layer, reported like the config checks' problems. Torch-free.
 
 Hydra parses the overrides and composes the config before our task function runs; its errors would
 end in a traceback (`zero=2`: "Config group override must be a string or a list. Got int") or in
@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from ds_trainer import CONF_DIR
-from ds_trainer.config.validation import Problem, Report
+from ds_trainer.config.problems import Problem, Report
 
 F = TypeVar("F", bound=Callable[..., Any])
 _OURS = "_DS_TRAINER_FULL_ERROR_SET"  # we set HYDRA_FULL_ERROR ourselves (not the user)
@@ -41,7 +41,7 @@ class TaskFailed(Exception):
 
 
 def render(problems: list[Problem]) -> str:
-    """The same one-screen report as validation's."""
+    """The same one-screen report as the config checks'."""
     import omegaconf
 
     return Report(omegaconf.OmegaConf.create(), problems).render()
@@ -107,7 +107,7 @@ def meant(group: str, value: object, options: list[str]) -> list[str]:
     return difflib.get_close_matches(text, options, n=2, cutoff=0.6)
 
 
-def _group_problem(key: str, value: object, multirun: bool) -> Problem | None:
+def _group_problem(key: str, value: object) -> Problem | None:
     group = key.lstrip("+~")
     if isinstance(value, list):
         items = ",".join(map(str, value))
@@ -189,7 +189,7 @@ def check_args(overrides: list[str], multirun: bool) -> list[Problem]:
             values = (o._value.list if isinstance(o._value, ChoiceSweep) else [o._value] if not o.is_sweep_override()
                       else [])
             for value in values:
-                if (problem := _group_problem(key, value, multirun)) is not None:
+                if (problem := _group_problem(key, value)) is not None:
                     problems.append(problem)
         elif o.key_or_group in ("hydra.run.dir", "hydra.sweep.dir") and not o.is_sweep_override():
             if (problem := _folder_problem(o.key_or_group, o.value())) is not None:
@@ -243,7 +243,7 @@ def explain(exc: BaseException, overrides: list[str], multirun: bool) -> Problem
         text = str(exc).splitlines()[0]
         found = re.search(r"'([\w/]+)/([^'/]+)'", text)
         if found and _is_group(found.group(1)):
-            return _group_problem(found.group(1), found.group(2), multirun) or Problem(
+            return _group_problem(found.group(1), found.group(2)) or Problem(
                 found.group(1), found.group(2), text, "check the option's name")
         return Problem("command line", " ".join(overrides), text, "fix the override it names")
     if isinstance(exc, OSError) and exc.filename is not None:

@@ -17,7 +17,7 @@ from omegaconf import DictConfig
 
 from ds_trainer.config import schema
 from ds_trainer.config.ds_config import option_name
-from ds_trainer.config.validation import Problem
+from ds_trainer.config.problems import Problem
 
 META = "portable/meta.json"
 # Optimizers whose state the portable format holds (DeepSpeed's Adam/AdamW map 1:1 onto torch's).

@@ -32,7 +32,7 @@ Generated from `ds_trainer/config/schema.py` and `conf/` by `python -m ds_traine
 edit by hand (tests/test_docs.py fails when this page and the code disagree). Every key can be set on the command
 line (`python -m ds_trainer train.max_steps=20`); a group's option (`python -m ds_trainer zero=stage3`) sets several
 at once. A typo or a wrong type fails at composition, with Hydra's own message; values that compose but cannot run
-together get the one-screen message of `ds_trainer/config/validation.py`.
+together get the one-screen message of `ds_trainer/config/checks/`.
 """
 
 

@@ -11,8 +11,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-# (key, value, why, fix): validation turns each into a Problem.
-Issue = tuple[str, object, str, str]
+from ds_trainer.config.problems import Problem
 
 _EXAMPLE = "'samples.prompts=[a red cube,a blue ball]' (or samples.prompts=/path/prompts.txt)"
 
@@ -42,51 +41,51 @@ def due(cfg: DictConfig, step: int) -> bool:
     return (every > 0 and step % every == 0) or (bool(s.at_end) and step == int(cfg.train.max_steps))
 
 
-def _prompt_issues(cfg: DictConfig) -> list[Issue]:
+def _prompt_problems(cfg: DictConfig) -> list[Problem]:
     value = cfg.samples.prompts
     if isinstance(value, str):
         path = Path(value)
         if not path.is_file():
-            return [("samples.prompts", value, "is not a file (a string names a file of one prompt a line)",
-                     _EXAMPLE)]
+            return [Problem("samples.prompts", value, "is not a file (a string names a file of one prompt a line)",
+                            _EXAMPLE)]
         try:
             found = prompts(cfg)
         except (OSError, UnicodeDecodeError) as exc:
-            return [("samples.prompts", value, f"cannot be read as UTF-8 text ({exc})", _EXAMPLE)]
+            return [Problem("samples.prompts", value, f"cannot be read as UTF-8 text ({exc})", _EXAMPLE)]
         if not found:
-            return [("samples.prompts", value, "holds no prompt (every line is empty)", _EXAMPLE)]
+            return [Problem("samples.prompts", value, "holds no prompt (every line is empty)", _EXAMPLE)]
         return []
     if not OmegaConf.is_list(value) or not all(isinstance(p, str | int | float) for p in value):
-        return [("samples.prompts", value, "must be a list of prompts or the path of a prompts file", _EXAMPLE)]
+        return [Problem("samples.prompts", value, "must be a list of prompts or the path of a prompts file", _EXAMPLE)]
     if not [p for p in value if str(p).strip()]:
-        return [("samples.prompts", list(value), "samples=on needs at least one prompt", _EXAMPLE)]
+        return [Problem("samples.prompts", list(value), "samples=on needs at least one prompt", _EXAMPLE)]
     return []
 
 
-def issues(cfg: DictConfig) -> list[Issue]:
-    """Everything wrong with `samples` (nothing when sampling is off)."""
+def problems(cfg: DictConfig) -> list[Problem]:
+    """Everything wrong with `samples` (nothing when sampling is off); `config.checks` asks it."""
     s = cfg.samples
     if not s.enabled:
         return []
-    out = _prompt_issues(cfg)
+    out = _prompt_problems(cfg)
     if s.every < 0:
-        out.append(("samples.every", s.every, "must be >= 0 (0 samples only at the end)", "samples.every=100"))
+        out.append(Problem("samples.every", s.every, "must be >= 0 (0 samples only at the end)", "samples.every=100"))
     if s.every == 0 and not s.at_end:
-        out.append(("samples.at_end", False, "with samples.every=0 nothing would ever be sampled",
-                    "samples.every=100, or samples.at_end=true, or samples=none"))
+        out.append(Problem("samples.at_end", False, "with samples.every=0 nothing would ever be sampled",
+                           "samples.every=100, or samples.at_end=true, or samples=none"))
     if s.steps < 1:
-        out.append(("samples.steps", s.steps, "the denoising steps must be at least 1", "samples.steps=25"))
+        out.append(Problem("samples.steps", s.steps, "the denoising steps must be at least 1", "samples.steps=25"))
     if not math.isfinite(s.guidance_scale) or s.guidance_scale < 0:
-        out.append(("samples.guidance_scale", s.guidance_scale,
-                    "must be a finite number >= 0 (at most 1 turns classifier-free guidance off)",
-                    "samples.guidance_scale=5.0"))
+        out.append(Problem("samples.guidance_scale", s.guidance_scale,
+                           "must be a finite number >= 0 (at most 1 turns classifier-free guidance off)",
+                           "samples.guidance_scale=5.0"))
     if not list(s.seeds):
-        out.append(("samples.seeds", [], "needs at least one seed (one image per prompt and seed)",
-                    "samples.seeds=[0]"))
+        out.append(Problem("samples.seeds", [], "needs at least one seed (one image per prompt and seed)",
+                           "samples.seeds=[0]"))
     factor = int(cfg.model.downsample_factor)
     for side, value in zip(("width", "height"), size(cfg), strict=True):
         if value < factor or value % factor:
             nearest = max(factor, round(value / factor) * factor)
-            out.append((f"samples.{side}", value, f"{cfg.model.name} needs a positive multiple of {factor} "
-                        "(VAE x UNet downsampling)", f"samples.{side}={nearest}"))
+            out.append(Problem(f"samples.{side}", value, f"{cfg.model.name} needs a positive multiple of {factor} "
+                               "(VAE x UNet downsampling)", f"samples.{side}={nearest}"))
     return out

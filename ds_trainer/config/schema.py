@@ -249,7 +249,7 @@ class ModelConfig:
     Flux.1's transformer, both trained by flow matching, which `flow` sets).
 
     `param_count`, `max_param_numel` and `downsample_factor` describe the trained module (UNet or transformer)
-    so the torch-free validation can size NVMe buffers and swap and check resolutions (the VAE's factor times the
+    so the torch-free config checks can size NVMe buffers and swap and check resolutions (the VAE's factor times the
     transformer's patch); a test checks them against the built model.
     """
 
@@ -396,7 +396,7 @@ class SamplesConfig:
     """`samples` group: images generated during training (ds_trainer/train/observe/sampling.py)."""
 
     enabled: bool = False
-    # A list of prompts, or the path of a file with one prompt a line (so the type is checked by validation).
+    # A list of prompts, or the path of a file with one prompt a line (so the type is checked by config/checks).
     prompts: Any = field(default_factory=list)
     # Every N optimizer steps (0: only at the end), and at the last step when at_end.
     every: int = 0
@@ -484,7 +484,8 @@ class PathsConfig:
 
 @dataclass
 class ResolvedConfig:
-    """Decisions validation made; written to `config.yaml` so a run says what really ran."""
+    """Decisions the config checks made (config/checks/resolve.py); written to `config.yaml` so a run says what
+    really ran."""
 
     platform: str | None = None
     backend: str | None = None
@@ -498,7 +499,7 @@ class ResolvedConfig:
     # Parameters the optimizer trains (the UNet's, or the adapters' with adapter=lora); set before training.
     trainable_params: int | None = None
     # What the precision means under the backend that runs: dtypes of the masters, gradients, optimizer state,
-    # compute and reduce (validation.precision_meaning).
+    # compute and reduce (checks.resolve.precision_meaning).
     precision: dict[str, Any] | None = None
     # backend=fsdp: what the precision and sharding mean under FSDP2 (the plugin's fields as the run set them).
     fsdp: dict[str, Any] | None = None

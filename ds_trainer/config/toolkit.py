@@ -146,7 +146,7 @@ def cxx_compiler() -> str | None:
 
 
 def needed_ops(cfg: Any) -> list[str]:
-    """DeepSpeed's ops a validated configuration loads (by the folder names torch's loader builds them in)."""
+    """DeepSpeed's ops a checked configuration loads (by the folder names torch's loader builds them in)."""
     r = cfg.resolved
     if r.backend != "deepspeed":
         return []

@@ -34,8 +34,8 @@ def register() -> None:
 
 def failed_cell(cfg: DictConfig, run_dir: Path, status: str, message: str) -> None:
     """Record a cell that did not train (invalid config, crash) so the report lists it."""
+    from ds_trainer.config.checks.resolve import world_size_of
     from ds_trainer.config.rundir import write_json
-    from ds_trainer.config.validation import world_size_of
 
     summary = {"status": status, "message": message, "zero": ds_config.zero_option(cfg),
                "offload": cfg.offload.device.value,
@@ -71,7 +71,7 @@ def run_cell_process(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> No
     text = "".join(tail)
     report = re.search(r"^ds_trainer: \d+ problems? in the configuration.*", text, flags=re.M | re.S)
     if code == 2 and report:
-        from ds_trainer.config.validation import first_problem
+        from ds_trainer.config.problems import first_problem
 
         message = first_problem(report.group(0))
     else:

@@ -6,7 +6,7 @@ limit, /dev/shm, free disk where the run writes against what it will write, and 
 several nodes. Each problem comes with its fix. Exit status 0 when the configured run can start, 2 when it
 cannot; notes (a fallback that training takes by itself, a limit that may bite) do not change it.
 
-It reads the same facts training acts on (config/toolkit.py, config/validation.py): what it calls a fallback is
+It reads the same facts training acts on (config/toolkit.py, config/checks/): what it calls a fallback is
 what the run's ds_config.json will hold, and what it calls a problem is what the run would refuse or fail at.
 """
 
@@ -193,7 +193,7 @@ def network(f: Findings) -> None:
 
 
 def diagnose(cfg: DictConfig) -> Findings:
-    """Everything above for a validated `cfg` (validation's problems are the first problems)."""
+    """Everything above for a checked `cfg` (the config checks' problems are the first problems)."""
     f = Findings()
     torch = versions(f)
     for check in (lambda: gpus(f, torch, cfg), lambda: cuda_toolkit(f, cfg), lambda: ops(f, cfg),
@@ -207,7 +207,7 @@ def diagnose(cfg: DictConfig) -> Findings:
 
 def main(argv: list[str] | None = None) -> int:
     from ds_trainer import console
-    from ds_trainer.config import ds_config, op_cache, overrides, rundir, schema, validation
+    from ds_trainer.config import checks, ds_config, op_cache, overrides, rundir, schema
 
     console.for_tool()
     op_cache.prepare()
@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     rundir.register_resolvers()
     args = list(sys.argv[1:] if argv is None else argv)
     cfg = overrides.compose_checked(args)  # a mistake in the overrides: one screen, exit 2
-    report = validation.check(cfg)
+    report = checks.check(cfg)
     findings = diagnose(report.cfg)
     findings.notes[:0] = list(report.warnings)
     findings.problems[:0] = [(f"{p.key}={p.value}: {p.why}", p.fix) for p in report.problems]

@@ -239,7 +239,7 @@ def checkpoint_bytes(cfg: DictConfig) -> tuple[int, int]:
     DeepSpeed's files (16-bit weights of the whole UNet; fp32 masters and moments of what is trained) and the
     portable state (fp32 weights and moments), and the EMA when on. Measured on sdxl_tiny (5.4M parameters,
     bf16, AdamW): 2.0 + 12.0 + 12.0 bytes a parameter, as counted here."""
-    from ds_trainer.config import checkpoint_file, optimizers
+    from ds_trainer.config import optimizers, weights_file
 
     architecture = _architecture(cfg)
     stats = UNetStats(*plan_cache.cached("unet_stats", (architecture,),
@@ -255,7 +255,7 @@ def checkpoint_bytes(cfg: DictConfig) -> tuple[int, int]:
     portable = (4 + (8 if name in (*optimizers.FP32_MOMENTS, "adamw8bit") else 0)) * trained  # 8-bit: dequantized
     ema = 4 * trained if cfg.train.ema else 0
     export = 4 * (stats.params + encoders) * (2 if cfg.train.ema else 1)
-    if str(cfg.model.name).endswith("_tiny") or checkpoint_file.is_single_file(cfg.model.pretrained):
+    if str(cfg.model.name).endswith("_tiny") or weights_file.is_single_file(cfg.model.pretrained):
         export += 4 * stats.params  # the whole pipeline's own UNet or transformer (its encoders and VAE not counted)
     return engine + portable + ema, (export if cfg.train.export else 0)
 
@@ -328,7 +328,8 @@ def log_for_run(cfg: DictConfig, info: Any, world: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Compose the overrides like training does, print the table and the recommendation."""
-    from ds_trainer.config import hardware, overrides, rundir, schema, validation
+    from ds_trainer.config import hardware, overrides, rundir, schema
+    from ds_trainer.config.checks import resolve
     from ds_trainer.tools import calibration
 
     schema.register()
@@ -337,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     info = hardware.detect(cfg.platform.value)
     if info.kind == "cuda" and cfg.plan.vram_gib is None:
         info = hardware.confirm_with_torch(info)  # torch's figure: a MIG slice's memory, not the whole card's
-    world = validation.world_size_of(cfg)
+    world = resolve.world_size_of(cfg)
     budget_gib = cfg.plan.vram_gib if cfg.plan.vram_gib is not None else (
         info.gpu_memory_mib / 1024 * (1 - float(cfg.plan.margin)) if info.gpu_memory_mib else None)
     budget = budget_gib * GIB if budget_gib is not None else None

@@ -12,7 +12,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from ds_trainer.config.validation import Problem
+from ds_trainer.config.problems import Problem
 from ds_trainer.tools import calibration, tune_cell, tune_out
 from ds_trainer.tools.tune_space import GIB, MEASURE_KEYS, BadInput, Cell, override_key
 
@@ -112,14 +112,15 @@ def tune(argv: list[str]) -> int:
 
 
 def _tune(argv: list[str]) -> int:
-    from ds_trainer.config import hardware, validation
+    from ds_trainer.config import hardware
+    from ds_trainer.config.checks import resolve
     from ds_trainer.tools import tune_space as tn
 
     base, fixed = tn.split_overrides(argv)
     compose = _compose
     cfg = compose(argv)
     t, info = cfg.tune, hardware.detect(cfg.platform.value)
-    ranks = validation.world_size_of(cfg)
+    ranks = resolve.world_size_of(cfg)
     budget = _budget(t, info)
     cells = tn.space(t, fixed, ranks, int(cfg.train.gradient_accumulation_steps))
     tune_dir = Path(str(t.dir)).absolute()

@@ -9,7 +9,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from ds_trainer.config.validation import Problem
+from ds_trainer.config.problems import Problem, first_problem
 
 GIB = 2**30
 AXES = {"zero": "zero", "offload": "offload", "train.micro_batch_size": "micro_batch_size",
@@ -119,13 +119,13 @@ def measure_overrides(t: DictConfig, logger: str, name: str) -> list[str]:
 def plan_cells(cells: list[Cell], compose: Any, base: list[str], budget: float | None, info: Any,
                factor: float) -> None:
     """Drop the invalid cells, predict the others' peak per rank, prune those above the budget."""
-    from ds_trainer.config import ds_config, validation
+    from ds_trainer.config import checks, ds_config
     from ds_trainer.tools import plan
 
     for cell in cells:
-        report = validation.check(compose(base + cell.overrides()), info)
+        report = checks.check(compose(base + cell.overrides()), info)
         if not report.ok:
-            cell.status, cell.message = "invalid", validation.first_problem(report.render())
+            cell.status, cell.message = "invalid", first_problem(report.render())
             continue
         cfg = report.cfg
         zero = ds_config.zero_option(cfg)

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from omegaconf import DictConfig
 
-from ds_trainer.config import checkpoint_file
+from ds_trainer.config import weights_file
 from ds_trainer.train.backends import inner
 from ds_trainer.train.families import text_encoders
 from ds_trainer.train.state import portable
@@ -68,7 +68,7 @@ _ENCODERS = ("text_encoder", "text_encoder_2")
 def _whole_pipeline(cfg: DictConfig) -> bool:
     """A tiny model (random weights nobody else has) and a run from a single-file checkpoint export a whole
     pipeline; a run from a diffusers folder or hub id exports the trained parts, to put into the source's."""
-    return str(cfg.model.name).endswith("_tiny") or checkpoint_file.is_single_file(cfg.model.pretrained)
+    return str(cfg.model.name).endswith("_tiny") or weights_file.is_single_file(cfg.model.pretrained)
 
 
 def _fresh(part: Any) -> Any:

@@ -23,7 +23,8 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from ds_trainer.config import hardware, validation
+from ds_trainer.config import hardware
+from ds_trainer.config.problems import ConfigError
 from ds_trainer.errors import TrainingError
 from ds_trainer.train import backends, data, export, families
 from ds_trainer.train.adapters import adapter
@@ -75,7 +76,7 @@ def _run(cfg: DictConfig, backend: backends.Backend, ds: dict[str, Any] | None, 
         _plan_memory(the_run, info, memory_plan)
         loop(the_run, setup(the_run, resume))
         finish(the_run)
-    except validation.ConfigError:
+    except ConfigError:
         raise  # a refused resume: the configuration's one-screen message, before anything ran
     except (Exception, KeyboardInterrupt) as exc:  # every failure is recorded in summary.json first
         outcome = Outcome.of(exc, cfg, kind, tracker, run_dir)

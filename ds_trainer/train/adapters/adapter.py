@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from omegaconf import DictConfig
 
-from ds_trainer.config.adapter_rules import Rule
+from ds_trainer.config.problems import Problem
 from ds_trainer.train import families
 from ds_trainer.train.adapters import lora_file
 from ds_trainer.train.adapters.lora_file import adaptable_names
@@ -53,7 +53,7 @@ def _meta_model(cfg: DictConfig) -> torch.nn.Module:
     return families.of(cfg).meta_trained(cfg)
 
 
-def inspect(cfg: DictConfig) -> tuple[list[Rule], int]:
+def inspect(cfg: DictConfig) -> tuple[list[Problem], int]:
     """Before training, on the models built on the meta device (no memory): the problems only the model
     shows (targets that match no module, listing the names that exist; an `adapter.init_from` file whose
     tensors do not fit) and the number of trainable parameters (the UNet's and the trained text encoders')."""
@@ -62,7 +62,7 @@ def inspect(cfg: DictConfig) -> tuple[list[Rule], int]:
     return rules + more, count + encoders
 
 
-def _inspect_encoders(cfg: DictConfig) -> tuple[list[Rule], int]:
+def _inspect_encoders(cfg: DictConfig) -> tuple[list[Problem], int]:
     """`text_encoders.targets` that match nothing in a trained encoder, and the encoders' trainable parameters."""
     if not text_encoders.enabled(cfg):
         return [], 0
@@ -72,7 +72,7 @@ def _inspect_encoders(cfg: DictConfig) -> tuple[list[Rule], int]:
 
     path, kwargs = source(cfg)
     classes = {"text_encoder": CLIPTextModel, "text_encoder_2": CLIPTextModelWithProjection}
-    rules: list[Rule] = []
+    rules: list[Problem] = []
     count = 0
     for name in text_encoders.trained(cfg):
         with torch.device("meta"):
@@ -82,23 +82,24 @@ def _inspect_encoders(cfg: DictConfig) -> tuple[list[Rule], int]:
             names = [n for n, m in encoder.named_modules() if isinstance(m, torch.nn.Linear)]
             unmatched = [t for t in ends if not any(n == t or n.endswith("." + t) for n in names)]
             if unmatched:
-                rules.append(("text_encoders.targets", ends, f"{', '.join(unmatched)}: no Linear module of {name} has "
-                              f"such a name; the names end with: {', '.join(text_encoders.module_endings(encoder))}",
-                              "text_encoders.targets=[q_proj,k_proj,v_proj,out_proj] (the attention projections; "
-                              "fc1, fc2: the MLP)"))
+                rules.append(Problem("text_encoders.targets", ends, f"{', '.join(unmatched)}: no Linear module of "
+                                     f"{name} has such a name; the names end with: "
+                                     f"{', '.join(text_encoders.module_endings(encoder))}",
+                                     "text_encoders.targets=[q_proj,k_proj,v_proj,out_proj] (the attention "
+                                     "projections; fc1, fc2: the MLP)"))
                 continue
         text_encoders.prepare_encoder(text_encoders.Spec.of(cfg), name, encoder)
         count += sum(p.numel() for p in encoder.parameters() if p.requires_grad)
         if enabled(cfg) and cfg.adapter.init_from is not None and cfg.text_encoders.mode.value == "lora":
             why = lora_file.mismatch(Path(cfg.adapter.init_from), encoder, name)
             if why:
-                rules.append(("adapter.init_from", cfg.adapter.init_from, why, "a LoRA file trained with "
-                              "text_encoders=lora and the same text_encoders.which, rank and targets; or "
-                              "text_encoders=frozen to continue the UNet's adapters alone"))
+                rules.append(Problem("adapter.init_from", cfg.adapter.init_from, why, "a LoRA file trained with "
+                                     "text_encoders=lora and the same text_encoders.which, rank and targets; or "
+                                     "text_encoders=frozen to continue the UNet's adapters alone"))
     return rules, count
 
 
-def _inspect_model(cfg: DictConfig) -> tuple[list[Rule], int]:
+def _inspect_model(cfg: DictConfig) -> tuple[list[Problem], int]:
     if not enabled(cfg):
         return [], int(cfg.model.param_count)
     model = _meta_model(cfg)
@@ -107,17 +108,17 @@ def _inspect_model(cfg: DictConfig) -> tuple[list[Rule], int]:
     if unmatched:
         endings = sorted({".".join(n.split(".")[-2:]) if n.split(".")[-1].isdigit() else n.split(".")[-1]
                           for n in names})
-        return [("adapter.targets", list(cfg.adapter.targets),
-                 f"{', '.join(unmatched)}: no Linear/Conv module of the {families.label_of(model)} has such a name; "
-                 "the names end "
-                 f"with: {', '.join(endings)}", "adapter.targets=[to_q,to_k,to_v,to_out.0] (or adapter=lora_wide)")], 0
+        return [Problem("adapter.targets", list(cfg.adapter.targets),
+                        f"{', '.join(unmatched)}: no Linear/Conv module of the {families.label_of(model)} has such a "
+                        f"name; the names end with: {', '.join(endings)}",
+                        "adapter.targets=[to_q,to_k,to_v,to_out.0] (or adapter=lora_wide)")], 0
     _inject(cfg, model)
     count = sum(p.numel() for p in model.parameters() if p.requires_grad)
     if cfg.adapter.init_from is not None:
         why = lora_file.mismatch(Path(cfg.adapter.init_from), model, families.component_of(model))
         if why:
-            return [("adapter.init_from", cfg.adapter.init_from, why,
-                     "the adapter.rank and adapter.targets the file was trained with, or another file")], count
+            return [Problem("adapter.init_from", cfg.adapter.init_from, why,
+                            "the adapter.rank and adapter.targets the file was trained with, or another file")], count
     return [], count
 
 

@@ -158,9 +158,9 @@ def _check_swap_space(cfg: DictConfig, accelerator: Any) -> None:
     """Right before DeepSpeed writes its NVMe swap, check the room again: the disk may have filled up since
     the configuration was checked, and DeepSpeed does not notice a full swap disk (the files end short
     and it aborts the process on reading one back: no message, no summary)."""
-    from ds_trainer.config import validation
+    from ds_trainer.config.checks import resolve
 
-    why = validation.swap_problem(cfg) if accelerator.local_process_index == 0 else None
+    why = resolve.swap_problem(cfg) if accelerator.local_process_index == 0 else None
     if accel.any_rank(accelerator, why is not None):
         raise TrainingError(f"offload.nvme_path={cfg.offload.nvme_path} {why or 'is full on another node'}: the disk "
                             "filled up after the configuration was checked; nothing was trained and no checkpoint "

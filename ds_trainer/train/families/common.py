@@ -9,12 +9,12 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from ds_trainer.config import checkpoint_file
+from ds_trainer.config import weights_file
 
 
 def source(cfg: DictConfig) -> tuple[str, dict[str, Any]]:
     """Where to load from, and the from_pretrained keyword arguments."""
-    if cfg.model.pretrained and not checkpoint_file.is_single_file(cfg.model.pretrained):
+    if cfg.model.pretrained and not weights_file.is_single_file(cfg.model.pretrained):
         kwargs = {"revision": cfg.model.revision, "variant": cfg.model.variant}
         return str(cfg.model.pretrained), {k: v for k, v in kwargs.items() if v}
     return str(cfg.model.architecture), {}

@@ -16,7 +16,7 @@ import torch
 from omegaconf import DictConfig
 
 from ds_trainer import console
-from ds_trainer.config import checkpoint_file
+from ds_trainer.config import weights_file
 from ds_trainer.train.families import common, text_encoders
 from ds_trainer.train.families.base import Whole
 
@@ -144,7 +144,7 @@ def load_frozen(cfg: DictConfig, whole: Whole = nullcontext) -> Frozen:
     with whole():
         tokenizer = CLIPTokenizer.from_pretrained(path, subfolder="tokenizer", **kwargs)
         tokenizer_2 = CLIPTokenizer.from_pretrained(path, subfolder="tokenizer_2", **kwargs)
-        if checkpoint_file.is_single_file(cfg.model.pretrained):
+        if weights_file.is_single_file(cfg.model.pretrained):
             state = single_file.checkpoint(cfg)
             vae = single_file.vae(cfg, state)
             te1, te2 = single_file.text_encoders(cfg, state)
@@ -158,7 +158,7 @@ def load_frozen(cfg: DictConfig, whole: Whole = nullcontext) -> Frozen:
             vae = AutoencoderKL.from_config(AutoencoderKL.load_config(path, subfolder="vae"))
             te1 = CLIPTextModel(CLIPTextConfig.from_pretrained(path, subfolder="text_encoder"))
             te2 = CLIPTextModelWithProjection(CLIPTextConfig.from_pretrained(path, subfolder="text_encoder_2"))
-        if cfg.model.vae is not None and not checkpoint_file.is_single_file(cfg.model.pretrained):
+        if cfg.model.vae is not None and not weights_file.is_single_file(cfg.model.pretrained):
             # e.g. the fp16-safe SDXL VAE instead of the model's own (single_file.vae applied it above)
             vae = single_file.vae(cfg)
     for module in (vae, te1, te2):
@@ -173,7 +173,7 @@ def load_unet(cfg: DictConfig) -> Any:
 
     from ds_trainer.train.families import single_file
 
-    single = single_file.checkpoint(cfg) if checkpoint_file.is_single_file(cfg.model.pretrained) else None
+    single = single_file.checkpoint(cfg) if weights_file.is_single_file(cfg.model.pretrained) else None
     return common.trained_module(cfg, UNet2DConditionModel, "unet", single)
 
 

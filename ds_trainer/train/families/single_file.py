@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from ds_trainer.config import checkpoint_file
+from ds_trainer.config import weights_file
 from ds_trainer.errors import InputError
 
 
@@ -25,7 +25,7 @@ def checkpoint(cfg: DictConfig) -> dict[str, torch.Tensor]:
         state = load_single_file_checkpoint(path, local_files_only=True)
     except Exception as exc:  # noqa: BLE001 - any unreadable file is the user's to fix
         raise InputError(f"model.pretrained={path}: cannot be read as a checkpoint ({exc})") from None
-    found = checkpoint_file.what_it_is(state.keys())
+    found = weights_file.what_it_is(state.keys())
     if found:
         raise InputError(f"model.pretrained={path} is not an SDXL checkpoint: {found}")
     return state
@@ -39,8 +39,8 @@ def text_encoders(cfg: DictConfig, state: dict[str, torch.Tensor]) -> tuple[Any,
     arch = str(cfg.model.architecture)
     # Each encoder sees only its own keys: diffusers picks the encoder by key names and width, and would
     # read ViT-L's weights into bigG when both have one width (as in sdxl_tiny).
-    only_l = {k: v for k, v in state.items() if not k.startswith(checkpoint_file.OPEN_CLIP_G)}
-    only_g = {k: v for k, v in state.items() if not k.startswith(checkpoint_file.CLIP_L)}
+    only_l = {k: v for k, v in state.items() if not k.startswith(weights_file.OPEN_CLIP_G)}
+    only_g = {k: v for k, v in state.items() if not k.startswith(weights_file.CLIP_L)}
     te1 = create_diffusers_clip_model_from_ldm(CLIPTextModel, only_l, subfolder="text_encoder", config=arch,
                                                local_files_only=True)
     te2 = create_diffusers_clip_model_from_ldm(CLIPTextModelWithProjection, only_g, subfolder="text_encoder_2",

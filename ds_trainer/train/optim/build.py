@@ -11,7 +11,8 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from ds_trainer.config import ds_config, optimizers, validation
+from ds_trainer.config import ds_config, optimizers
+from ds_trainer.config.checks import resolve
 from ds_trainer.errors import TrainingError
 from ds_trainer.train import backends
 from ds_trainer.train.backends import inner
@@ -73,7 +74,7 @@ def optimizer(cfg: DictConfig, params: list[Any], fused: bool = True) -> Any:
         # Sharded over several ranks each sees a part of the sums behind d: its all-reduce joins them (on CUDA
         # only; the config checks refuse the case elsewhere).
         with contextlib.redirect_stdout(io.StringIO()):  # its print() of "Using decoupled weight decay" on every rank
-            return Prodigy(params, **block["params"], fsdp_in_use=validation.partitioned_over_ranks(cfg))
+            return Prodigy(params, **block["params"], fsdp_in_use=resolve.partitioned_over_ranks(cfg))
     if name == "schedule_free_adamw":
         return _schedule_free(params, block)
     torch_class = {"Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW, "Adagrad": torch.optim.Adagrad,

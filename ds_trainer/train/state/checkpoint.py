@@ -132,7 +132,7 @@ def newest_intact(paths: list[Path]) -> Path | None:
 
 
 def _resume_error(value: str, why: str) -> Exception:
-    from ds_trainer.config.validation import ConfigError, Problem, Report
+    from ds_trainer.config.problems import ConfigError, Problem, Report
 
     report = Report(OmegaConf.create(), [Problem("resume", value, why,
                                                  "resume=latest (the newest intact checkpoint) or resume=<another "
@@ -153,7 +153,7 @@ def _not_running(path: Path | None, run_dir: Path) -> Path | None:
 
 def resume_point(cfg: DictConfig, run_dir: Path, accelerator: Any) -> Path | None:
     """`find_resume` on the main process, its answer (or its refusal, raised on every rank) everywhere."""
-    from ds_trainer.config.validation import ConfigError
+    from ds_trainer.config.problems import ConfigError
     from ds_trainer.train.backends import accelerator as accel
 
     answer: tuple[Path | None, str | None] = (None, None)

@@ -1,7 +1,8 @@
-"""Single-file checkpoints: SDXL's (`model.pretrained=<file>.safetensors|.ckpt`, the original Stability
-layout that model sites ship) and the transformers' (`model.transformer=<file>.safetensors`: SD3/SD3.5 in
-Stability's MMDiT layout, Flux.1 in Black Forest Labs'), recognised from their key names and shapes. Torch-free: a
-`.safetensors` file's header is read before a run; a `.ckpt` is checked when it is loaded.
+"""Model weights in one file (single-file checkpoints, not a run's training checkpoints): SDXL's
+(`model.pretrained=<file>.safetensors|.ckpt`, the original Stability layout that model sites ship) and the
+transformers' (`model.transformer=<file>.safetensors`: SD3/SD3.5 in Stability's MMDiT layout, Flux.1 in Black Forest
+Labs'), recognised from their key names and shapes. Torch-free: a `.safetensors` file's header is read before a run;
+a `.ckpt` is checked when it is loaded.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig
+
+from ds_trainer.config.problems import Problem
 
 SUFFIXES = (".safetensors", ".ckpt")
 UNET = "model.diffusion_model."
@@ -60,25 +63,27 @@ def what_it_is(keys: Iterable[str]) -> str | None:
     return None
 
 
-def problems(cfg: DictConfig) -> list[tuple[str, object, str, str]]:
-    """(key, value, why, fix) for a checkpoint file or VAE that cannot be loaded; checked before a run."""
-    out: list[tuple[str, object, str, str]] = []
+def problems(cfg: DictConfig) -> list[Problem]:
+    """A checkpoint file or VAE that cannot be loaded; checked before a run (`config.checks.paths`)."""
+    out: list[Problem] = []
     pretrained, vae = cfg.model.pretrained, cfg.model.get("vae")
     fix = "model.pretrained=/path/to/sd_xl_base_1.0.safetensors (or a diffusers folder)"
     if pretrained and Path(pretrained).is_file() and not is_single_file(pretrained):
-        out.append(("model.pretrained", pretrained, f"is a file but not a checkpoint ({' or '.join(SUFFIXES)})", fix))
+        out.append(Problem("model.pretrained", pretrained, f"is a file but not a checkpoint ({' or '.join(SUFFIXES)})",
+                           fix))
     elif is_single_file(pretrained) and Path(pretrained).suffix.lower() == ".safetensors" and Path(pretrained).exists():
         try:
             found = what_it_is(safetensors_keys(Path(pretrained)))
         except (OSError, ValueError) as exc:
             found = f"not a readable safetensors file ({exc})"
         if found:
-            out.append(("model.pretrained", pretrained, f"is not an SDXL checkpoint: {found}", fix))
+            out.append(Problem("model.pretrained", pretrained, f"is not an SDXL checkpoint: {found}", fix))
         elif vae is None and not any(k.startswith(VAE) for k in safetensors_keys(Path(pretrained))):
-            out.append(("model.pretrained", pretrained, f"holds no VAE ({VAE}*)",
-                        "model.vae=/path/to/sdxl_vae.safetensors (or a diffusers VAE folder)"))
+            out.append(Problem("model.pretrained", pretrained, f"holds no VAE ({VAE}*)",
+                               "model.vae=/path/to/sdxl_vae.safetensors (or a diffusers VAE folder)"))
     if vae and not Path(vae).exists():
-        out.append(("model.vae", vae, "does not exist", "model.vae=/path/to/sdxl_vae.safetensors (or a VAE folder)"))
+        out.append(Problem("model.vae", vae, "does not exist",
+                           "model.vae=/path/to/sdxl_vae.safetensors (or a VAE folder)"))
     return out
 
 
@@ -138,29 +143,29 @@ def transformer_mismatch(header: dict[str, Any], family: str, arch: dict[str, An
     return None
 
 
-def transformer_problems(cfg: DictConfig) -> list[tuple[str, object, str, str]]:
-    """(key, value, why, fix) for a `model.transformer` file that cannot be loaded as the model's transformer."""
+def transformer_problems(cfg: DictConfig) -> list[Problem]:
+    """A `model.transformer` file that cannot be loaded as the model's transformer (`config.checks.model`)."""
     path, family = cfg.model.transformer, cfg.model.family.value
     example = {"sd3": "sd3.5_medium.safetensors", "flux": "flux1-dev.safetensors"}.get(family, "<file>.safetensors")
     fix = f"model.transformer=/path/to/{example} (for model={cfg.model.name}), or model.transformer=null"
     if family == "sdxl":
-        return [("model.transformer", path, "is for the transformer families (sd3, flux); an SDXL checkpoint file is "
-                 "read through model.pretrained", "model.transformer=null model.pretrained=/path/to/sd_xl_base_1.0"
-                 ".safetensors")]
+        return [Problem("model.transformer", path, "is for the transformer families (sd3, flux); an SDXL checkpoint "
+                        "file is read through model.pretrained",
+                        "model.transformer=null model.pretrained=/path/to/sd_xl_base_1.0.safetensors")]
     if Path(path).suffix.lower() != ".safetensors":
-        return [("model.transformer", path, "is read as one .safetensors file (as SD3.5 and Flux.1 ship)", fix)]
+        return [Problem("model.transformer", path, "is read as one .safetensors file (as SD3.5 and Flux.1 ship)", fix)]
     if not Path(path).is_file():
-        return [("model.transformer", path, "no such file", fix)]
+        return [Problem("model.transformer", path, "no such file", fix)]
     arch = json.loads((Path(cfg.model.architecture) / "transformer" / "config.json").read_text())
     width = int(arch["num_attention_heads"]) * int(arch["attention_head_dim"])
     if family == "flux" and width != FLUX_WIDTH:
-        return [("model.transformer", path, f"model={cfg.model.name}'s transformer is {width} wide; diffusers' Flux "
-                 f"single-file loader reads Flux.1's width ({FLUX_WIDTH}) only", "model=flux_dev (or a diffusers "
-                 "folder in model.pretrained)")]
+        return [Problem("model.transformer", path, f"model={cfg.model.name}'s transformer is {width} wide; diffusers' "
+                        f"Flux single-file loader reads Flux.1's width ({FLUX_WIDTH}) only",
+                        "model=flux_dev (or a diffusers folder in model.pretrained)")]
     try:
         found = transformer_mismatch(safetensors_header(Path(path)), family, arch)
     except (OSError, ValueError) as exc:
         found = f"not a readable safetensors file ({exc})"
     if found:
-        return [("model.transformer", path, f"is not model={cfg.model.name}'s transformer: it is {found}", fix)]
+        return [Problem("model.transformer", path, f"is not model={cfg.model.name}'s transformer: it is {found}", fix)]
     return []

@@ -1,0 +1,68 @@
+"""The `adapter` and `text_encoders` groups: what their values alone show. Torch-free, read-only.
+
+Whether `adapter.targets` match modules of the UNet, and whether an `adapter.init_from` file fits, need
+the model's module names; `train.adapter.inspect` checks those before training starts.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from ds_trainer.config import schema
+from ds_trainer.config.problems import Problem
+
+
+def problems(cfg: DictConfig) -> list[Problem]:
+    """Problems of `cfg.adapter` and `cfg.text_encoders` that the values alone show."""
+    out = _text_encoders(cfg)
+    a = cfg.adapter
+    if a.method.value == "none":
+        return out
+    out += _lora_shape("adapter", a, 16, "[to_q,to_k,to_v,to_out.0] (or adapter=lora_wide)")
+    if a.init_from is not None and not Path(a.init_from).exists():
+        out.append(Problem("adapter.init_from", a.init_from, "no such file or folder",
+                           "adapter.init_from=<run>/lora/pytorch_lora_weights.safetensors (or null)"))
+    return out
+
+
+def _text_encoders(cfg: DictConfig) -> list[Problem]:
+    if not schema.trains_text_encoders(cfg):
+        return []
+    te = cfg.text_encoders
+    out: list[Problem] = []
+    if te.lr is not None and (not math.isfinite(te.lr) or te.lr <= 0):
+        out.append(Problem("text_encoders.lr", te.lr, "the text encoders' learning rate must be a positive number",
+                           "text_encoders.lr=1e-5 (or null: the UNet's optimizer.lr)"))
+    if te.warmup_steps is not None:
+        schedule = cfg.scheduler.name.value
+        if te.warmup_steps <= 0:
+            out.append(Problem("text_encoders.warmup_steps", te.warmup_steps, "a warm-up is a positive number of steps",
+                               "text_encoders.warmup_steps=100 (or null: the schedule's scheduler.warmup_steps)"))
+        elif schedule in ("constant", "one_cycle"):
+            out.append(Problem("text_encoders.warmup_steps", te.warmup_steps, f"the encoders warm up on the UNet's "
+                               f"schedule family, and scheduler={schedule} has no warm-up",
+                               "scheduler=warmup (or warmup_decay, warmup_cosine), or text_encoders.warmup_steps=null"))
+    if te.mode.value == "lora":
+        out += _lora_shape("text_encoders", te, 8, "[q_proj,k_proj,v_proj,out_proj]")
+    return out
+
+
+def _lora_shape(group: str, node: DictConfig, rank: int, targets: str) -> list[Problem]:
+    """A LoRA's rank, alpha, dropout and targets (`adapter` or `text_encoders`); `rank` and `targets`: the fixes."""
+    out: list[Problem] = []
+    if node.rank <= 0:
+        out.append(Problem(f"{group}.rank", node.rank, "the LoRA rank must be a positive integer",
+                           f"{group}.rank={rank}"))
+    if not math.isfinite(node.alpha) or node.alpha <= 0:
+        out.append(Problem(f"{group}.alpha", node.alpha,
+                           "the LoRA alpha (the update is scaled by alpha/rank) must be > 0",
+                           f"{group}.alpha={max(node.rank, 1)}"))
+    if not math.isfinite(node.dropout) or not 0.0 <= node.dropout < 1.0:
+        out.append(Problem(f"{group}.dropout", node.dropout, "must lie in [0, 1)", f"{group}.dropout=0.0"))
+    if not node.targets:
+        out.append(Problem(f"{group}.targets", [], "LoRA needs at least one module to adapt",
+                           f"{group}.targets={targets}"))
+    return out

@@ -1,0 +1,24 @@
+"""`precision` on this machine: the dtypes its device computes in. Torch-free, read-only.
+
+(What each precision means under a backend is `resolve.precision_meaning`; bf16 masters under a backend that keeps
+fp32 ones are `backend`'s rule.)
+"""
+
+from __future__ import annotations
+
+from omegaconf import DictConfig
+
+from ds_trainer.config import hardware
+from ds_trainer.config.problems import Problem
+
+
+def problems(cfg: DictConfig, info: hardware.PlatformInfo) -> list[Problem]:
+    """bf16 or fp16 where the device has no kernels for it."""
+    precision, out = cfg.precision.name.value, []
+    if precision in ("bf16", "bf16_pure") and not info.bf16:
+        out.append(Problem("precision", precision, f"this {info.gpu_name or info.kind} has no bf16 support",
+                           "precision=fp16"))
+    if precision == "fp16" and not info.fp16:
+        out.append(Problem("precision", "fp16", f"{info.kind} has no fp16 kernels here (DeepSpeed's CPU accelerator "
+                           "needs AVX512-FP16 or AMX-FP16)", "precision=bf16 (or precision=fp32)"))
+    return out
