@@ -233,7 +233,7 @@ def test_trains_under_zero3_on_two_ranks_and_exports_a_pipeline_diffusers_loads(
     on_disk = sum(f.stat().st_size for f in Path(said.group(3)).glob("*.pt"))
     assert int(said.group(2)) == round(on_disk / 2 / 1024) and float(said.group(1)) == round(on_disk / 2**20, 1)
     # The planner sizes the attention by the text tokens the cache holds (SD3: CLIP's and T5's; Flux: T5's alone)
-    from ds_trainer.tools import plan_unet
+    from ds_trainer.tools.plan import unet as plan_unet
 
     assert plan_unet.text_tokens(make_cfg(f"model={model}")) == CACHED[model]["prompt_embeds"][0]
     # The last sample is the exported pipeline's image (bf16 weights, one thread, the same CPU generator): the

@@ -22,7 +22,8 @@ import pytest
 from conftest import free_port, make_cfg, run_cli, run_dirs, wait_until
 
 from ds_trainer import CONF_DIR
-from ds_trainer.tools import calibration, plan
+from ds_trainer.tools import plan
+from ds_trainer.tools.plan import calibration
 
 # Space: stage0/none (fits), stage0/cpu (invalid: nothing to offload), stage2/none (0.127 GiB predicted:
 # above the budget, pruned), stage2/cpu (fits). Two cells train.
@@ -292,7 +293,7 @@ def test_a_cell_out_of_memory_is_a_result_and_the_search_goes_on(tmp_path: Path)
 def test_the_optimizer_is_an_axis_each_cell_checked_and_planned_with_its_own_state() -> None:
     """tune.optimizer multiplies the space; each cell is validated and planned with its optimizer (8-bit moments
     predict less memory), and a combination the optimizer cannot run is invalid, not run as another."""
-    from ds_trainer.tools import tune_space
+    from ds_trainer.tools.tune import space as tune_space
 
     cfg = make_cfg("model=sdxl_tiny", "world_size=2", "tune.zero=[stage0,stage2]", "tune.offload=[none]",
                    "tune.micro_batch_size=[1]", "tune.gradient_checkpointing=[false]",
