@@ -133,7 +133,7 @@ def test_the_script_runs_under_the_run_s_backend_where_accelerate_can_give_it_th
     """The peer of a ZeRO-3 run is the script under ZeRO-3 (as a user would launch it: `accelerate launch` with a
     DeepSpeed config, the script's own AdamW and LR schedule), not the script alone."""
     import yaml
-    from conftest import cli_in_process
+    from helpers.cli import cli_in_process
 
     from ds_trainer.tools.bench.peer import Peer, backend, cfg_of
 

@@ -42,7 +42,7 @@ import shlex
 from pathlib import Path
 
 import pytest
-from conftest import cli_in_process
+from helpers.cli import cli_in_process
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
@@ -156,7 +156,7 @@ def _problems(cell: list[str], world_size: int) -> list[validation.Problem]:
 
 def _dry_run(cell: list[str], world_size: int, tmp: Path) -> tuple[int, str, Path]:
     """(exit status, what it printed, its run directory) of `python -m ds_trainer <cell> dry_run=true`, run in this
-    process (conftest.cli_in_process) with its run directory and outputs under `tmp`."""
+    process (helpers.cli.cli_in_process) with its run directory and outputs under `tmp`."""
     run_dir = tmp / "run"
     own = ("hydra.run.dir", "paths.outputs", "dry_run")  # where it writes: ours; the line's are checked above
     argv = [a for a in cell if a.split("=", 1)[0].lstrip("+") not in own]

@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import make_cfg
+from helpers.cfg import make_cfg
 
 from ds_trainer.tools import plan
 
@@ -84,7 +84,7 @@ def test_plan_command_prints_every_cell_and_recommends_the_cheapest_that_fits() 
 
 
 def test_training_logs_the_plan(workdir) -> None:  # type: ignore[no-untyped-def]
-    from conftest import run_cli
+    from helpers.cli import run_cli
 
     result = run_cli("logger=none", "train.max_steps=1", "data.num_samples=2", cwd=workdir)
     assert result.returncode == 0, result.stderr[-2000:]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import make_cfg
+from helpers.cfg import make_cfg
 
 from ds_trainer.config import ds_config, validation
 from ds_trainer.tools import plan

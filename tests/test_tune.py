@@ -19,7 +19,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from conftest import free_port, make_cfg, run_cli, run_dirs, wait_until
+from helpers.cfg import make_cfg
+from helpers.cli import run_cli, run_dirs
+from helpers.procs import wait_until
+from helpers.ranks import free_port
 
 from ds_trainer import CONF_DIR
 from ds_trainer.tools import plan
@@ -245,7 +248,7 @@ def test_a_tune_through_the_sweep_launchers_on_two_ranks_logs_its_table_to_wandb
         tmp_path: Path, launcher: str, request: pytest.FixtureRequest) -> None:
     # The cell goes through the sweeps' launchers (submitit on this machine, and sbatch on the local Slurm
     # cluster; two tasks = two DeepSpeed ranks), and the table of cells reaches W&B (offline here).
-    import wandb_log
+    from helpers import wandb_log
 
     env = request.getfixturevalue("slurm_cluster") if launcher.startswith("slurm") else dict(os.environ)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import make_cfg
+from helpers.cfg import make_cfg
 from test_buckets import IMAGES, make_folder
 
 from ds_trainer.config import holdout, validation
