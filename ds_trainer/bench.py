@@ -1,4 +1,4 @@
-"""`python -m ds_trainer.bench`: the GPU benchmark (the code is in `ds_trainer/tools/bench.py`)."""
+"""`python -m ds_trainer.bench`: the GPU benchmark (the code is in `ds_trainer/tools/bench/`)."""
 
 import os
 import sys

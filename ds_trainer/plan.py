@@ -1,4 +1,4 @@
-"""`python -m ds_trainer.plan`: the memory planner (the code is in `ds_trainer/tools/plan.py`)."""
+"""`python -m ds_trainer.plan`: the memory planner (the code is in `ds_trainer/tools/plan/`)."""
 
 import sys
 

@@ -1,4 +1,4 @@
-"""`python -m ds_trainer.tune`: the fastest configuration that fits, measured (code in `ds_trainer/tools/tune.py`)."""
+"""`python -m ds_trainer.tune`: the fastest configuration that fits, measured (code in `ds_trainer/tools/tune/`)."""
 
 import sys
 

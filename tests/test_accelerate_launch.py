@@ -9,7 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import free_port, run_cli, run_dirs
+from helpers.cli import run_cli, run_dirs
+from helpers.ranks import free_port
 
 SCRIPT = Path(__file__).parent / "scripts" / "one_step.py"
 

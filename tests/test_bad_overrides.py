@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import make_cfg, run_cli
+from helpers.cfg import make_cfg
+from helpers.cli import run_cli
 
 from ds_trainer.config import checks, hardware, nvme
 

@@ -15,7 +15,7 @@ pytest.importorskip("torch")
 
 @pytest.mark.parametrize(("res", "published"), [(1024, 20.2), (512, 4.7)])
 def test_sdxl_unet_flops_per_image_match_the_published_figures(res: int, published: float) -> None:
-    from ds_trainer.tools import bench_cells
+    from ds_trainer.tools.bench import cells as bench_cells
 
     assert bench_cells.tflop_per_image("sdxl_base", res) == pytest.approx(published, rel=0.01)
 
@@ -107,7 +107,7 @@ def test_bench_refuses_a_peer_script_it_cannot_time(flags: list[str], said: str,
 def test_the_script_s_steps_are_timed_when_its_progress_bar_first_shows_them() -> None:
     """diffusers' script reports its steps on a tqdm bar only: each line after a carriage return, rewritten when the
     step's loss is set, and a line may arrive in two pieces."""
-    from ds_trainer.tools.bench_peer import StepClock, _median_s_per_it
+    from ds_trainer.tools.bench.peer import StepClock, _median_s_per_it
 
     clock = StepClock()
     for chunk, at in [("Map: 100%|##########| 16/16 [00:01<00:00, 10.7 examples/s]\n", 1.0),
@@ -133,9 +133,9 @@ def test_the_script_runs_under_the_run_s_backend_where_accelerate_can_give_it_th
     """The peer of a ZeRO-3 run is the script under ZeRO-3 (as a user would launch it: `accelerate launch` with a
     DeepSpeed config, the script's own AdamW and LR schedule), not the script alone."""
     import yaml
-    from conftest import cli_in_process
+    from helpers.cli import cli_in_process
 
-    from ds_trainer.tools.bench_peer import Peer, backend, cfg_of
+    from ds_trainer.tools.bench.peer import Peer, backend, cfg_of
 
     run = tmp_path / "run"
     code, output = cli_in_process([f"zero={zero}", "dry_run=true", f"hydra.run.dir={run}"], tmp_path)

@@ -8,10 +8,11 @@ import os
 import subprocess
 from pathlib import Path
 
-import numerics
 import pytest
-import wandb_log
-from conftest import make_cfg, run_cli, run_dirs, torchrun
+from helpers import numerics, wandb_log
+from helpers.cfg import make_cfg
+from helpers.cli import run_cli, run_dirs
+from helpers.ranks import torchrun
 
 from ds_trainer.config import buckets as geometry
 from ds_trainer.errors import DataError

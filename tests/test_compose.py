@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import group_options, make_cfg, run_cli, run_dirs
+from helpers.cfg import group_options, make_cfg
+from helpers.cli import run_cli, run_dirs
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException, MissingConfigException
 from omegaconf import OmegaConf

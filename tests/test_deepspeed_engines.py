@@ -12,7 +12,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import free_port, make_cfg, one_rank_process_group, require
+from helpers.cfg import make_cfg
+from helpers.deps import require
+from helpers.ranks import free_port, one_rank_process_group
 
 from ds_trainer import cli
 from ds_trainer.config import checks, nvme, optimizers

@@ -42,7 +42,7 @@ import shlex
 from pathlib import Path
 
 import pytest
-from conftest import cli_in_process
+from helpers.cli import cli_in_process
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
@@ -64,7 +64,7 @@ USER_FILES = {"data.path", "validation.path", "model.pretrained", "model.vae", "
 CHECKED_BY_VALIDATION = {"ds_trainer", "ds_trainer.plan", "ds_trainer.tune", "ds_trainer.doctor"}
 CHECKED_BY_PARSER = {"ds_trainer.report", "ds_trainer.convert", "ds_trainer.bench", "ds_trainer.slurm_local",
                      "ds_trainer.gpucheck",
-                     "ds_trainer.config.reference", "ds_trainer.tools.plan_table"}
+                     "ds_trainer.config.reference", "ds_trainer.tools.plan.table"}
 CHECKED_BY_NAME = {"ds_trainer.tools.ops"}
 
 
@@ -158,7 +158,7 @@ def _problems(cell: list[str], world_size: int) -> list[Problem]:
 
 def _dry_run(cell: list[str], world_size: int, tmp: Path) -> tuple[int, str, Path]:
     """(exit status, what it printed, its run directory) of `python -m ds_trainer <cell> dry_run=true`, run in this
-    process (conftest.cli_in_process) with its run directory and outputs under `tmp`."""
+    process (helpers.cli.cli_in_process) with its run directory and outputs under `tmp`."""
     run_dir = tmp / "run"
     own = ("hydra.run.dir", "paths.outputs", "dry_run")  # where it writes: ours; the line's are checked above
     argv = [a for a in cell if a.split("=", 1)[0].lstrip("+") not in own]

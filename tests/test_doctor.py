@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import run_cli
+from helpers.cli import run_cli
 from test_reliability import _tmpfs
 
 from ds_trainer.config import toolkit

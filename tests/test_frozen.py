@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from conftest import make_cfg
+from helpers.cfg import make_cfg
 
 from ds_trainer.config import checks
 from ds_trainer.train import data, families

@@ -16,10 +16,12 @@ import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
-import numerics
 import pytest
 import yaml
-from conftest import make_cfg, run_cli, run_dirs, torchrun
+from helpers import numerics
+from helpers.cfg import make_cfg
+from helpers.cli import run_cli, run_dirs
+from helpers.ranks import torchrun
 
 from ds_trainer.config import accelerate_file, checks
 

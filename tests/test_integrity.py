@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import run_cli, run_dirs
+from helpers.cli import run_cli, run_dirs
 from test_train import metrics, summary, unet_weights
 
 from ds_trainer.train.state import checkpoint, integrity

@@ -17,7 +17,9 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import run_cli, run_dirs, sigint_at_default, torchrun, wait_until
+from helpers.cli import run_cli, run_dirs
+from helpers.procs import sigint_at_default, wait_until
+from helpers.ranks import torchrun
 
 pytestmark = [pytest.mark.slow]
 

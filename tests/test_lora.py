@@ -12,7 +12,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import free_port, make_cfg, one_rank_process_group, require, run_cli, run_dirs, torchrun, wait_until
+from helpers.cfg import make_cfg
+from helpers.cli import run_cli, run_dirs
+from helpers.deps import require
+from helpers.procs import wait_until
+from helpers.ranks import free_port, one_rank_process_group, torchrun
 
 from ds_trainer.config import nvme
 

@@ -9,8 +9,9 @@ import sys
 from pathlib import Path
 
 import pytest
-import wandb_log
-from conftest import make_cfg, run_cli, run_dirs, terminal_chatter
+from helpers import wandb_log
+from helpers.cfg import make_cfg
+from helpers.cli import run_cli, run_dirs, terminal_chatter
 from test_train import metrics, summary
 
 pytest.importorskip("torch")

@@ -4,7 +4,7 @@ SD3's and Flux's transformers), and the blocks it names (FSDP's units) are its o
 from __future__ import annotations
 
 import pytest
-from conftest import group_options, make_cfg
+from helpers.cfg import group_options, make_cfg
 from omegaconf import OmegaConf
 
 

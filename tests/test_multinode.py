@@ -15,9 +15,12 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import numerics
 import pytest
-from conftest import ACTIVE_STATES, require, run_cli, slurm_jobs, wait_until
+from helpers import numerics
+from helpers.cli import run_cli
+from helpers.deps import require
+from helpers.procs import wait_until
+from helpers.slurm import ACTIVE_STATES, slurm_jobs
 
 from ds_trainer.launch import netns, slurm_local
 
@@ -89,7 +92,7 @@ def test_zero3_and_fsdp_across_two_nodes_equal_a_single_node_two_rank_run(tmp_pa
         # One node all-reduces through shared memory (DeepSpeed's op) or gloo, two nodes through gloo over TCP: the same
         # gradients summed in another order (measured at most 2.5e-6 apart after 3 steps here), which Adam can turn
         # into lr-sized steps of a few near-zero-gradient elements on another CPU: the mean difference is the
-        # measure (tests/numerics.py); a wrong step, LR or rank moves it by ~1e-4.
+        # measure (tests/helpers/numerics.py); a wrong step, LR or rank moves it by ~1e-4.
         numerics.assert_same_weights(ours, theirs, f"{cell.name}, two nodes against one", tolerance=2e-6)
     # Each rank ran on its own node, with its own address.
     outs = "".join(p.read_text() for p in cells[0].parent.glob(".submitit/*/*_log.out"))

@@ -14,7 +14,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import free_port, make_cfg, one_rank_process_group, run_cli, run_dirs, terminal_chatter
+from helpers.cfg import make_cfg
+from helpers.cli import run_cli, run_dirs, terminal_chatter
+from helpers.ranks import free_port, one_rank_process_group
 from test_deepspeed_engines import SmallNet, written_config
 
 from ds_trainer.config import checks

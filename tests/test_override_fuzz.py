@@ -18,7 +18,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import cli_in_process, group_options
+from helpers.cfg import group_options
+from helpers.cli import cli_in_process
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import make_cfg
+from helpers.cfg import make_cfg
 
 from ds_trainer.tools import plan
 
@@ -28,7 +28,7 @@ def test_zero2_model_states_match_deepspeed(base: plan.UNetStats, ranks: int) ->
     from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
     for offload in ("none", "cpu"):
-        params, grads, optimizer, host = plan._model_states("stage2", offload, base.params, base.largest_layer,
+        params, grads, optimizer, host = plan.model_states("stage2", offload, base.params, base.largest_layer,
                                                             ranks, True, "bf16")
         cpu, gpu = estimate_zero2_model_states_mem_needs(base.params, num_gpus_per_node=ranks,
                                                          cpu_offload=offload == "cpu")
@@ -43,7 +43,7 @@ def test_zero3_model_states_match_deepspeed(base: plan.UNetStats, ranks: int, of
                                             params_offload: bool) -> None:
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
 
-    params, grads, optimizer, host = plan._model_states("stage3", offload, base.params, base.largest_layer, ranks,
+    params, grads, optimizer, host = plan.model_states("stage3", offload, base.params, base.largest_layer, ranks,
                                                         params_offload, "bf16")
     cpu, gpu, _ = estimate_zero3_model_states_mem_needs(base.params, base.largest_layer, num_gpus_per_node=ranks,
                                                         cpu_offload=offload == "cpu",
@@ -84,7 +84,7 @@ def test_plan_command_prints_every_cell_and_recommends_the_cheapest_that_fits() 
 
 
 def test_training_logs_the_plan(workdir) -> None:  # type: ignore[no-untyped-def]
-    from conftest import run_cli
+    from helpers.cli import run_cli
 
     result = run_cli("logger=none", "train.max_steps=1", "data.num_samples=2", cwd=workdir)
     assert result.returncode == 0, result.stderr[-2000:]
@@ -95,7 +95,7 @@ def test_the_planner_counts_what_a_gpu_run_holds_beyond_the_model_states(base: p
     """The terms a GPU run adds, against hand-computed bytes: the GPU EMA's fp32 shadow (a slice per rank),
     the VAE and text encoders left on the GPU with data.cache=false, and DDP's 16-bit autocast copy of the
     weights (its bucketed gradient copy is gone: Accelerate gets gradient_as_bucket_view)."""
-    from ds_trainer.tools import plan_samples
+    from ds_trainer.tools.plan import samples as plan_samples
 
     p = base.params
     cell = ("model=sdxl_base", "zero=stage2")
@@ -127,7 +127,7 @@ def test_trained_text_encoders_add_their_model_states_and_activations(base: plan
     and final norm frozen) add their fp32 weights, gradients and Adam state under DDP, and their activations: a bf16
     forward of 77 tokens keeps at least the inputs of each layer's Linears (q/k/v share one, out_proj, fc1, and
     fc2's 4x wider one: 7 x 77 x hidden x 2 bytes a layer; 12 layers of 768, 32 of 1280), about 54 MB an image."""
-    from ds_trainer.tools import plan_lora
+    from ds_trainer.tools.plan import lora as plan_lora
 
     cell = ("model=sdxl_base", "zero=ddp")
     frozen, full = (plan.estimate(make_cfg(*cell, *extra), "ddp", "none", 1)
@@ -162,12 +162,12 @@ def test_a_diffusion_transformers_activations_scale_with_its_tokens_and_checkpoi
 
 
 def test_the_readmes_table_of_full_size_models_is_the_planners_and_deepspeeds() -> None:
-    """The README's per-GPU figures for SDXL and SD3.5 are what `python -m ds_trainer.tools.plan_table` prints now:
+    """The README's per-GPU figures for SDXL and SD3.5 are what `python -m ds_trainer.tools.plan.table` prints now:
     DeepSpeed's estimator and the planner's model states agree in every cell, and the training peak adds what the
     estimator leaves out (activations, DeepSpeed's buffers)."""
     from pathlib import Path
 
-    from ds_trainer.tools import plan_table
+    from ds_trainer.tools.plan import table as plan_table
 
     table = plan_table.markdown()
     assert table in (Path(__file__).parents[1] / "README.md").read_text()

@@ -11,7 +11,7 @@ aligned gradient read (train/nvme_swap.py) its largest weight was 1e-4 off the r
 
 Tolerances: the runs differ only in floating-point summation order (gradients reduced over 2 ranks or
 accumulated over 2 micro-batches, DeepSpeed's Adam kernels vs torch.optim.AdamW). Weights and moments are
-compared by their mean absolute difference (tests/numerics.py has why, and the figures): the largest single
+compared by their mean absolute difference (tests/helpers/numerics.py has why, and the figures): the largest single
 difference is not bounded by the layout's noise on every CPU (Adam turns summation-order noise in near-zero
 gradients into learning-rate-sized steps), the mean is, and a lost moment, a skipped or repeated step or sample,
 or a wrong LR moves it by orders of magnitude more.
@@ -25,9 +25,11 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-import numerics
 import pytest
-from conftest import require, run_cli, run_dirs, torchrun
+from helpers import numerics
+from helpers.cli import run_cli, run_dirs
+from helpers.deps import require
+from helpers.ranks import torchrun
 
 from ds_trainer.config import nvme
 
@@ -143,7 +145,7 @@ def portable_state(folder: Path) -> tuple[dict, dict[str, torch.Tensor]]:
 
 def assert_same_state(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], what: str,
                       moments: float = 1e-3) -> None:
-    """Weights by their mean absolute difference, moments by theirs over their scale (see tests/numerics.py: the
+    """Weights by their mean absolute difference, moments by theirs over their scale (see tests/helpers/numerics.py: the
     largest single difference is no measure on every CPU; the mean separates noise from a lost state)."""
     assert got.keys() == expected.keys(), what
     for kind in ("fp32", "exp_avg", "exp_avg_sq"):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import make_cfg
+from helpers.cfg import make_cfg
 
 from ds_trainer.config import checks, ds_config
 from ds_trainer.tools import plan
@@ -57,14 +57,14 @@ def test_bf16_pure_where_it_does_not_exist_gets_the_one_screen_message(overrides
 def test_the_planner_counts_bf16_pure_model_states_at_their_bytes() -> None:
     p, layer, n = 1_000_000, 10_000, 4
     for zero in ("stage1", "stage2", "stage3"):
-        _, grads, optimizer, _ = plan._model_states(zero, "none", p, layer, n, True, "bf16")
-        _, pure_grads, pure_optimizer, _ = plan._model_states(zero, "none", p, layer, n, True, "bf16_pure")
+        _, grads, optimizer, _ = plan.model_states(zero, "none", p, layer, n, True, "bf16")
+        _, pure_grads, pure_optimizer, _ = plan.model_states(zero, "none", p, layer, n, True, "bf16_pure")
         assert pure_optimizer * 2 == optimizer == 12 * p // n  # bf16 masters + moments: 6 bytes, not 12
         assert pure_grads < grads
     # ZeRO-2 on one rank: 2 (weights) + 2 (gradients) + 6 (masters, moments) = 10 bytes a parameter, not 20.
-    assert sum(plan._model_states("stage2", "none", p, layer, 1, True, "bf16_pure")[:3]) == 10 * p
+    assert sum(plan.model_states("stage2", "none", p, layer, 1, True, "bf16_pure")[:3]) == 10 * p
     # FSDP: bf16 shards are the masters: 2 + 2 + 4 = 8 bytes a parameter over the ranks, not 16.
-    sharded = plan._model_states("fsdp_full_shard", "none", p, layer, n, True, "bf16_pure")
-    full = plan._model_states("fsdp_full_shard", "none", p, layer, n, True, "bf16")
+    sharded = plan.model_states("fsdp_full_shard", "none", p, layer, n, True, "bf16_pure")
+    full = plan.model_states("fsdp_full_shard", "none", p, layer, n, True, "bf16")
     gathered = 2 * 2 * layer
     assert sum(sharded[:3]) - gathered == 8 * p // n and sum(full[:3]) - gathered == 16 * p // n

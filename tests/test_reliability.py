@@ -12,7 +12,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from conftest import free_port, kill_9_at, require, run_cli, run_dirs, torchrun, wait_until
+from helpers.cli import run_cli, run_dirs
+from helpers.deps import require
+from helpers.procs import kill_9_at, wait_until
+from helpers.ranks import free_port, torchrun
 from test_train import metrics, summary, unet_weights
 
 from ds_trainer.config import nvme
@@ -152,7 +155,7 @@ def test_a_folder_is_decoded_once_and_only_changed_files_again(tmp_path: Path,
     """Checking every image is a full decode: a restart (a resumed or requeued job) must not pay it again."""
     import logging
 
-    from conftest import make_cfg
+    from helpers.cfg import make_cfg
 
     from ds_trainer.train import data
 

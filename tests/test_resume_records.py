@@ -8,8 +8,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-import wandb_log
-from conftest import run_cli, run_dirs
+from helpers import wandb_log
+from helpers.cli import run_cli, run_dirs
 from test_train import metrics
 
 pytest.importorskip("torch")

@@ -13,7 +13,9 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import free_port, run_cli, wait_until
+from helpers.cli import run_cli
+from helpers.procs import wait_until
+from helpers.ranks import free_port
 from test_train import metrics, summary
 
 from ds_trainer.config import runlock

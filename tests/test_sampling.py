@@ -11,9 +11,11 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-import numerics
 import pytest
-from conftest import require, run_cli, run_dirs, torchrun
+from helpers import numerics
+from helpers.cli import run_cli, run_dirs
+from helpers.deps import require
+from helpers.ranks import torchrun
 
 torch = pytest.importorskip("torch")
 
@@ -68,7 +70,8 @@ def _from_export(run_dir: Path, prompt: str, seed: int, bf16_unet: bool = False,
     import numpy as np
 
     out = run_dir / f"reference_{seed}_{'lora' if lora else 'base'}.npy"
-    cmd = [sys.executable, str(Path(__file__).with_name("sample_reference.py")), str(run_dir / "pipeline"), prompt,
+    script = Path(__file__).parent / "scripts" / "sample_reference.py"
+    cmd = [sys.executable, str(script), str(run_dir / "pipeline"), prompt,
            str(seed), str(out), *(["--bf16-unet"] if bf16_unet else []), *(["--lora", str(lora)] if lora else [])]
     result = subprocess.run(cmd, env={**os.environ, **ONE_THREAD}, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -78,7 +81,7 @@ def _from_export(run_dir: Path, prompt: str, seed: int, bf16_unet: bool = False,
 @pytest.mark.slow
 @pytest.mark.multiproc
 def test_zero3_two_ranks_sample_every_prompt_at_every_sample_step(zero3_run: Path) -> None:
-    from wandb_log import history
+    from helpers.wandb_log import history
 
     samples = zero3_run / "samples"
     assert sorted(p.name for p in samples.glob("step_*")) == ["step_00000002", "step_00000004"]
@@ -191,7 +194,7 @@ def test_bad_samples_settings_get_the_one_screen_message(workdir: Path) -> None:
 
 
 def test_prompts_from_a_file_and_the_schedule(tmp_path: Path) -> None:
-    from conftest import make_cfg
+    from helpers.cfg import make_cfg
 
     from ds_trainer.config import samples
 
@@ -206,7 +209,7 @@ def test_prompts_from_a_file_and_the_schedule(tmp_path: Path) -> None:
 
 
 def test_the_planner_counts_the_sampling_peak(capsys: pytest.CaptureFixture[str]) -> None:
-    from conftest import make_cfg
+    from helpers.cfg import make_cfg
 
     from ds_trainer.tools import plan
 

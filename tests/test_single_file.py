@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import make_cfg, run_cli, run_dirs
+from helpers.cfg import make_cfg
+from helpers.cli import run_cli, run_dirs
 
 torch = pytest.importorskip("torch")
 

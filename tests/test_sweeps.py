@@ -15,7 +15,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import ACTIVE_STATES, run_cli, sigint_at_default, slurm_jobs, wait_until
+from helpers.cli import run_cli
+from helpers.procs import sigint_at_default, wait_until
+from helpers.slurm import ACTIVE_STATES, slurm_jobs
 
 from ds_trainer import SWEEPS_DIR
 
@@ -239,7 +241,7 @@ def test_a_preempted_slurm_job_is_requeued_and_resumes_into_the_same_wandb_run(
     assert json.loads((cell / "summary.json").read_text())["status"] == "ok"
     wandb_files = sorted(cell.glob("wandb/offline-run-*/run-*.wandb"))
     assert len(wandb_files) == 2  # one per job instance
-    import wandb_log
+    from helpers import wandb_log
 
     # The requeued instance continues the same W&B run. (The signal also reaches W&B's own service
     # process, so the first instance's offline file may hold only what it had flushed.)
@@ -484,7 +486,7 @@ def test_report_goes_to_wandb_when_the_cells_used_it(tmp_path: Path) -> None:
                             timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     (wandb_file,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
-    import wandb_log
+    from helpers import wandb_log
 
     assert wandb_log.run_info(wandb_file).run_group == "zero_offload"
     (row,) = wandb_log.history(wandb_file)

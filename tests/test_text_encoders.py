@@ -20,9 +20,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numerics
 import pytest
-from conftest import make_cfg, run_cli, run_dirs, torchrun
+from helpers import numerics
+from helpers.cfg import make_cfg
+from helpers.cli import run_cli, run_dirs
+from helpers.ranks import torchrun
 
 torch = pytest.importorskip("torch")
 # One worker runs this module's tests, so its two shared runs are trained once (not once per pytest-xdist worker).
@@ -201,7 +203,8 @@ def _pipeline_image(pipeline: Path, prompt: str, seed: int) -> Any:
     import numpy as np
 
     out = pipeline.parent / f"reference_{seed}.npy"
-    cmd = [sys.executable, str(Path(__file__).with_name("sample_reference.py")), str(pipeline), prompt, str(seed),
+    script = Path(__file__).parent / "scripts" / "sample_reference.py"
+    cmd = [sys.executable, str(script), str(pipeline), prompt, str(seed),
            str(out)]
     result = subprocess.run(cmd, env={**os.environ, **ONE_THREAD}, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]

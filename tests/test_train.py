@@ -9,7 +9,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import free_port, require, run_cli, run_dirs, torchrun
+from helpers.cli import run_cli, run_dirs
+from helpers.deps import require
+from helpers.ranks import free_port, torchrun
 
 from ds_trainer.config import nvme
 
@@ -173,7 +175,7 @@ def test_pretrained_folder_with_v_prediction_min_snr_and_checkpointing(workdir: 
 
 
 def test_a_partial_checkpoint_is_never_resumed(tmp_path: Path) -> None:
-    from conftest import make_cfg
+    from helpers.cfg import make_cfg
 
     from ds_trainer.train.state import checkpoint
 

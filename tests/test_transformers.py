@@ -22,9 +22,13 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-import numerics
 import pytest
-from conftest import kill_9_at, make_cfg, require, run_cli, run_dirs, torchrun
+from helpers import numerics
+from helpers.cfg import make_cfg
+from helpers.cli import run_cli, run_dirs
+from helpers.deps import require
+from helpers.procs import kill_9_at
+from helpers.ranks import torchrun
 
 from ds_trainer.config import nvme
 
@@ -92,8 +96,9 @@ def _transformer(model: str, seed: int, **config: object) -> torch.nn.Module:
 
 
 def _single_file(root: Path, seed: int, model: str = "sd3_tiny", name: str = "", **config: object) -> Path:
-    """`model`'s transformer (from `seed`, `config` changed) written in its makers' layout (transformer_files.py)."""
-    import transformer_files
+    """`model`'s transformer (from `seed`, `config` changed) written in its makers' layout
+    (helpers/transformer_files.py)."""
+    from helpers import transformer_files
     from safetensors.torch import save_file
 
     module = _transformer(model, seed, **config)
@@ -232,7 +237,7 @@ def test_trains_under_zero3_on_two_ranks_and_exports_a_pipeline_diffusers_loads(
     on_disk = sum(f.stat().st_size for f in Path(said.group(3)).glob("*.pt"))
     assert int(said.group(2)) == round(on_disk / 2 / 1024) and float(said.group(1)) == round(on_disk / 2**20, 1)
     # The planner sizes the attention by the text tokens the cache holds (SD3: CLIP's and T5's; Flux: T5's alone)
-    from ds_trainer.tools import plan_unet
+    from ds_trainer.tools.plan import unet as plan_unet
 
     assert plan_unet.text_tokens(make_cfg(f"model={model}")) == CACHED[model]["prompt_embeds"][0]
     # The last sample is the exported pipeline's image (bf16 weights, one thread, the same CPU generator): the
@@ -241,7 +246,8 @@ def test_trains_under_zero3_on_two_ranks_and_exports_a_pipeline_diffusers_loads(
     from PIL import Image
 
     out = run_dir / "reference.npy"
-    cmd = [sys.executable, str(Path(__file__).with_name("sample_reference.py")), str(run_dir / "pipeline"), PROMPT,
+    script = Path(__file__).parent / "scripts" / "sample_reference.py"
+    cmd = [sys.executable, str(script), str(run_dir / "pipeline"), PROMPT,
            "0", str(out), "--bf16-unet", "--max-sequence-length", "32"]
     result = subprocess.run(cmd, env={**os.environ, **ONE_THREAD}, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -354,8 +360,8 @@ def test_a_transformer_reads_from_its_makers_single_file_and_other_files_are_nam
 def test_a_flux_transformer_at_flux1s_width_reads_from_black_forest_labs_layout(tmp_path: Path) -> None:
     """Flux.1's width (3072; one block of each kind, 530 M parameters in bf16): diffusers' loader, which splits the
     single-stream blocks at that width, gives the weights the file was written from, through model.transformer."""
-    import transformer_files
     from diffusers import FluxTransformer2DModel
+    from helpers import transformer_files
     from safetensors.torch import save_file
 
     from ds_trainer.config import checks

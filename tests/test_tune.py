@@ -19,10 +19,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from conftest import free_port, make_cfg, run_cli, run_dirs, wait_until
+from helpers.cfg import make_cfg
+from helpers.cli import run_cli, run_dirs
+from helpers.procs import wait_until
+from helpers.ranks import free_port
 
 from ds_trainer import CONF_DIR
-from ds_trainer.tools import calibration, plan
+from ds_trainer.tools import plan
+from ds_trainer.tools.plan import calibration
 
 # Space: stage0/none (fits), stage0/cpu (invalid: nothing to offload), stage2/none (0.127 GiB predicted:
 # above the budget, pruned), stage2/cpu (fits). Two cells train.
@@ -244,7 +248,7 @@ def test_a_tune_through_the_sweep_launchers_on_two_ranks_logs_its_table_to_wandb
         tmp_path: Path, launcher: str, request: pytest.FixtureRequest) -> None:
     # The cell goes through the sweeps' launchers (submitit on this machine, and sbatch on the local Slurm
     # cluster; two tasks = two DeepSpeed ranks), and the table of cells reaches W&B (offline here).
-    import wandb_log
+    from helpers import wandb_log
 
     env = request.getfixturevalue("slurm_cluster") if launcher.startswith("slurm") else dict(os.environ)
 
@@ -292,7 +296,7 @@ def test_a_cell_out_of_memory_is_a_result_and_the_search_goes_on(tmp_path: Path)
 def test_the_optimizer_is_an_axis_each_cell_checked_and_planned_with_its_own_state() -> None:
     """tune.optimizer multiplies the space; each cell is validated and planned with its optimizer (8-bit moments
     predict less memory), and a combination the optimizer cannot run is invalid, not run as another."""
-    from ds_trainer.tools import tune_space
+    from ds_trainer.tools.tune import space as tune_space
 
     cfg = make_cfg("model=sdxl_tiny", "world_size=2", "tune.zero=[stage0,stage2]", "tune.offload=[none]",
                    "tune.micro_batch_size=[1]", "tune.gradient_checkpointing=[false]",

@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import make_cfg
+from helpers.cfg import make_cfg
 from test_buckets import IMAGES, make_folder
 
 from ds_trainer.config import checks, holdout
@@ -98,6 +98,6 @@ def test_the_planner_counts_the_validation_peak_with_the_ema_unet() -> None:
 
     assert peak() is None  # neither samples nor validation: no evaluation peak
     scored, plain = peak("validation=on"), peak("validation=on", "validation.ema=false")
-    unet_params = plan.unet_stats(plan._architecture(make_cfg())).params
+    unet_params = plan.unet_stats(plan.architecture(make_cfg())).params
     assert scored is not None and plain is not None
     assert scored - plain >= 4 * unet_params  # the EMA scored: a float32 UNet on its shadow

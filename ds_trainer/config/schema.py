@@ -448,7 +448,7 @@ class PlanConfig:
 
 @dataclass
 class TuneConfig:
-    """`python -m ds_trainer.tune`: the search space and how each cell is measured (see tools/tune.py)."""
+    """`python -m ds_trainer.tune`: the search space and how each cell is measured (see tools/tune/)."""
 
     # GiB per GPU; None: the detected GPU's memory minus `margin` (no GPU: nothing is pruned).
     vram_gib: float | None = None

@@ -1,1 +1,2 @@
-"""Tools around runs: the memory planner and the GPU benchmark."""
+"""Tools around runs: the memory planner (`plan/`), the tuner (`tune/`), the benchmark (`bench/`), the doctor, the
+checkpoint converter and the op builder."""

@@ -8,7 +8,7 @@ from outside, from the moment the process is started, imports included. Results:
 pair) and `<out>/startup.md` (medians and median ratios per option).
 
 With `--peer-script <train_text_to_image_sdxl.py>` diffusers' example script runs third in each pair, on the same
-pretrained folder and images as the run, which then trains from them too (tools/bench_peer.py); startup.md gets a
+pretrained folder and images as the run, which then trains from them too (peer.py); startup.md gets a
 second table, run / script, and the commands.
 """
 
@@ -21,8 +21,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from ds_trainer.tools.bench_cells import Cell, cell_command, run_cell, run_raw
-from ds_trainer.tools.bench_peer import Peer, prepare
+from ds_trainer.tools.bench.cells import Cell, cell_command, run_cell, run_raw
+from ds_trainer.tools.bench.peer import Peer, prepare
 
 FIELDS = ("zero", "pair", "first_step_s", "raw_first_step_s", "s_per_it", "raw_s_per_it", "status")
 PEER_FIELDS = ("peer_first_step_s", "peer_s_per_it", "peer_status", "peer_backend")
@@ -115,6 +115,7 @@ def table(rows: list[dict[str, Any]], command: str, peer_commands: list[str] | N
 
 
 def main(args: argparse.Namespace) -> int:
+    """`--startup-pairs N`: the pairs of each --zeros option; startup.csv and startup.md."""
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     peer = prepare(args, out) if args.peer_script else None

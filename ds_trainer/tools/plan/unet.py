@@ -1,9 +1,9 @@
 """The trained module the planner measures (SDXL's UNet, or SD3's or Flux's transformer when the architecture folder
 holds a `transformer/`), built on the meta device from an architecture folder (no memory, no download): its
 parameter count and largest layer, random inputs of a given image size, and a forward of it (`forward_of`). The
-planner (plan.py), its sampling part (plan_samples.py) and the bench's raw loop (bench_cells.py) all build on it.
+planner (cells.py), its sampling part (samples.py) and the bench's raw loop (tools/bench/cells.py) build on it.
 Also the counter of what autograd saves in a meta-device forward (`saved_bytes`), which measures the trained
-module's and the trained text encoders' activations (plan_lora.py)."""
+module's and the trained text encoders' activations (lora.py)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ from typing import Any
 
 @dataclass(frozen=True)
 class UNetStats:
+    """The trained module's parameter count and its largest layer's."""
+
     params: int
     largest_layer: int
 
@@ -53,6 +55,7 @@ def meta_unet(architecture: str) -> Any:
 
 
 def build_meta(architecture: str) -> Any:
+    """A fresh trained module of `architecture` on the meta device."""
     import diffusers
     import torch
 

@@ -10,14 +10,14 @@ from typing import Any
 from omegaconf import DictConfig
 
 from ds_trainer.config import schema
-from ds_trainer.tools.plan_unet import saved_bytes
+from ds_trainer.tools.plan.unet import saved_bytes
 
 
 @cache
 def _count(architecture: str, rank: int, alpha: int, targets: tuple[str, ...]) -> int:
     from peft import LoraConfig
 
-    from ds_trainer.tools.plan_unet import build_meta
+    from ds_trainer.tools.plan.unet import build_meta
 
     unet = build_meta(architecture)  # its own: adapters are added to it
     unet.requires_grad_(False)
@@ -124,11 +124,11 @@ def _encoder_activations(architecture: str, which: str, mode: str, rank: int, ta
 def encoder_activations(cfg: DictConfig, architecture: str, dtype_bytes: int) -> int:
     """Activation bytes the trained text encoders add to a step (0 with frozen encoders: their embeddings are
     cached)."""
-    from ds_trainer.tools import plan_cache
+    from ds_trainer.tools.plan import cache as disk_cache
 
     if not schema.trains_text_encoders(cfg):
         return 0
     te = cfg.text_encoders
-    return int(plan_cache.cached("encoder_activations", (
+    return int(disk_cache.cached("encoder_activations", (
         architecture, te.which.value, te.mode.value, int(te.rank), tuple(str(t) for t in te.targets),
         int(cfg.train.micro_batch_size), dtype_bytes, bool(cfg.train.gradient_checkpointing)), _encoder_activations))

@@ -12,8 +12,8 @@ from typing import Any
 import yaml
 from omegaconf import DictConfig
 
-from ds_trainer.tools.calibration import Calibration
-from ds_trainer.tools.tune_space import GIB, Cell, override_key
+from ds_trainer.tools.plan.calibration import Calibration
+from ds_trainer.tools.tune.space import GIB, Cell, override_key
 
 COLUMNS = ("cell", "zero", "offload", "micro_batch_size", "gradient_accumulation_steps", "gradient_checkpointing",
            "optimizer", "status", "predicted_peak_gib", "measured_peak_gib", "measure", "s_per_it", "images_per_s",
@@ -29,6 +29,8 @@ def columns(cells: list[Cell]) -> tuple[str, ...]:
 
 @dataclass
 class Context:
+    """What every output of a tune is written from."""
+
     cfg: DictConfig
     base: list[str]
     budget: float | None
@@ -49,6 +51,7 @@ def measured_gib(cell: Cell) -> tuple[float | None, str]:
 
 
 def row(cell: Cell) -> dict[str, Any]:
+    """The cell's row of tune.csv and tune.md."""
     peak, measure = measured_gib(cell)
     r = cell.result
     return {"cell": cell.label, "zero": cell.zero, "offload": cell.offload, "micro_batch_size": cell.micro,
@@ -108,6 +111,7 @@ def apply_line(ctx: Context) -> str:
 
 
 def chart(ctx: Context, cells: list[Cell], best: Cell | None, path: Path) -> None:
+    """tune.png: each cell's memory against its images/s, the winner marked."""
     from ds_trainer.launch.report import memory_speed
 
     points = []
@@ -123,6 +127,7 @@ def chart(ctx: Context, cells: list[Cell], best: Cell | None, path: Path) -> Non
 
 
 def markdown(ctx: Context, cells: list[Cell], best: Cell | None) -> str:
+    """tune.md: the overrides, budget, winner and every cell."""
     from ds_trainer.launch.report import _fmt
 
     budget = f"{ctx.budget / GIB:.2f} GiB per rank" if ctx.budget else "none (no GPU; nothing pruned)"
@@ -142,6 +147,7 @@ def markdown(ctx: Context, cells: list[Cell], best: Cell | None) -> str:
 
 
 def to_wandb(ctx: Context, cells: list[Cell]) -> None:
+    """The cells as a W&B table, when the logger is W&B."""
     logger = ctx.cfg.logger
     if logger.name.value != "wandb" or logger.mode.value == "disabled":
         return

@@ -23,6 +23,8 @@ from typing import Any
 
 @dataclass(frozen=True)
 class Cell:
+    """One benchmark cell: the zero option, offload, resolution, micro batch, checkpointing and accumulation."""
+
     zero: str
     offload: str
     res: int
@@ -32,9 +34,11 @@ class Cell:
 
     @property
     def name(self) -> str:
+        """The cell's folder and row name."""
         return f"{self.zero}-{self.offload}-px{self.res}-b{self.batch}-gc{int(self.gc)}-acc{self.accum}"
 
     def overrides(self, model: str, steps: int, nvme_path: str) -> list[str]:
+        """The training overrides of the cell: synthetic data, no logger, no checkpoints."""
         out = [f"model={model}", f"zero={self.zero}", f"offload={self.offload}", f"resolution.width={self.res}",
                f"resolution.height={self.res}", f"train.micro_batch_size={self.batch}",
                f"train.gradient_checkpointing={str(self.gc).lower()}",
@@ -52,10 +56,10 @@ def tflop_per_image(model: str, res: int) -> float:
     from torch.utils.flop_counter import FlopCounterMode
 
     from ds_trainer import ASSETS_DIR
-    from ds_trainer.tools import plan_unet
+    from ds_trainer.tools.plan.unet import meta_unet, unet_inputs
 
-    unet = plan_unet.meta_unet(str(ASSETS_DIR / model))  # shared and cached: the planner may have cast it to bf16
-    latents, t, embeds, cond = plan_unet.unet_inputs(unet.config, 1, res, res, unet.dtype, "meta")
+    unet = meta_unet(str(ASSETS_DIR / model))  # shared and cached: the planner may have cast it to bf16
+    latents, t, embeds, cond = unet_inputs(unet.config, 1, res, res, unet.dtype, "meta")
     with FlopCounterMode(display=False) as counter:
         unet(latents, t, embeds, added_cond_kwargs=cond).sample.sum().backward()
     unet.zero_grad(set_to_none=True)
@@ -130,7 +134,7 @@ def raw_loop(folder: Path, steps: int, warmup: int = 2) -> tuple[float, float]:
     import torch
     from omegaconf import DictConfig, OmegaConf
 
-    from ds_trainer.tools import plan_unet
+    from ds_trainer.tools.plan.unet import unet_inputs
     from ds_trainer.train import recipe as train
     from ds_trainer.train.families import sdxl
 
@@ -164,7 +168,7 @@ def raw_loop(folder: Path, steps: int, warmup: int = 2) -> tuple[float, float]:
         # The run's own optimizer (torch's fused AdamW) and clipping: the ratio is then the run's overhead alone.
         update = _torch_update(cfg, unet, fused=True)
         autocast = functools.partial(torch.autocast, device.type, dtype=torch.bfloat16, enabled=bf16)
-    latents, t, embeds, cond = plan_unet.unet_inputs(unet.config, micro, int(cfg.resolution.height),
+    latents, t, embeds, cond = unet_inputs(unet.config, micro, int(cfg.resolution.height),
                                                 int(cfg.resolution.width), dtype, device)
     noise = torch.randn_like(latents)
     times, first = [], 0.0

@@ -13,8 +13,10 @@ from typing import Any
 from omegaconf import DictConfig
 
 from ds_trainer.config.problems import Problem
-from ds_trainer.tools import calibration, tune_cell, tune_out
-from ds_trainer.tools.tune_space import GIB, MEASURE_KEYS, BadInput, Cell, override_key
+from ds_trainer.tools.plan import calibration
+from ds_trainer.tools.tune import cell as tune_cell
+from ds_trainer.tools.tune import outputs as tune_out
+from ds_trainer.tools.tune.space import GIB, MEASURE_KEYS, BadInput, Cell, override_key
 
 
 def _compose(overrides: list[str]) -> DictConfig:
@@ -98,7 +100,7 @@ def _measure(cell: Cell, cfg: DictConfig, cmd: list[str], tune_dir: Path, device
 
 
 def tune(argv: list[str]) -> int:
-    """The whole tune; see tools/tune.py."""
+    """The whole tune; the package docstring says how it goes."""
     from hydra import initialize_config_dir
 
     from ds_trainer import CONF_DIR
@@ -114,7 +116,7 @@ def tune(argv: list[str]) -> int:
 def _tune(argv: list[str]) -> int:
     from ds_trainer.config import hardware
     from ds_trainer.config.checks import resolve
-    from ds_trainer.tools import tune_space as tn
+    from ds_trainer.tools.tune import space as tn
 
     base, fixed = tn.split_overrides(argv)
     compose = _compose

@@ -21,7 +21,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from ds_trainer.tools.plan_unet import text_tokens
+from ds_trainer.tools.plan.unet import text_tokens
 
 GIB = 2**30
 
@@ -64,12 +64,12 @@ def _activations(architecture: str, width: int, height: int, batch: int, dtype_b
     import torch
     from diffusers import AutoencoderKL
 
-    from ds_trainer.tools import plan_unet
+    from ds_trainer.tools.plan.unet import forward_of, meta_unet
 
     dtype = {2: torch.bfloat16, 4: torch.float32}[dtype_bytes]
-    unet = plan_unet.meta_unet(architecture).to(dtype)
+    unet = meta_unet(architecture).to(dtype)
     with torch.device("meta"), torch.no_grad():
-        forward = plan_unet.forward_of(unet, batch, height, width, dtype, tokens=tokens)
+        forward = forward_of(unet, batch, height, width, dtype, tokens=tokens)
         # A UNet keeps its down blocks' outputs for the skip connections; a transformer keeps nothing across blocks.
         unet_peak = _working_set(unet, forward, [unet.conv_in, *unet.down_blocks] if hasattr(unet, "down_blocks")
                                  else [])

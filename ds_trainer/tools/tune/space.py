@@ -1,6 +1,6 @@
-"""What a tune searches and decides (tools/tune.py says how a tune goes): the cells of the space, the overrides
-each runs with, the planner's verdict on each, and the winner. The tune's course (tune_run.py) and its outputs
-(tune_out.py) build on these."""
+"""What a tune searches and decides (the package docstring says how a tune goes): the cells of the space, the overrides
+each runs with, the planner's verdict on each, and the winner. The tune's course (run.py) and its outputs
+(outputs.py) build on these."""
 
 from __future__ import annotations
 
@@ -37,15 +37,18 @@ class Cell:
 
     @property
     def label(self) -> str:
+        """The cell as the tables show it."""
         return (f"{self.zero}/{self.offload} b{self.micro}x{self.accum}" + (" ckpt" if self.ckpt else "")
                 + (f" {self.optimizer}" if self.optimizer else ""))
 
     @property
     def name(self) -> str:
+        """The cell's folder name."""
         return (f"{self.zero}-{self.offload}-b{self.micro}-a{self.accum}-{'ckpt' if self.ckpt else 'nockpt'}"
                 + (f"-{self.optimizer}" if self.optimizer else ""))
 
     def overrides(self) -> list[str]:
+        """The training overrides that make this cell."""
         return [f"zero={self.zero}", f"offload={self.offload}", f"train.micro_batch_size={self.micro}",
                 f"train.gradient_accumulation_steps={self.accum}",
                 f"train.gradient_checkpointing={str(self.ckpt).lower()}",
@@ -111,6 +114,7 @@ def space(t: DictConfig, fixed: dict[str, str], ranks: int, accumulation: int) -
 
 
 def measure_overrides(t: DictConfig, logger: str, name: str) -> list[str]:
+    """The overrides every cell runs with: a short run, no checkpoints, every step logged."""
     out = [f"train.max_steps={int(t.warmup_steps) + int(t.timed_steps)}", "train.export=false",
            "train.final_checkpoint=false", "train.checkpoint_every=0", "train.log_every=1", "resume=null"]
     return out + ([f"logger.group=tune-{name}"] if logger == "wandb" else [])
@@ -140,6 +144,7 @@ def plan_cells(cells: list[Cell], compose: Any, base: list[str], budget: float |
 
 
 def nothing_fits(cells: list[Cell], budget: float) -> BadInput:
+    """The error when the planner prunes every cell: the closest one and what it needs."""
     closest = min((c for c in cells if c.predicted_gib is not None), key=lambda c: c.predicted_gib or 0.0)
     need = closest.predicted_gib or 0.0
     return BadInput([Problem("tune.vram_gib", round(budget / GIB, 2),

@@ -36,6 +36,7 @@ class Calibration:
     device: str = ""
 
     def describe(self) -> str:
+        """One line: the factor and from how many cells, or that there are none."""
         if not self.cells:
             return (f"not calibrated: no measured cells for this model on {self.device} "
                     "(python -m ds_trainer.tune records them)")
@@ -49,6 +50,7 @@ def device_kind(info: Any) -> str:
 
 
 def key(cfg: Any, device: str) -> dict[str, str]:
+    """The fields a record must share with `cfg` on `device` to calibrate it."""
     return {"model": str(cfg.model.name), "device": device, "precision": str(cfg.precision.name.value)}
 
 
@@ -69,6 +71,7 @@ def read(path: str | Path, match: dict[str, str]) -> list[dict[str, Any]]:
 
 
 def append(path: str | Path, record: dict[str, Any]) -> None:
+    """Add one record to the JSON-lines file at `path`."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     with p.open("a") as f:

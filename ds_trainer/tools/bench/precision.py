@@ -48,6 +48,7 @@ def windows(losses: list[float]) -> list[float]:
 
 
 def table(curves: dict[tuple[float, str], list[float]], precisions: list[str], command: str) -> str:
+    """precision.md: the mean loss over each tenth of each run, and each precision against the first."""
     lines = ["# Training loss by precision, the same run otherwise", "", f"Command: `{command}`", "",
              "Mean loss over each tenth of the run; `vs` is the mean paired difference from the first precision's "
              "losses at the same steps (the same timesteps and noise), relative to its mean.", ""]
@@ -73,6 +74,7 @@ def table(curves: dict[tuple[float, str], list[float]], precisions: list[str], c
 
 
 def main(args: argparse.Namespace) -> int:
+    """`--precisions`: one run per precision at each learning rate; precision.csv and precision.md."""
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     curves: dict[tuple[float, str], list[float]] = {}

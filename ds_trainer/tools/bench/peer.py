@@ -84,6 +84,7 @@ class Peer:
 
 
 def cfg_of(folder: Path) -> Any:
+    """The resolved config a run wrote in `folder`."""
     from omegaconf import OmegaConf
 
     return OmegaConf.load(folder / "config.yaml")
@@ -157,6 +158,7 @@ class StepClock:
         self._line = ""
 
     def feed(self, chunk: str, now: float) -> None:
+        """Read the next piece of the script's output, arrived at `now`."""
         self.text += chunk
         *ended, self._line = re.split(r"[\r\n]", self._line + chunk)
         for line in [*ended, self._line]:

@@ -2,7 +2,7 @@
 planner's model states and its whole training peak (activations at 1024 px, micro batch 1, bf16, gradient
 checkpointing on; DeepSpeed's buffers), for each cell a user weighs before renting GPUs.
 
-    python -m ds_trainer.tools.plan_table      # prints the markdown table (tests/test_plan.py checks the README's)
+    python -m ds_trainer.tools.plan.table      # prints the markdown table (tests/test_plan.py checks the README's)
 
 Everything is computed on the meta device from the architecture folders in ds_trainer/assets: no GPU, no download.
 """
@@ -60,6 +60,7 @@ def rows() -> list[list[str]]:
 
 
 def markdown() -> str:
+    """The README's table, in markdown."""
     head = ["model (trained parameters)", "cell", "DeepSpeed's estimator: model states", "planner: model states",
             "planner: training peak"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -68,9 +69,10 @@ def markdown() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Print the table."""
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m ds_trainer.tools.plan_table", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m ds_trainer.tools.plan.table", description=__doc__.split("\n\n")[0])
     parser.parse_args(argv)
     print(markdown())
     return 0

@@ -1,6 +1,6 @@
 """The image an exported pipeline makes with the sampler's settings, computed in a fresh process.
 
-`python tests/sample_reference.py <pipeline> <prompt> <seed> <out.npy> [--bf16-unet] [--lora <folder>]
+`python tests/scripts/sample_reference.py <pipeline> <prompt> <seed> <out.npy> [--bf16-unet] [--lora <folder>]
 [--max-sequence-length N]`: any family's pipeline (DiffusionPipeline picks its class from the folder); the
 bf16 flag casts its UNet or transformer.
 

@@ -8,7 +8,7 @@ from typing import Any
 def cached(kind: str, args: tuple[Any, ...], compute: Any) -> Any:
     """`compute(*args)` remembered on disk (~/.cache/ds_trainer/plan.json): the meta-device forward costs
     seconds at every start of training, and its inputs rarely change. The key holds the UNet's (or transformer's)
-    config text, diffusers' version and the planner's text (plan.py, plan_unet.py), so a change of any recomputes."""
+    config text, diffusers' version and the planner's text (cells.py, unet.py), so a change of any recomputes."""
     import hashlib
     import importlib.metadata
     import json
@@ -19,7 +19,7 @@ def cached(kind: str, args: tuple[Any, ...], compute: Any) -> Any:
     config = folder / "unet" / "config.json"
     if not config.is_file():  # a diffusion transformer's (SD3, Flux)
         config = folder / "transformer" / "config.json"
-    planner = "".join((Path(__file__).parent / name).read_text() for name in ("plan.py", "plan_unet.py"))
+    planner = "".join((Path(__file__).parent / name).read_text() for name in ("cells.py", "unet.py"))
     key = hashlib.sha256(json.dumps([kind, [str(a) for a in args], config.read_text() if config.is_file() else "",
                                      importlib.metadata.version("diffusers"), planner]).encode()).hexdigest()
     path = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ds_trainer" / "plan.json"

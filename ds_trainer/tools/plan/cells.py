@@ -1,0 +1,124 @@
+"""The planner's estimate of each zero x offload cell: peak GPU memory per rank by part, host RAM and NVMe bytes
+(the package docstring says how each part is counted)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cache
+
+from omegaconf import DictConfig
+
+from ds_trainer.config import buckets, nvme
+from ds_trainer.tools.plan import cache as disk_cache
+from ds_trainer.tools.plan import lora, samples
+from ds_trainer.tools.plan.states import architecture, model_states, moments_saved, stats, trained_module
+from ds_trainer.tools.plan.unet import blocks_of, forward_of, meta_unet, saved_bytes, text_tokens
+
+GIB = 2**30
+CELLS = [("ddp", "none"), ("stage0", "none"), ("stage1", "none"), ("stage2", "none"), ("stage3", "none"),
+         ("stage1", "cpu"), ("stage2", "cpu"), ("stage3", "cpu"), ("stage3", "nvme")]
+# PyTorch FSDP2's counterparts, printed after the ZeRO cells (recommended only when no ZeRO cell fits).
+FSDP_CELLS = [("fsdp_shard_grad_op", "none"), ("fsdp_full_shard", "none"), ("fsdp_full_shard", "cpu")]
+
+
+@dataclass
+class Estimate:
+    """Peak memory of one cell, per rank, in bytes."""
+
+    zero: str
+    offload: str
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    buffers: int
+    host: int
+    nvme: int
+    notes: list[str] = field(default_factory=list)
+    # With samples=on or validation=on: the peak while sampling or validating (samples.py), which may exceed
+    # training's.
+    sampling: int | None = None
+
+    @property
+    def gpu(self) -> int:
+        """The peak GPU bytes per rank: every part together."""
+        return self.params + self.grads + self.optimizer + self.activations + self.buffers
+
+
+@cache  # a pure function of its arguments; the tuner asks for the same few shapes many times
+def activation_bytes(architecture: str, batch: int, width: int, height: int, dtype_bytes: int,
+                     checkpointing: bool, cross_dim_tokens: int = 77) -> int:
+    """Bytes autograd keeps for backward in one forward of the trained module, a UNet or a transformer (see the module
+    docstring); `cross_dim_tokens`: the text tokens it attends to."""
+    import torch
+    from diffusers.utils import logging as diffusers_logging
+
+    dtype = {2: torch.bfloat16, 4: torch.float32}[dtype_bytes]
+    verbosity = diffusers_logging.get_verbosity()
+    diffusers_logging.set_verbosity_error()  # its note on casting with .to() concerns real weights, not meta
+    try:
+        unet = meta_unet(architecture).to(dtype)
+    finally:
+        diffusers_logging.set_verbosity(verbosity)
+    unet.train()
+    unet.disable_gradient_checkpointing()
+    forward = forward_of(unet, batch, height, width, dtype, "meta", cross_dim_tokens)
+    return saved_bytes(unet, blocks_of(unet), forward, checkpointing, block_inputs=hasattr(unet, "transformer_blocks"))
+
+
+def _tokens(cfg: DictConfig) -> tuple[int, ...]:
+    """The text tokens of a transformer (unet.text_tokens) as part of the activations' cache key; SDXL's key
+    has none (its 77)."""
+    return (text_tokens(cfg),) if cfg.model.get("flow") is not None else ()
+
+
+def estimate(cfg: DictConfig, zero: str, offload: str, world_size: int, activation_factor: float = 1.0) -> Estimate:
+    """The estimate of one zero x offload cell for the composed config; `activation_factor` is the
+    calibration from measured cells (calibration.py)."""
+    module = stats(cfg)
+    precision = cfg.precision.name.value
+    params_offload = cfg.offload.params is not False
+    frozen, trained = trained_module(cfg, module.params)
+    if not frozen:
+        params, grads, optimizer, host = model_states(zero, offload, trained, module.largest_layer, world_size,
+                                                       params_offload, precision)
+    else:
+        params, grads, optimizer, host = lora.model_states(zero, offload, frozen, trained, module.largest_layer,
+                                                                world_size, params_offload, precision)
+    saved = moments_saved(cfg, zero, trained, world_size)
+    if offload != "none" and zero not in ("ddp", "stage0"):
+        host = max(0, host - int(saved * 1.5))  # the state lives on the host (as counted above, with its margin)
+    else:
+        optimizer = max(0, optimizer - saved)
+    if cfg.train.ema and cfg.train.ema_device == "gpu":
+        params += 4 * trained // world_size  # the fp32 shadow, a slice per rank (train/ema.py)
+    if not cfg.data.cache:  # the VAE and text encoders stay on the GPU and encode every batch
+        params += samples.frozen_bytes(architecture(cfg), "cuda", precision)
+    act_bytes = 4 if precision == "fp32" else 2
+    width, height = buckets.largest(cfg)  # with aspect-ratio buckets the largest one bounds memory
+    shape = (architecture(cfg), int(cfg.train.micro_batch_size), width, height, act_bytes,
+             bool(cfg.train.gradient_checkpointing))
+    activations = disk_cache.cached("activation_bytes", shape + _tokens(cfg), activation_bytes)
+    activations = int((activations + lora.encoder_activations(cfg, architecture(cfg), act_bytes))
+                      * activation_factor)
+    z = cfg.zero
+    buffers = 0
+    if zero in ("stage1", "stage2"):
+        buffers = 2 * (int(z.reduce_bucket_size) + int(z.allgather_bucket_size))
+        buffers = int(buffers * (4.5 if z.overlap_comm else 1.0))
+        buffers = min(buffers, 2 * (2 * trained))  # never more than the gradients they carry
+    elif zero == "stage3":
+        buffers = min(2 * (int(z.stage3_prefetch_bucket_size) + int(z.reduce_bucket_size)), 4 * module.params)
+    nvme_bytes, notes = 0, []
+    if offload == "nvme" and zero == "stage3":
+        nvme_bytes = nvme.swap_bytes(module.params, "adamw", params_offload, act_bytes) // world_size
+        count, size = nvme.buffers(module.largest_layer, int(z.stage3_prefetch_bucket_size))
+        host = count * size * act_bytes * (2 if params_offload else 1)
+    elif offload == "nvme":
+        notes.append("below stage 3 NVMe offload keeps the optimizer state in host memory")
+    sampling = samples.peak(cfg, params + grads + optimizer + buffers, module.params, architecture(cfg))
+    return Estimate(zero, offload, params, grads, optimizer, activations, buffers, host, nvme_bytes, notes, sampling)
+
+def plan(cfg: DictConfig, world_size: int, activation_factor: float = 1.0) -> list[Estimate]:
+    """The estimate of every cell, ZeRO's then FSDP2's."""
+    return [estimate(cfg, zero, offload, world_size, activation_factor) for zero, offload in CELLS + FSDP_CELLS]
