@@ -20,9 +20,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import REPO, make_cfg
+from helpers.cfg import make_cfg
 
 from ds_trainer.gpucheck.steps import GPU_BUDGET_S, sequence
+
+REPO = Path(__file__).resolve().parents[1]
 
 BUDGET_S = 70
 STEPS = ["machine", "tiny_fsdp_cpu_resume", "sdxl_zero2", "flux_dev_lora"]

@@ -46,7 +46,7 @@ REAL = {"resolution": "px1024", "train.micro_batch_size": "1", "train.gradient_c
 
 def _timeouts(cpu: bool) -> Callable[[int], int]:
     """A step's timeout from its GPU figure: on a CPU every step gets CPU_STEP_S."""
-    return (lambda gpu_s: CPU_STEP_S) if cpu else (lambda gpu_s: gpu_s)
+    return (lambda gpu_s: CPU_STEP_S) if cpu else (lambda gpu_s: gpu_s)  # noqa: ARG005
 
 
 def _train(name: str, group: str, timeout: int, what: str, **kw: object) -> Step:

@@ -100,7 +100,8 @@ def rows(sweep_dir: Path) -> list[dict[str, Any]]:
     return [_row(c, sweep_dir) for c in cells(sweep_dir)]
 
 
-def _fmt(value: Any) -> str:
+def fmt(value: Any) -> str:
+    """A report cell: empty for None, floats to their shown digits, the rest as text."""
     if value is None:
         return ""
     if isinstance(value, float):
@@ -121,7 +122,7 @@ def columns(table: list[dict[str, Any]]) -> tuple[str, ...]:
 def _fmt_cell(column: str, value: Any) -> str:
     if column in QUALITY and isinstance(value, float):
         return f"{value:.5f}"  # the differences between cells are in the third and fourth decimals
-    return _fmt(value)
+    return fmt(value)
 
 
 def markdown(table: list[dict[str, Any]]) -> str:

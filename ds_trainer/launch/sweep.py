@@ -90,7 +90,7 @@ def failures(sweep_dir: Path) -> tuple[int, int]:
 class SweepEnd(Callback):
     """At the end of a multirun: write the report, and exit with the number of failed cells."""
 
-    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:  # noqa: ARG002 - Hydra's callback signature
         from ds_trainer.config import distributed
         from ds_trainer.launch import report
 

@@ -52,7 +52,7 @@ def run(cfg: DictConfig, ds: dict[str, Any] | None, run_dir: Path, name: str = "
         memory_plan: MemoryPlan | None = None) -> dict[str, Any]:
     """Train as `cfg` says (DeepSpeed from its JSON `ds`, else FSDP2 or DDP); returns the summary, also written to
     `summary.json` whatever happens (train/outcome.py)."""
-    _single_process_env()
+    single_process_env()
     backend = backends.of(cfg, ds)
     backend.start_process()
     with stop.Immediate():  # Ctrl-C outside the training loop stops at once (recorded, no traceback)
@@ -190,7 +190,7 @@ def finish(run: Run) -> None:
             export.base_pipeline(run)
 
 
-def _single_process_env() -> None:
+def single_process_env() -> None:
     """`python -m ds_trainer` without a launcher: a one-rank group, like torchrun would set up."""
     if "RANK" in os.environ or "LOCAL_RANK" in os.environ:
         return

@@ -140,7 +140,7 @@ def raw_loop(folder: Path, steps: int, warmup: int = 2) -> tuple[float, float]:
 
     cfg = OmegaConf.load(folder / "config.yaml")
     assert isinstance(cfg, DictConfig)
-    train._single_process_env()
+    train.single_process_env()
     unet = sdxl.load_unet(cfg)
     micro, accum = int(cfg.train.micro_batch_size), int(cfg.train.gradient_accumulation_steps)
     bf16 = cfg.precision.name in ("bf16", "bf16_pure")

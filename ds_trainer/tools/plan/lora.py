@@ -59,8 +59,8 @@ def encoders(cfg: DictConfig, architecture: str) -> tuple[int, int]:
     return _encoders(architecture, te.which.value, te.mode.value, int(te.rank), tuple(te.targets))
 
 
-def model_states(zero: str, offload: str, base: int, t: int, layer: int, n: int, params_offload: bool,
-                 precision: str) -> tuple[int, int, int, int]:
+def model_states(zero: str, offload: str, base: int, t: int, layer: int, n: int,  # noqa: PLR0913 - the figures a cell's
+                 params_offload: bool, precision: str) -> tuple[int, int, int, int]:  # states depend on, as numbers
     """(params, grads, optimizer, host) bytes per rank for a frozen base of `base` parameters and `t`
     adapter parameters. DeepSpeed casts the whole module (base and adapters) to 16-bit; the fp32
     masters and Adam moments (12 bytes) and the gradients exist for the adapters only (bf16_pure: bf16
@@ -95,8 +95,8 @@ def model_states(zero: str, offload: str, base: int, t: int, layer: int, n: int,
 
 
 @cache
-def _encoder_activations(architecture: str, which: str, mode: str, rank: int, targets: tuple[str, ...], batch: int,
-                         dtype_bytes: int, checkpointing: bool) -> int:
+def _encoder_activations(architecture: str, which: str, mode: str, rank: int,  # noqa: PLR0913 - @cache's key
+                         targets: tuple[str, ...], batch: int, dtype_bytes: int, checkpointing: bool) -> int:
     """Bytes autograd keeps for backward in the trained encoders' forward (a prompt's tokens each), counted as the
     UNet's are (plan.activation_bytes): a forward on the meta device, each saved tensor counted once; with
     checkpointing each layer's input is kept and one layer at a time recomputed."""

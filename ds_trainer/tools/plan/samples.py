@@ -42,10 +42,10 @@ def _working_set(module: Any, run: Any, held_in: list[Any]) -> int:
     """Largest (inputs + outputs) of a leaf module during `run()`, plus the outputs of `held_in` modules."""
     largest, held = [0], [0]
 
-    def leaf(m: Any, args: Any, out: Any) -> None:
+    def leaf(m: Any, args: Any, out: Any) -> None:  # noqa: ARG001 - torch's hook signature
         largest[0] = max(largest[0], _bytes(args) + _bytes(out))
 
-    def keep(m: Any, args: Any, out: Any) -> None:
+    def keep(m: Any, args: Any, out: Any) -> None:  # noqa: ARG001 - torch's hook signature
         held[0] += _bytes(out)
 
     leaves = [m for m in module.modules() if not list(m.children())]

@@ -158,7 +158,7 @@ def saved_bytes(module: Any, blocks: tuple[Any, ...], forward: Callable[[], Any]
                 keep.append(value)
                 inputs[0] += value.numel() * value.element_size()
 
-    def after(block: Any, args: Any, out: Any) -> None:
+    def after(block: Any, args: Any, out: Any) -> None:  # noqa: ARG001 - torch's hook signature
         segments.append(total[0] - starts[id(block)])
 
     handles = [h for m in module.modules() if isinstance(m, blocks)

@@ -86,7 +86,7 @@ def command(overrides: list[str], cell_dir: Path, launcher: str | None) -> tuple
 @contextlib.contextmanager
 def terminate_as_exit() -> Iterator[None]:
     """SIGTERM raises SystemExit in the tune, so a running cell (in a session of its own) is stopped too."""
-    def handler(signum: int, frame: Any) -> None:
+    def handler(signum: int, frame: Any) -> None:  # noqa: ARG001 - signal's handler signature
         raise SystemExit(128 + signum)
 
     previous = signal.signal(signal.SIGTERM, handler)

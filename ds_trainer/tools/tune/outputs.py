@@ -128,7 +128,7 @@ def chart(ctx: Context, cells: list[Cell], best: Cell | None, path: Path) -> Non
 
 def markdown(ctx: Context, cells: list[Cell], best: Cell | None) -> str:
     """tune.md: the overrides, budget, winner and every cell."""
-    from ds_trainer.launch.report import _fmt
+    from ds_trainer.launch.report import fmt
 
     budget = f"{ctx.budget / GIB:.2f} GiB per rank" if ctx.budget else "none (no GPU; nothing pruned)"
     lines = [f"# Tune {ctx.cfg.tune.name}", "", f"Training overrides: `{' '.join(ctx.base) or '(none)'}`; "
@@ -141,7 +141,7 @@ def markdown(ctx: Context, cells: list[Cell], best: Cell | None) -> str:
                   + " ".join(winning_line(ctx, best)), "```", ""]
     table, shown = [row(c) for c in cells], columns(cells)
     lines += ["| " + " | ".join(shown) + " |", "|" + "---|" * len(shown)]
-    lines += ["| " + " | ".join(_fmt(r[k]) for k in shown) + " |" for r in table]
+    lines += ["| " + " | ".join(fmt(r[k]) for k in shown) + " |" for r in table]
     lines += ["", "![memory against images/s](tune.png)", ""]
     return "\n".join(lines)
 

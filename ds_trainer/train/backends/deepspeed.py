@@ -73,7 +73,7 @@ class DeepSpeed:
     def compute_dtype(self, model: Any) -> Any:
         return next(model.parameters()).dtype
 
-    def clip(self, accelerator: Any, model: Any, limit: float) -> Any:
+    def clip(self, accelerator: Any, model: Any, limit: float) -> Any:  # noqa: ARG002
         return None  # DeepSpeed clips inside its step (gradient_clipping in its JSON)
 
     def grad_norm(self, accelerator: Any, measured: Any) -> float | None:  # noqa: ARG002

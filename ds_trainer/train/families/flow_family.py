@@ -29,7 +29,7 @@ class FrozenParts:
 class FlowFamily:
     component = "transformer"
 
-    def image_tokens(self, latents: torch.Tensor) -> int | None:
+    def image_tokens(self, latents: torch.Tensor) -> int | None:  # noqa: ARG002 - the Family protocol's signature
         """The image's token count where the noise levels shift with it (Flux); None for a fixed shift."""
         return None
 
@@ -52,7 +52,7 @@ class FlowFamily:
     def num_train_timesteps(self, schedule: flow.Schedule) -> int:
         return schedule.num_train_timesteps
 
-    def training_loss(self, cfg: DictConfig, model: Any, schedule: flow.Schedule, batch: dict[str, torch.Tensor],
+    def training_loss(self, cfg: DictConfig, model: Any, schedule: flow.Schedule, batch: dict[str, torch.Tensor],  # noqa: ARG002
                       gens: list[torch.Generator], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         latents = batch["latents"]
         noise = torch.stack([torch.randn(latents.shape[1:], generator=g) for g in gens])

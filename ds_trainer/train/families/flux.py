@@ -131,7 +131,7 @@ class Flux(FlowFamily):
             vae=frozen.vae, text_encoder=frozen.text_encoder, tokenizer=frozen.tokenizer,
             text_encoder_2=frozen.text_encoder_2, tokenizer_2=frozen.tokenizer_2)
 
-    def call_kwargs(self, cfg: DictConfig) -> dict[str, Any]:
+    def call_kwargs(self, cfg: DictConfig) -> dict[str, Any]:  # noqa: ARG002 - the Family protocol's signature
         return {"max_sequence_length": self._t5_length}
 
     def lora_pipeline(self) -> Any:

@@ -42,7 +42,7 @@ class SDXL:
     def encode_images(self, frozen: Any, pixels: torch.Tensor) -> torch.Tensor:
         return encode_images(frozen, pixels)
 
-    def storage_dtype(self, key: str) -> torch.dtype | None:
+    def storage_dtype(self, key: str) -> torch.dtype | None:  # noqa: ARG002 - the Family protocol's signature
         return None
 
     def schedule(self, cfg: DictConfig) -> Any:
@@ -100,7 +100,7 @@ class SDXL:
             unet=trained["unet"] if "unet" in trained else load_unet(cfg).eval(),
             scheduler=inference_scheduler(cfg))
 
-    def call_kwargs(self, cfg: DictConfig) -> dict[str, Any]:
+    def call_kwargs(self, cfg: DictConfig) -> dict[str, Any]:  # noqa: ARG002 - the Family protocol's signature
         return {}
 
     def lora_pipeline(self) -> Any:

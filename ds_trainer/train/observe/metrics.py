@@ -250,12 +250,16 @@ def _new_id() -> str:
     return os.urandom(4).hex()
 
 
+# Steps left out of the speed figures: the first steps' allocations and compilations are not the run's pace.
+WARMUP_STEPS = 2
+
+
 def summarize(cfg: DictConfig, rows: list[dict[str, Any]], status: str, message: str | None,
-              world_size: int, nodes: list[str] | None = None, warmup: int = 2,
+              world_size: int, nodes: list[str] | None = None,
               validations: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """The run's `summary.json`: status, speed and memory, quality (the validation loss), what defines the run,
     and the node of each rank."""
-    timed = [r for r in rows if r.get("step", 0) > warmup] or rows
+    timed = [r for r in rows if r.get("step", 0) > WARMUP_STEPS] or rows
     def peak(key: str) -> float | None:
         values = [r[key] for r in rows if key in r]
         return max(values) if values else None

@@ -95,12 +95,12 @@ def model_in_its_dtype(model: Any) -> Iterator[None]:
     dtype: torch.dtype = first.weight.dtype
     seen: list[torch.dtype] = []
 
-    def before(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    def before(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:  # noqa: ARG001 - torch's hook signature
         seen.append(args[0].dtype if args else kwargs["hidden_states"].dtype)
         kwargs = {k: _cast(v, dtype) if k in _CONDITIONING else v for k, v in kwargs.items()}
         return ((args[0].to(dtype), *args[1:]) if args else args), kwargs
 
-    def after(module: Any, args: tuple, output: Any) -> Any:
+    def after(module: Any, args: tuple, output: Any) -> Any:  # noqa: ARG001 - torch's hook signature
         back = seen.pop()
         if isinstance(output, tuple):
             return (output[0].to(back), *output[1:])
@@ -120,7 +120,7 @@ def _vae_decode_in_its_dtype(vae: Any) -> Iterator[None]:
     """Latents in the text encoders' dtype decoded by a VAE in another (the pipeline casts only on MPS)."""
     dtype = vae.decoder.conv_in.weight.dtype
     parts = [m for m in (getattr(vae, "post_quant_conv", None), vae.decoder) if m is not None]
-    handles = [m.register_forward_pre_hook(lambda m, args: (args[0].to(dtype), *args[1:])) for m in parts]
+    handles = [m.register_forward_pre_hook(lambda m, args: (args[0].to(dtype), *args[1:])) for m in parts]  # noqa: ARG005
     try:
         yield
     finally:

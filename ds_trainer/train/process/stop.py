@@ -56,7 +56,7 @@ def _ignored(signum: int) -> bool:
     return signal.getsignal(signum) is signal.SIG_IGN
 
 
-def _immediate(signum: int, frame: Any) -> None:
+def _immediate(signum: int, frame: Any) -> None:  # noqa: ARG001 - signal's handler signature
     _received.append(signum)
     raise StopNow(signum)
 
@@ -107,7 +107,7 @@ class StopRequest:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
 
-    def _handle(self, signum: int, frame: Any) -> None:
+    def _handle(self, signum: int, frame: Any) -> None:  # noqa: ARG002 - signal's handler signature
         # No logging here: the signal may arrive while a log handler is writing, and a write from inside the
         # handler then fails ("reentrant call inside BufferedWriter") with a traceback in the job's log.
         now = time.monotonic()

@@ -169,12 +169,9 @@ def resume_point(cfg: DictConfig, run_dir: Path, accelerator: Any) -> Path | Non
 
 
 def save(accelerator: Any, run_dir: Path, step: int, state: dict[str, Any], keep: int,
-         extra: dict[str, Any] | None = None, save_kwargs: dict[str, Any] | None = None,
-         also: Callable[[Path, int], None] | None = None) -> Path:
-    """Collective: every rank calls it (and `also(folder, step)`, e.g. the portable state). Returns the
-    completed checkpoint folder."""
-    import torch
-
+         write: Callable[[Path], None]) -> Path:
+    """Collective: every rank calls it, and `write(folder)` (the backend's state, the portable state, the EMA) into
+    the folder being saved. Returns the completed checkpoint folder."""
     final = root(run_dir) / f"step_{step:08d}"
     partial = root(run_dir) / f".step_{step:08d}.partial"
     if accelerator.is_main_process:
@@ -182,12 +179,7 @@ def save(accelerator: Any, run_dir: Path, step: int, state: dict[str, Any], keep
         partial.mkdir(parents=True)
     accelerator.wait_for_everyone()
     try:
-        accelerator.save_state(str(partial), **(save_kwargs or {}))
-        if also is not None:
-            also(partial, step)
-        if accelerator.is_main_process and extra:
-            for name, value in extra.items():
-                torch.save(value, partial / f"{name}.pt")
+        write(partial)
     except Exception as exc:
         if not disk_full(exc, partial.parent):
             raise
@@ -239,11 +231,23 @@ class Saver:
         """Save if this step is one to save at; `due`: the ranks agreed the wall-time interval has passed."""
         if step == self.final or (self.every and step % self.every == 0) or stopping or due:
             self.since = time.monotonic()
-            extra = {"ema": self.ema.state_dict()} if self.ema is not None else None
-            self.last = save(self.accelerator, self.run_dir, step, self.state, self.keep, extra, self.save_kwargs,
-                             self.also)
+            extra = {"ema": self.ema.state_dict()} if self.ema is not None else {}  # collective
+            self.last = save(self.accelerator, self.run_dir, step, self.state, self.keep,
+                             lambda folder: self._write(folder, step, extra))
             if self.on_save is not None:
                 self.on_save()
+
+    def _write(self, folder: Path, step: int, extra: dict[str, Any]) -> None:
+        """Collective: the backend's own state (`accelerator.save_state`), then `also` (the portable state); rank 0
+        writes `extra` (the EMA) as `<name>.pt`."""
+        import torch
+
+        self.accelerator.save_state(str(folder), **(self.save_kwargs or {}))
+        if self.also is not None:
+            self.also(folder, step)
+        if self.accelerator.is_main_process:
+            for name, value in extra.items():
+                torch.save(value, folder / f"{name}.pt")
 
 
 def disk_full(exc: BaseException, folder: Path) -> bool:
