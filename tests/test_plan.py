@@ -102,10 +102,15 @@ def test_the_planner_counts_what_a_gpu_run_holds_beyond_the_model_states(base: p
     plain = plan.estimate(make_cfg(*cell), "stage2", "none", 4)
     ema = plan.estimate(make_cfg(*cell, "train.ema=true", "train.ema_device=gpu"), "stage2", "none", 4)
     assert ema.params - plain.params == 4 * p // 4  # 2.57 GB per rank of 4, not 10.3 GB on each
-    assert plan.estimate(make_cfg(*cell, "train.ema=true"), "stage2", "none", 4).params == plain.params  # host EMA
+    host_ema = plan.estimate(make_cfg(*cell, "train.ema=true"), "stage2", "none", 4)
+    assert host_ema.params == plain.params and host_ema.host - plain.host == 4 * base.params // 4  # its fp32 slice
     uncached = plan.estimate(make_cfg(*cell, "data.cache=false"), "stage2", "none", 4)
     frozen = plan_samples.frozen_bytes(str(make_cfg(*cell).model.architecture), "cuda", "bf16")
     assert uncached.params - plain.params == frozen and 1.5 * 2**30 < frozen < 2 * 2**30  # bf16 encoders, fp32 VAE
+    # ZeRO-3 with NVMe: a LoRA swaps Adam's state for its adapters, its frozen base the 16-bit weights only
+    full, adapted = (plan.estimate(make_cfg("model=sdxl_base", "zero=stage3", "offload=nvme", *extra), "stage3",
+                                   "nvme", 1) for extra in ([], ["adapter=lora"]))
+    assert full.nvme == (16 + 2) * p and 2 * p < adapted.nvme < full.nvme / 8, (full.nvme, adapted.nvme)
     ddp = plan.estimate(make_cfg("model=sdxl_base", "zero=ddp"), "ddp", "none", 2)
     ddp32 = plan.estimate(make_cfg("model=sdxl_base", "zero=ddp", "precision=fp32"), "ddp", "none", 2)
     assert (ddp.params, ddp.grads, ddp.optimizer) == (6 * p, 4 * p, 8 * p)

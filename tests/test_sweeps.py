@@ -493,3 +493,18 @@ def test_report_goes_to_wandb_when_the_cells_used_it(tmp_path: Path) -> None:
     assert row["sweep_report._type"] == "table-file" and row["sweep_report.nrows"] == 1
     table = json.loads((wandb_file.parent / "files" / row["sweep_report.path"]).read_text())
     assert table["columns"][:2] == ["cell", "zero"] and table["data"][0][:2] == ["0", "stage2"]
+
+
+def test_a_dry_run_sweep_says_what_it_previewed_and_which_cells_it_refused(tmp_path: Path) -> None:
+    """`dry_run=true` on a sweep composes every cell and writes its run files, trains none, and ends by saying so:
+    the cells composed and each refused one with its reason (offload=cpu under ddp), not that cells 'failed'."""
+    result = run_cli("-m", "zero=ddp,stage2", "offload=none,cpu", "dry_run=true", "logger=none", cwd=tmp_path,
+                     timeout=300)
+    assert result.returncode == 2, result.stderr[-2000:]
+    end = result.stderr[result.stderr.index("ds_trainer: dry run of a sweep"):]
+    assert end.startswith("ds_trainer: dry run of a sweep: 3 of 4 cells composed"), end
+    assert "nothing trained), 1 refused:" in end and "failed" not in end
+    (refused,) = [line for line in end.splitlines()[1:] if line.startswith("  ")]
+    assert "ddp" in refused and "cpu" in refused and "offload" in refused.split(":", 1)[1], refused
+    (sweep_dir,) = sweep_dirs(tmp_path)
+    assert len(list(sweep_dir.glob("*/config.yaml"))) == 3 and not list(sweep_dir.rglob("metrics.jsonl"))

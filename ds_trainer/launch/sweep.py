@@ -87,6 +87,23 @@ def failures(sweep_dir: Path) -> tuple[int, int]:
     return sum(1 for s in statuses if s != "ok"), len(statuses)
 
 
+def previewed(sweep_dir: Path) -> None:
+    """A dry run's end: how many cells composed (their run files written, nothing trained) and each refused one with
+    its message; exit status 2 when some were refused, as a single run's dry run does."""
+    from ds_trainer.launch import report
+
+    table = report.rows(sweep_dir)
+    refused = [(label, row) for label, row in zip(report.labels(table), table, strict=True)
+               if row.get("status") == "error"]
+    lines = [f"ds_trainer: dry run of a sweep: {len(table) - len(refused)} of {len(table)} cells composed (their "
+             f"run files under {sweep_dir}; nothing trained), {len(refused)} refused"
+             + (":" if refused else "")]
+    lines += [f"  {label}: {row.get('message')}" for label, row in refused]
+    print("\n".join(lines), file=sys.stderr, flush=True)
+    if refused:
+        raise SystemExit(2)
+
+
 class SweepEnd(Callback):
     """At the end of a multirun: write the report, and exit with the number of failed cells."""
 
@@ -98,6 +115,9 @@ class SweepEnd(Callback):
             return
         sweep_dir = Path(str(config.hydra.sweep.dir))
         if not sweep_dir.is_dir():
+            return
+        if config.get("dry_run"):
+            previewed(sweep_dir)
             return
         out = report.write(sweep_dir)
         failed, total = failures(sweep_dir)

@@ -41,7 +41,7 @@ def main() -> None:
         # so does this copy.
         for p in model.parameters():
             p.data = p.data.to(torch.bfloat16)
-        context = sampling.unet_in_its_dtype(model)
+        context = sampling.model_in_its_dtype(model)
     if args.lora:
         pipe.load_lora_weights(args.lora)
     with context:

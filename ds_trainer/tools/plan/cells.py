@@ -111,11 +111,15 @@ def estimate(cfg: DictConfig, zero: str, offload: str, world_size: int, activati
         buffers = min(2 * (int(z.stage3_prefetch_bucket_size) + int(z.reduce_bucket_size)), 4 * module.params)
     nvme_bytes, notes = 0, []
     if offload == "nvme" and zero == "stage3":
-        nvme_bytes = nvme.swap_bytes(module.params, "adamw", params_offload, act_bytes) // world_size
+        # Optimizer state for what trains; a frozen base (a LoRA's) swaps its 16-bit parameters at most.
+        nvme_bytes = (nvme.swap_bytes(trained, "adamw", params_offload, act_bytes)
+                      + (frozen * act_bytes if params_offload else 0)) // world_size
         count, size = nvme.buffers(module.largest_layer, int(z.stage3_prefetch_bucket_size))
         host = count * size * act_bytes * (2 if params_offload else 1)
     elif offload == "nvme":
         notes.append("below stage 3 NVMe offload keeps the optimizer state in host memory")
+    if cfg.train.ema and cfg.train.ema_device == "cpu":
+        host += 4 * trained // world_size  # the fp32 shadow on the host, a slice per rank (train/state/ema.py)
     sampling = samples.peak(cfg, params + grads + optimizer + buffers, module.params, architecture(cfg))
     return Estimate(zero, offload, params, grads, optimizer, activations, buffers, host, nvme_bytes, notes, sampling)
 

@@ -107,7 +107,10 @@ def model_in_its_dtype(model: Any) -> Iterator[None]:
         output.sample = output.sample.to(back)
         return output
 
-    handles = [model.register_forward_pre_hook(before, with_kwargs=True), model.register_forward_hook(after)]
+    # Before any hook of the module's own (FSDP2 casts the inputs to its compute dtype and gathers the root unit's
+    # weights in it): a cast after FSDP's would hand its root layers inputs in the sharded masters' dtype.
+    handles = [model.register_forward_pre_hook(before, with_kwargs=True, prepend=True),
+               model.register_forward_hook(after)]
     try:
         yield
     finally:
@@ -166,12 +169,21 @@ def ema_model(accelerator: Any, model: Any, ema: EMA, key: str) -> Any:
     module = accelerator.unwrap_model(model)
     with torch.device("meta"):
         built = type(module).from_config(module.config)
-    missing = set(built.state_dict()) - set(ema.names)
+    missing = {name for name, _ in built.named_parameters()} - set(ema.names)
     if missing:
         raise TrainingError(f"{key}=true: the EMA holds only the trained parameters, not {len(missing)} "
                             f"others of the {families.label_of(module)}; use {key}=false")
-    built.load_state_dict(ema.full(), assign=True)
+    # Persistent buffers (SD3's position embedding) are no parameters: whole on every rank under every layout, the
+    # live module's.
+    live = dict(module.named_buffers())
+    buffers = {name: _as_built(live[name]) for name in set(built.state_dict()) - set(ema.names) if name in live}
+    built.load_state_dict({**buffers, **ema.full()}, assign=True)
     return built.to(accelerator.device).eval()
+
+
+def _as_built(buffer: torch.Tensor) -> torch.Tensor:
+    """A copy of a live buffer for the float32 model `ema_model` builds (integer buffers keep their type)."""
+    return buffer.detach().to(torch.float32 if buffer.is_floating_point() else buffer.dtype, copy=True)
 
 
 class Sampler:
