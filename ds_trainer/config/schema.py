@@ -415,7 +415,8 @@ class SamplesConfig:
 
 @dataclass
 class ValidationConfig:
-    """`validation` group: a validation loss comparable across layouts (config/holdout.py, train/validate.py)."""
+    """`validation` group: a validation loss comparable across layouts (config/holdout.py,
+    train/observe/validate.py)."""
 
     enabled: bool = False
     # Every N optimizer steps (0: only at the end); always at the last step, and before the first when at_start.
