@@ -64,7 +64,8 @@ def test_bench_times_the_first_step_against_the_raw_loop(tmp_path: Path) -> None
     for row in rows:
         for key in ("first_step_s", "raw_first_step_s"):  # each from its own process's start, imports included
             assert 1 < float(row[key]) < 120, row
-        assert 0 < float(row["s_per_it"]) < 10 and 0 < float(row["raw_s_per_it"]) < 10
+        # Measured, not judged (the benchmarks judge speed): 2-11 s/it in a CI run, beside the other worker's runs.
+        assert 0 < float(row["s_per_it"]) < 60 and 0 < float(row["raw_s_per_it"]) < 60
     table = (out / "startup.md").read_text()
     assert "| zero | pairs | first step (s) | raw loop (s) | ratio | s/it | raw s/it | ratio |" in table
     last = table.splitlines()[-2:]
