@@ -87,9 +87,10 @@ def test_ctrl_c_saves_the_step_and_resume_latest_finishes_with_checkpoints_by_wa
 
 
 def test_a_second_ctrl_c_stops_at_once_and_leaves_no_checkpoint_that_looks_complete(tmp_path: Path) -> None:
-    # Steps of about two seconds (512 px, micro batch 8, two micro-batches), no checkpoint before Ctrl-C's.
+    # Steps of seconds (512 px, micro batch 8, two micro-batches), no checkpoint before Ctrl-C's. In fp32: a CPU
+    # without bf16 kernels (AVX2 only) took 150 s a step in bf16; a second Ctrl-C waits for the backward in flight.
     cmd = [sys.executable, "-m", "ds_trainer", "zero=stage2", *ARGS, "resolution=px512", "train.micro_batch_size=8",
-           "train.gradient_accumulation_steps=2", "train.checkpoint_every_minutes=0"]
+           "train.gradient_accumulation_steps=2", "train.checkpoint_every_minutes=0", "precision=fp32"]
     proc = _terminal_job(cmd, tmp_path)
     wait_until(lambda: _steps_done(tmp_path) >= 2, "the run ended early", proc=proc, deadline=time.time() + 300,
                interval=0.02)
