@@ -283,6 +283,20 @@ def test_the_readme_is_a_map_that_links_every_page_of_docs() -> None:
         assert f"docs/{page.name}" in text, f"README.md does not link docs/{page.name}"
 
 
+def test_the_refusals_page_is_the_rules() -> None:
+    """docs/refusals.md lists every Problem the rule modules return, from their source: a rule added or changed
+    without the page fails here."""
+    from ds_trainer.config import refusals
+
+    committed = refusals.PAGE.read_text()
+    assert committed == refusals.render(), ("docs/refusals.md is not what the rules say: run "
+                                            "python -m ds_trainer.config.refusals --write")
+    # The rules of this round's GPU review are on it, with their fixes
+    for said in ("bitsandbytes' 8-bit kernels count", "T5 overflows in fp16", "keeps d as a CUDA scalar"):
+        assert said in committed
+    assert len(refusals.refusals("config/checks/optimizer.py")) >= 18
+
+
 def test_the_config_reference_is_the_schemas_and_names_every_key() -> None:
     committed = reference.PAGE.read_text()
     missing = [key for key, _, _, _ in reference.keys() if f"`{key}`" not in committed]

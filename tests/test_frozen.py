@@ -23,11 +23,14 @@ def test_frozen_encoders_follow_the_precision_and_the_cache_key_records_it() -> 
     for precision in ("bf16", "fp16", "fp32"):
         cfg = checks.check(make_cfg(f"precision={precision}", "platform=cuda")).cfg
         dtypes[precision] = common.frozen_dtype_name(cfg, cfg.resolved.platform)
-        folders.add(data.LatentCache(cfg, data.SyntheticImages(cfg), families.of(cfg)).dir)
+        folders.add(data.LatentCache(cfg, data.SyntheticImages(cfg), families.of(cfg), "cuda").dir)
         cpu = checks.check(make_cfg(f"precision={precision}", "platform=cpu")).cfg
         assert common.frozen_dtype_name(cpu, cpu.resolved.platform) == "float32"
+        # Planned for a GPU, run where torch sees none: the encoders run in float32 there, and so says the key
+        on_cpu = data.LatentCache(cfg, data.SyntheticImages(cfg), families.of(cfg), "cpu").dir
+        assert on_cpu == data.LatentCache(cpu, data.SyntheticImages(cpu), families.of(cpu), "cpu").dir
     assert dtypes == {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-    assert len(folders) == 3
+    assert len(folders) == 3 and on_cpu in folders  # fp32 planned for a GPU: float32, the same key
 
 
 def test_a_batch_encoded_now_is_what_the_cache_returns_on_the_cpu_in_float32(tmp_path: Path) -> None:
@@ -37,7 +40,7 @@ def test_a_batch_encoded_now_is_what_the_cache_returns_on_the_cpu_in_float32(tmp
     cfg = checks.check(make_cfg("data.num_samples=3", f"data.cache_dir={tmp_path}")).cfg
     frozen = sdxl.load_frozen(cfg)
     images = data.SyntheticImages(cfg)
-    cache = data.LatentCache(cfg, images, families.of(cfg))
+    cache = data.LatentCache(cfg, images, families.of(cfg), "cpu")
     assert cache.build(images, frozen, 0, 1, torch.device("cpu")) == 3
     cache.finish()
     cached, now = cache.load([2, 0]), data.encode_batch(images, frozen, [2, 0], torch.device("cpu"))

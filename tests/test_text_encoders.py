@@ -303,7 +303,7 @@ def test_a_trained_encoder_caches_token_ids_not_embeddings(tmp_path: Path) -> No
 
     def cache_of(*overrides: str) -> data.LatentCache:
         cfg = make_cfg(f"data.cache_dir={tmp_path}", *overrides)
-        return data.LatentCache(cfg, data.dataset(cfg), families.of(cfg))
+        return data.LatentCache(cfg, data.dataset(cfg), families.of(cfg), "cpu")
 
     frozen, both, bigg = cache_of(), cache_of("text_encoders=lora"), cache_of("text_encoders=full",
                                                                               "text_encoders.which=bigg")

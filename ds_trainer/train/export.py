@@ -33,7 +33,7 @@ def diffusers(run: Run) -> None:
     accelerator = run.accelerator
     state = accelerator.get_state_dict(run.model)
     masters = _masters(accelerator, run.model, run.optimizer)  # collective
-    shadow = run.ema.full(dst=0) if run.ema else None  # collective: the EMA is sharded across the ranks
+    shadow = run.ema.full(dst=0, device="cpu") if run.ema else None  # collective: the EMA is sharded across the ranks
     if not accelerator.is_main_process:
         return
     with _alone(run):

@@ -240,7 +240,7 @@ def _build_cache(run: Run, dataset: Any) -> data.LatentCache | None:
     cfg, accelerator = run.cfg, run.accelerator
     if not cfg.data.cache:
         return None
-    cache = data.LatentCache(cfg, dataset, run.family)
+    cache = data.LatentCache(cfg, dataset, run.family, run.kind)
     start = time.time()
     cache.build(dataset, run.frozen, accelerator.process_index, accelerator.num_processes, accelerator.device)
     accelerator.wait_for_everyone()

@@ -12,6 +12,9 @@ from ds_trainer.config import ds_config, hardware, optimizers, toolkit
 from ds_trainer.config.checks import resolve
 from ds_trainer.config.problems import Problem
 
+# bitsandbytes' 8-bit kernels (the CUDA optimizer step, quantize_blockwise) take a tensor's element count as a C int.
+EIGHT_BIT_MAX_NUMEL = 2**31 - 1
+
 # Schedules that lower the LR over the run: schedule-free's average is what they would buy, and its weighting assumes
 # the LR stays at its peak after warm-up.
 DECAYING_SCHEDULES = ("warmup_decay", "warmup_cosine", "one_cycle")
@@ -91,7 +94,32 @@ def _client_optimizer(cfg: DictConfig, name: str, info: hardware.PlatformInfo) -
     if name == "adamw8bit" and cfg.zero.backend.value == "fsdp":
         out.append(Problem("optimizer.name", name, "bitsandbytes' 8-bit state is not built for FSDP2's DTensor "
                            "shards", "zero=stage3 (ZeRO shards it as flat partitions), or optimizer=adamw"))
+    if name == "adamw8bit":
+        out += _eight_bit_partition(cfg)
     return out + (_global_state_optimizer(cfg, name, info) if name in optimizers.GLOBAL_STATE else [])
+
+
+def _eight_bit_partition(cfg: DictConfig) -> list[Problem]:
+    """Under ZeRO-1/2 DeepSpeed hands a client optimizer one flat tensor per parameter group and rank (ZeRO-3 one
+    per sub-group): past 2**31 - 1 elements bitsandbytes' count wraps negative and its CUDA step launches with a
+    negative size. A full SDXL UNet (2.57 B) on one rank is past it; LoRA's adapters are far below."""
+    if cfg.zero.backend.value != "deepspeed" or cfg.adapter.method.value != "none":
+        return []
+    stage, world, count = int(cfg.zero.stage), resolve.world_size_of(cfg), int(cfg.model.param_count)
+    if stage == 3 and int(cfg.zero.sub_group_size) > EIGHT_BIT_MAX_NUMEL:
+        return [Problem("zero.sub_group_size", int(cfg.zero.sub_group_size), "ZeRO-3 hands optimizer.name=adamw8bit "
+                        "one flat tensor per sub-group, and bitsandbytes' 8-bit kernels count its elements in a "
+                        f"32-bit int (at most {EIGHT_BIT_MAX_NUMEL:,})", "zero.sub_group_size=1000000000")]
+    partition = -(-count // world)
+    if stage not in (1, 2) or partition <= EIGHT_BIT_MAX_NUMEL:
+        return []
+    ranks = -(-count // EIGHT_BIT_MAX_NUMEL)
+    return [Problem("optimizer.name", "adamw8bit", f"under ZeRO-{stage} each rank's optimizer steps one flat "
+                    f"partition of the trained weights: {partition:,} elements of {cfg.model.name}'s {count:,} on "
+                    f"each of {world} rank(s), past the {EIGHT_BIT_MAX_NUMEL:,} bitsandbytes' 8-bit kernels count "
+                    "in (a 32-bit int: the step would launch with a negative size)",
+                    f"{ranks} or more ranks (world_size), or zero=stage3 (sub-groups of zero.sub_group_size), or "
+                    "zero=ddp, or optimizer=adamw")]
 
 
 def _global_state_optimizer(cfg: DictConfig, name: str, info: hardware.PlatformInfo) -> list[Problem]:
@@ -110,6 +138,13 @@ def _global_state_optimizer(cfg: DictConfig, name: str, info: hardware.PlatformI
                            "prodigyopt's all-reduce that joins the sums (fsdp_in_use) runs on CUDA only; this "
                            f"machine is {info.kind}", "zero=stage0 or zero=ddp (every rank holds every "
                            "parameter), one rank, or optimizer=adamw"))
+    if name == "prodigy" and resolve.partitioned_over_ranks(cfg) and info.kind == "cuda" and \
+            ds_config.placement(cfg)[0] == "cpu":
+        out.append(Problem("offload", cfg.offload.device.value, f"Prodigy on {world} ranks under ZeRO-{stage} "
+                           "all-reduces the sums behind its step size d on the GPU and keeps d as a CUDA scalar; "
+                           "the offloaded optimizer steps CPU partitions, which cannot take a CUDA operand (the "
+                           "first step fails)", "offload=none, or zero=stage0 or zero=ddp, or one rank, or "
+                           "optimizer=adamw"))
     if name == "schedule_free_adamw" and cfg.scheduler.name.value in DECAYING_SCHEDULES:
         out.append(Problem("scheduler", cfg.scheduler.name.value, "schedule-free AdamW replaces a decaying schedule "
                            "(its averaged weights are what the decay would buy) and weights its average by the peak "

@@ -21,6 +21,7 @@ class Backend(Protocol):
     name: str  # "deepspeed" | "fsdp" | "ddp": config.yaml's resolved.backend
     init_label: str  # the start-up mark of `prepare` ("DeepSpeed init")
     fused: bool  # whether torch's fused optimizer kernels may step it (not FSDP's DTensor shards)
+    host_collectives: bool  # whether it reduces CPU tensors on a GPU machine (FSDP2's CPU offload): gloo beside NCCL
 
     def start_process(self) -> None:
         """Before anything is imported: where this environment's compiled ops live."""

@@ -30,8 +30,9 @@ def make_accelerator(cfg: DictConfig, backend: Backend, platform_kind: str, run_
 
     # On GPUs the collectives time out after an hour instead of NCCL's 10 minutes: rank 0 alone hashes a resumed
     # checkpoint (77 GB for SDXL with its portable state and EMA) or writes one while the others wait.
-    handlers: list[Any] = [InitProcessGroupKwargs(backend="gloo")] if platform_kind == "cpu" else \
-        [InitProcessGroupKwargs(timeout=datetime.timedelta(minutes=60))]
+    group = process_group(platform_kind, backend.host_collectives)
+    handlers: list[Any] = [InitProcessGroupKwargs(backend=group)] if platform_kind == "cpu" else \
+        [InitProcessGroupKwargs(backend=group, timeout=datetime.timedelta(minutes=60))]
     kwargs, more = backend.accelerator_kwargs(platform_kind)
     wandb = cfg.logger.name.value == "wandb" and cfg.logger.mode.value != "disabled"
     with console.stdout_to_log("Accelerate's set-up"):  # DeepSpeed prints that its CPU comm op loaded
@@ -42,6 +43,17 @@ def make_accelerator(cfg: DictConfig, backend: Backend, platform_kind: str, run_
     console.adopt()  # DeepSpeed (imported by now) logs through the run's handlers
     backend.after_accelerator(accelerator, platform_kind)
     return accelerator
+
+
+def process_group(platform_kind: str, host_collectives: bool) -> str | None:
+    """The torch.distributed backend of a run: gloo without CUDA; on GPUs NCCL (Accelerate's default, None), and
+    beside it gloo for CPU tensors where the backend reduces some (`Backend.host_collectives`: FSDP2's CPU offload
+    clips and gathers host-resident shards). A plain "nccl" group maps the "cuda" device alone, so a collective on
+    a CPU tensor fails with "No backend type associated with device type cpu"; Accelerate adds gloo itself only
+    under `accelerate launch` (FSDP_OFFLOAD_PARAMS), not under torchrun, srun or `python -m ds_trainer`."""
+    if platform_kind == "cpu":
+        return "gloo"
+    return "cuda:nccl,cpu:gloo" if host_collectives else None
 
 
 def prepare(accelerator: Any, model: Any, optimizer: Any, scheduler: Any) -> tuple[Any, Any, Any]:

@@ -21,6 +21,7 @@ class DDP:
     cfg: DictConfig
     name: str = field(default="ddp", init=False)
     fused: bool = field(default=True, init=False)
+    host_collectives: bool = field(default=False, init=False)
     init_label: str = field(default="DDP init", init=False)
 
     def start_process(self) -> None:

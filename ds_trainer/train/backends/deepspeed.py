@@ -33,6 +33,7 @@ class DeepSpeed:
     name: str = field(default="deepspeed", init=False)
     init_label: str = field(default="DeepSpeed init", init=False)
     fused: bool = field(default=True, init=False)
+    host_collectives: bool = field(default=False, init=False)
 
     def start_process(self) -> None:
         from ds_trainer.config import op_cache

@@ -27,9 +27,13 @@ class FSDP:
     name: str = field(default="fsdp", init=False)
     fused: bool = field(default=False, init=False)
     init_label: str = field(default="FSDP init", init=False)
+    host_collectives: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
         self._plugin: Any = None
+        # CPU offload: the shards, their gradients and Adam's state live on the host; clipping's norm and the
+        # portable state's gathers reduce them there
+        self.host_collectives = self.cfg.offload.device.value == "cpu"
 
     def start_process(self) -> None:
         from ds_trainer.config import op_cache

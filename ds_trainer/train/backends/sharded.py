@@ -18,20 +18,38 @@ def is_sharded(t: Any) -> bool:
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
-    """The whole value of `t` on every rank. Collective for a DTensor: every rank calls it, in the same order."""
-    return t.full_tensor() if is_sharded(t) else t  # type: ignore[attr-defined,no-any-return]
+    """The whole value of `t` on every rank. Collective for a DTensor: every rank calls it, in the same order.
+
+    Under FSDP2's CPU offload a shard lives on the host while its mesh is "cuda", whose NCCL group serves CUDA
+    tensors only ("No backend type associated with device type cpu"): the shard moves to the mesh's device first,
+    as torch's own full state dict does."""
+    if not is_sharded(t):
+        return t
+    mesh_device = t.device_mesh.device_type  # type: ignore[attr-defined]
+    if t.device.type != mesh_device:
+        t = t.to(mesh_device)
+    return t.full_tensor()  # type: ignore[attr-defined,no-any-return]
 
 
 def like(value: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """`value` (whole, the same on every rank) laid out as `p`: this rank's shard of it for a DTensor, in `p`'s
-    dtype and device. No communication: each rank cuts its own shard."""
+    dtype and where `p`'s shard lives. No communication: each rank cuts its own shard.
+
+    The shard is cut on the mesh's device, then moved beside `p`'s own: under FSDP2's CPU offload the parameter's
+    shard is on the host while its mesh is "cuda", and Adam's moments written on the GPU would meet a CPU gradient
+    at the first step."""
     if not is_sharded(p):
         return value.to(p.device, p.dtype).reshape(p.shape)
-    from torch.distributed.tensor import distribute_tensor
+    from torch.distributed.tensor import DTensor, distribute_tensor
 
     mesh = p.device_mesh  # type: ignore[attr-defined]
-    return distribute_tensor(value.to(mesh.device_type, p.dtype).reshape(p.shape), mesh,
-                             p.placements, src_data_rank=None)  # type: ignore[attr-defined]
+    shard = distribute_tensor(value.to(mesh.device_type, p.dtype).reshape(p.shape), mesh,
+                              p.placements, src_data_rank=None)  # type: ignore[attr-defined]
+    here = p.to_local().device  # type: ignore[attr-defined]
+    if shard.to_local().device == here:
+        return shard
+    return DTensor.from_local(shard.to_local().to(here), mesh, p.placements,  # type: ignore[attr-defined]
+                              shape=p.shape, stride=p.stride())
 
 
 def reshard(module: torch.nn.Module) -> None:

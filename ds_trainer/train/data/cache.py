@@ -30,12 +30,13 @@ class LatentCache:
     exists; files are written atomically, so an interrupted build resumes where it stopped.
     """
 
-    def __init__(self, cfg: DictConfig, data: SyntheticImages | FolderImages, family: Family) -> None:
+    def __init__(self, cfg: DictConfig, data: SyntheticImages | FolderImages, family: Family, kind: str) -> None:
         self.names = data.cache_names() if isinstance(data, FolderImages) else None
         model: Any = OmegaConf.to_container(cfg.model, resolve=True)
         # The encoders' dtype is part of what a latent is: a cache built on a GPU in bf16 and one built on a CPU
-        # in float32 must not be mixed in a shared cache_dir.
-        model["encoders_dtype"] = common.frozen_dtype_name(cfg, str(cfg.resolved.platform or "cpu"))
+        # in float32 must not be mixed in a shared cache_dir. `kind` is the device torch confirmed, which the
+        # encoders run on (the torch-free guess in resolved.platform says "cuda" where a CPU-only torch sees none).
+        model["encoders_dtype"] = common.frozen_dtype_name(cfg, kind)
         if str(getattr(cfg.model, "family", "sdxl")).split(".")[-1] == "sdxl":  # SDXL's keys as before families
             model.pop("family", None)
             model.pop("flow", None)

@@ -121,10 +121,10 @@ class EMA:
         named = dict(model.named_parameters())
         if self.layouts or not any(sharded.is_sharded(named[n]) for n in self.names):
             return
-        whole = self.full()  # every rank gets every tensor, one at a time from its owner
         dtensors: dict[str, Any] = {n: named[n] for n in self.names}
         self.layouts = {n: (p.device_mesh, p.placements, p.shape, p.stride()) for n, p in dtensors.items()}
-        self.shadow = {n: self._shard(n, whole.pop(n)) for n in self.names}
+        # Each tensor cut into this rank's shard as it arrives from its owner: never the whole EMA on one rank
+        self.shadow = {n: self._shard(n, value) for n, value in self._each()}
 
     def _shard(self, name: str, value: torch.Tensor) -> torch.Tensor:
         """This rank's shard of a whole value of `name` (no communication: each rank cuts its own)."""
@@ -177,16 +177,27 @@ class EMA:
         decay = min(self.decay, (1 + self.step) / (10 + self.step))
         self._read(model, init=False, weight=1.0 - decay)
 
-    def full(self, dst: int | None = None) -> dict[str, torch.Tensor]:
+    def full(self, dst: int | None = None, device: Any = None) -> dict[str, torch.Tensor]:
         """Collective: the whole shadow (float32), on rank `dst` (None: on every rank; an empty dict on the
-        others), each tensor sent by its owner. One rank: the shadow itself."""
+        others), each tensor sent by its owner, landing on `device` (default: where the shadow lives; a save asks
+        for "cpu", so that a GPU-resident EMA is not gathered whole onto one GPU). One rank: the shadow itself."""
+        where = self.device if device is None else device
         if self.layouts:
-            return self._gather_shards(dst)
+            return self._gather_shards(dst, where)
         if self.world == 1:
-            return self.shadow
+            return self.shadow if str(where) == str(self.device) else {n: v.to(where) for n, v in self.shadow.items()}
+        own = str(where) == str(self.device)
+        return {name: self.shadow[name] if own and self.mine(name) else value.to(where)
+                for name, value in self._each() if dst is None or self.rank == dst}
+
+    def _each(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Collective: every name's whole value on every rank, one tensor at a time from its owner, on the process
+        group's device (the shadow as it is on one rank)."""
+        if self.world == 1:
+            yield from self.shadow.items()
+            return
         import torch.distributed as dist
 
-        out: dict[str, torch.Tensor] = {}
         for name in self.names:
             owner = self.owner[name]
             if self.rank == owner:
@@ -194,11 +205,9 @@ class EMA:
             else:
                 buffer = torch.empty(self.shapes[name], dtype=torch.float32, device=self.comm_device)
             dist.broadcast(buffer, src=owner)
-            if dst is None or self.rank == dst:
-                out[name] = self.shadow[name] if self.rank == owner else buffer.to(self.device)
-        return out
+            yield name, buffer
 
-    def _gather_shards(self, dst: int | None) -> dict[str, torch.Tensor]:
+    def _gather_shards(self, dst: int | None, where: Any) -> dict[str, torch.Tensor]:
         from torch.distributed.tensor import DTensor
 
         out: dict[str, torch.Tensor] = {}
@@ -207,7 +216,7 @@ class EMA:
             local = self.shadow[n].to(mesh.device_type)
             value = DTensor.from_local(local, mesh, placements, shape=shape, stride=stride).full_tensor()
             if dst is None or self.rank == dst:
-                out[n] = value.to(self.device)
+                out[n] = value.to(where)
         return out
 
     @contextlib.contextmanager
@@ -245,7 +254,7 @@ class EMA:
 
     def state_dict(self) -> dict[str, Any]:
         """Collective: what `ema.pt` holds, the whole shadow, on rank 0 (the other ranks get theirs empty)."""
-        return {"step": self.step, "decay": self.decay, "shadow": self.full(dst=0)}
+        return {"step": self.step, "decay": self.decay, "shadow": self.full(dst=0, device="cpu")}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """From a whole shadow (`ema.pt`, written under any number of ranks): this rank keeps its slice."""

@@ -1,0 +1,118 @@
+"""Paths that only a GPU runs, shown on the CPU by their mechanism (../shared/notes/gpu-paths-review-2.md): the
+process group FSDP2's CPU offload needs, where a resumed shard of Adam's state lands, and the combinations
+validation refuses because they fail on a GPU after training has started."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from ds_trainer.config import checks, hardware
+from tests.helpers.cfg import make_cfg
+from tests.helpers.ranks import free_port
+
+GPU = hardware.PlatformInfo("cuda", bf16=True, fp16=True, gpu_name="NVIDIA H100", gpu_memory_mib=81559)
+
+# One rank, one process: a group built from `backend` all-reduces a CPU tensor (NCCL is not on the CPU: gloo
+# stands in for it under the same device map, which is what decides whether a CPU tensor has a backend).
+GROUP_SCRIPT = """
+import os, sys, torch, torch.distributed as dist
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2], RANK="0", WORLD_SIZE="1")
+dist.init_process_group(sys.argv[1].replace("nccl", "gloo"))
+try:
+    dist.all_reduce(torch.ones(1))
+    print("ok")
+except RuntimeError as exc:
+    print(exc)
+"""
+
+
+def _all_reduce_on_the_host(backend: str) -> str:
+    done = subprocess.run([sys.executable, "-c", GROUP_SCRIPT, backend, str(free_port())], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout.strip()
+
+
+def test_fsdp_cpu_offload_on_gpus_gets_a_group_that_reduces_host_tensors() -> None:
+    """C2: under FSDP2's CPU offload, clipping's norm and the portable state's gathers reduce CPU shards. torchrun,
+    srun and `python -m ds_trainer` leave Accelerate with a plain "nccl" group, which maps "cuda" alone."""
+    from ds_trainer.train import backends
+    from ds_trainer.train.backends.accelerator import process_group
+
+    kinds = {}
+    for zero, offload in (("fsdp_full_shard", "cpu"), ("fsdp_full_shard", "none"), ("stage2", "cpu"), ("ddp", "none")):
+        cfg = checks.check(make_cfg(f"zero={zero}", f"offload={offload}")).cfg
+        backend = backends.of(cfg, {} if zero == "stage2" else None)
+        kinds[zero, offload] = process_group("cuda", backend.host_collectives)
+    assert kinds == {("fsdp_full_shard", "cpu"): "cuda:nccl,cpu:gloo", ("fsdp_full_shard", "none"): None,
+                     ("stage2", "cpu"): None, ("ddp", "none"): None}
+    assert process_group("cpu", False) == process_group("cpu", True) == "gloo"
+    # What "nccl" builds (one backend, for "cuda" only) cannot reduce a host tensor; the group chosen above can
+    assert "No backend type associated with device type cpu" in _all_reduce_on_the_host("cuda:nccl")
+    assert _all_reduce_on_the_host(str(kinds["fsdp_full_shard", "cpu"])) == "ok"
+
+
+@pytest.fixture
+def one_rank_mesh() -> Iterator[object]:
+    """A one-rank gloo group (torch's own: DeepSpeed's would load its communication op) and its CPU mesh."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_carried_shard_lands_where_the_parameter_lives_not_on_its_mesh_device(one_rank_mesh: object) -> None:
+    """C3: under FSDP2's CPU offload a parameter's shard is on the host while its mesh is "cuda"; Adam's moments
+    carried into it by a resume must sit beside it. Here the mesh is "cpu" and the parameter's shard on "meta",
+    the same split."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    from ds_trainer.train.backends import sharded
+
+    p = DTensor.from_local(torch.empty(4, 3, device="meta"), one_rank_mesh, [Shard(0)],  # type: ignore[arg-type]
+                           shape=torch.Size([4, 3]), stride=(3, 1))
+    moment = sharded.like(torch.ones(4, 3), p)
+    assert isinstance(moment, DTensor) and moment.to_local().device.type == "meta"
+    assert moment.shape == p.shape and moment.placements == p.placements
+    on_mesh = DTensor.from_local(torch.zeros(4, 3), one_rank_mesh, [Shard(0)])  # type: ignore[arg-type]
+    assert torch.equal(sharded.like(torch.ones(4, 3), on_mesh).to_local(), torch.ones(4, 3))  # the plain case
+
+
+def _refused(*overrides: str, info: hardware.PlatformInfo = GPU) -> dict[str, str]:
+    report = checks.check(make_cfg("platform=cuda", *overrides), info=info)
+    return {p.key: p.why + " | fix: " + p.fix for p in report.problems}
+
+
+def test_what_fails_on_a_gpu_after_its_first_step_is_refused_before_it() -> None:
+    """C4 (bitsandbytes counts a tensor's elements in a 32-bit int: one rank's ZeRO-1/2 partition of a full SDXL
+    UNet is past it), L1 (Prodigy's CUDA step size meets an offloaded CPU partition) and L6 (T5 and the
+    flow-matching transformers overflow in fp16): each is refused with its fix, and only where it fails."""
+    full_sdxl = ("model=sdxl_base", "optimizer=adamw8bit", "zero=stage2")
+    refused = _refused(*full_sdxl, "world_size=1")
+    assert "2,567,463,684 elements" in refused["optimizer.name"]
+    assert "2 or more ranks" in refused["optimizer.name"] and "zero=stage3" in refused["optimizer.name"]
+    assert "optimizer.name" not in _refused(*full_sdxl, "world_size=2")  # 1.28 B elements per rank
+    assert "optimizer.name" not in _refused("model=sdxl_base", "optimizer=adamw8bit", "zero=stage3", "world_size=1")
+    assert "optimizer.name" not in _refused(*full_sdxl, "world_size=1", "adapter=lora")
+    assert "zero.sub_group_size" in _refused("model=sdxl_base", "optimizer=adamw8bit", "zero=stage3",
+                                             "zero.sub_group_size=3000000000")
+
+    prodigy = ("optimizer=prodigy", "zero=stage2", "world_size=2")
+    assert "CUDA scalar" in _refused(*prodigy, "offload=cpu")["offload"]
+    assert "offload" not in _refused(*prodigy, "offload=none")
+    assert "offload" not in _refused("optimizer=prodigy", "zero=stage2", "world_size=1", "offload=cpu")
+
+    for model in ("sd3_tiny", "flux_tiny"):
+        assert "T5 overflows in fp16" in _refused(f"model={model}", "precision=fp16")["precision"]
+        assert "precision" not in _refused(f"model={model}", "precision=bf16")
+    assert "precision" not in _refused("model=sdxl_tiny", "precision=fp16")
