@@ -69,6 +69,33 @@ def test_checkpoint_on_a_full_disk_stops_cleanly_and_keeps_the_previous_one(smal
 
 
 @pytest.mark.slow
+def test_a_disk_that_fills_at_the_export_stops_with_the_disk_full_message_and_resume_latest_exports(
+        tmp_path: Path) -> None:
+    """Past the checkpoints, any write on a full disk (here the export's pipeline, 23 MiB, after a LoRA checkpoint
+    of 8 MiB and its 1 MiB file on a 16 MiB disk) ends with the one-screen message, not a traceback; the
+    checkpoint stays loadable and resume=latest, on the same disk made larger, only exports."""
+    disk = _tmpfs(tmp_path / "disk", "16m")
+    outputs = next(disk)
+    try:
+        args = ["adapter=lora", "logger=none", "train.max_steps=2", "data.num_samples=2",
+                f"paths.outputs={outputs}/outputs", f"data.cache_dir={tmp_path}/cache"]
+        full = run_cli(*args, cwd=tmp_path)
+        assert full.returncode == 1, full.stderr[-3000:]
+        assert "Traceback" not in full.stderr
+        assert "disk full while exporting the trained weights" in full.stderr
+        assert "the last checkpoint, step_00000002, is intact" in full.stderr and "resume=latest" in full.stderr
+        (run_dir,) = run_dirs(outputs)
+        subprocess.run(["mount", "-o", "remount,size=200m", str(outputs)], check=True)
+        resumed = run_cli(*args, "resume=latest", cwd=tmp_path)
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        (again,) = [d for d in run_dirs(outputs) if d != run_dir]
+        assert summary(again)["status"] == "ok" and metrics(again) == []  # nothing trained again
+        assert (again / "pipeline" / "model_index.json").exists() and list((again / "lora").glob("*.safetensors"))
+    finally:
+        next(disk, None)
+
+
+@pytest.mark.slow
 @pytest.mark.nvme
 def test_an_nvme_swap_disk_that_fills_up_stops_the_run_and_the_checkpoint_resumes(swap_disk: Path,
                                                                                    tmp_path: Path) -> None:

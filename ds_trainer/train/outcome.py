@@ -8,7 +8,9 @@ or a resource's failure raises `TrainingError` (no traceback), a bug re-raises.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,7 +22,7 @@ from ds_trainer.errors import Stopped, TrainingError
 from ds_trainer.train.observe import metrics
 from ds_trainer.train.process import oom, rendezvous, stop
 from ds_trainer.train.process.stop import Interrupted
-from ds_trainer.train.state import checkpoint
+from ds_trainer.train.state import checkpoint, disk
 
 log = logging.getLogger("ds_trainer")
 
@@ -48,6 +50,9 @@ class Outcome:
             return cls("lost", rendezvous.lost_message(exc), exc)
         if isinstance(exc, TrainingError):
             return cls("error", str(exc), exc)
+        if disk.is_full(exc, run_dir):  # a write anywhere in the run (a checkpoint's own says so itself)
+            text = disk.message(exc, run_dir, _writing(exc, cfg, run_dir), checkpoint.intact(run_dir))
+            return cls("error", text, TrainingError(text))
         return cls("error", f"{type(exc).__name__}: {exc}", exc)
 
     def summarize(self, cfg: DictConfig, accelerator: Any, tracker: Any, nodes: Any, run_dir: Path) -> dict[str, Any]:
@@ -78,6 +83,31 @@ class Outcome:
             raise TrainingError(self.message or "") from None
         else:
             raise failure
+
+
+@contextlib.contextmanager
+def writing(run_dir: Path, what: str, folder: Path | None = None) -> Iterator[None]:
+    """Inside, a write that finds the disk full (under `folder`, default the run directory) stops the run with the
+    one-screen message saying `what` was being written; other failures pass through."""
+    try:
+        yield
+    except Exception as exc:
+        if not disk.is_full(exc, folder or run_dir):
+            raise
+        raise TrainingError(disk.message(exc, folder or run_dir, what, checkpoint.intact(run_dir))) from None
+
+
+def _writing(exc: BaseException, cfg: DictConfig, run_dir: Path) -> str:
+    """What the run was writing when the disk filled, from the file the error names."""
+    target = disk.where(exc)
+    if target is None:
+        return "writing the run's files"
+    target, run_dir = target.resolve(), run_dir.resolve()
+    for folder, what in ((Path(str(cfg.data.cache_dir)).resolve(), "building the latent cache"),
+                         (run_dir / "checkpoints", "saving a checkpoint"), (run_dir / "samples", "writing samples")):
+        if target.is_relative_to(folder):
+            return what
+    return f"writing {target.relative_to(run_dir) if target.is_relative_to(run_dir) else target}"
 
 
 def _stopped_message(signum: int, tracker: Any, run_dir: Path) -> str:

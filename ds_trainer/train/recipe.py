@@ -26,7 +26,7 @@ from omegaconf import DictConfig
 from ds_trainer.config import hardware
 from ds_trainer.config.problems import ConfigError
 from ds_trainer.errors import TrainingError
-from ds_trainer.train import backends, data, export, families
+from ds_trainer.train import backends, data, export, families, outcome
 from ds_trainer.train.adapters import adapter
 from ds_trainer.train.backends import accelerator as accel
 from ds_trainer.train.families import common, text_encoders
@@ -181,7 +181,7 @@ def finish(run: Run) -> None:
     """The end: what trained as LoRA in the LoRA file, what trained whole as diffusers models (train/export.py)."""
     if not run.cfg.train.export:
         return
-    with run.eval_weights():
+    with run.eval_weights(), outcome.writing(run.run_dir, "exporting the trained weights"):
         if run.trained.lora:
             run.trained.export(run)
         if run.trained.full:
@@ -242,7 +242,8 @@ def _build_cache(run: Run, dataset: Any) -> data.LatentCache | None:
         return None
     cache = data.LatentCache(cfg, dataset, run.family, run.kind)
     start = time.time()
-    cache.build(dataset, run.frozen, accelerator.process_index, accelerator.num_processes, accelerator.device)
+    with outcome.writing(run.run_dir, "building the latent cache", cache.dir):
+        cache.build(dataset, run.frozen, accelerator.process_index, accelerator.num_processes, accelerator.device)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process and not cache.complete:
         cache.finish()

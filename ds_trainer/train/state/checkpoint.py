@@ -8,7 +8,6 @@ at any moment leaves either the previous checkpoints untouched or a `.partial` f
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import logging
@@ -23,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ds_trainer.config import portability
 from ds_trainer.errors import TrainingError
-from ds_trainer.train.state import integrity
+from ds_trainer.train.state import disk, integrity
 
 if TYPE_CHECKING:
     from ds_trainer.train.run import Run
@@ -181,15 +180,11 @@ def save(accelerator: Any, run_dir: Path, step: int, state: dict[str, Any], keep
     try:
         write(partial)
     except Exception as exc:
-        if not disk_full(exc, partial.parent):
+        if not disk.is_full(exc, partial.parent):
             raise
         shutil.rmtree(partial, ignore_errors=True)  # give the space back; it never looked complete
-        free = shutil.disk_usage(partial.parent).free / 2**20
-        previous = checkpoints(run_dir)
-        kept = f"the previous checkpoint {previous[-1][1]} is intact" if previous else "no earlier checkpoint exists"
-        raise TrainingError(f"disk full while saving the step-{step} checkpoint under {partial.parent} "
-                            f"({free:.0f} MiB free); {kept}. Free space, or move paths.outputs to a larger "
-                            "disk or lower train.checkpoints_to_keep, then run again with resume=latest") from None
+        raise TrainingError(disk.message(exc, partial.parent, f"saving the step-{step} checkpoint",
+                                         intact(run_dir))) from None
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         if final.exists():
@@ -250,13 +245,10 @@ class Saver:
                 torch.save(value, folder / f"{name}.pt")
 
 
-def disk_full(exc: BaseException, folder: Path) -> bool:
-    """Whether a failed save ran out of space. torch's zip writer reports it without an errno
-    ("iostream error", "unexpected pos"), so a failure with the disk (nearly) full counts too."""
-    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC or "No space left on device" in str(exc):
-        return True
-    usage = shutil.disk_usage(folder)
-    return usage.free < max(256 * 2**20, usage.total // 100)
+def intact(run_dir: Path) -> str | None:
+    """The name of the newest completed checkpoint of the run (what resume=latest continues from), or None."""
+    saved = checkpoints(run_dir)
+    return saved[-1][1].name if saved else None
 
 
 def _fsync_dir(path: Path) -> None:
