@@ -27,8 +27,12 @@ LORA = ["adapter=lora", "logger=none", "data.num_samples=4"]
 # 2.6B parameters is 0.9% of them; on sdxl_tiny 5%).
 SHARED = [*LORA, "zero=stage2", "adapter.rank=4", "adapter.alpha=4", "train.max_steps=6", "train.checkpoint_every=3",
           "train.ema=true"]
-CELLS = [("ddp", "none"), ("stage0", "none"), ("stage1", "none"), ("stage1", "cpu"), ("stage2", "cpu"),
-         ("stage3", "none"), ("stage3", "cpu"), ("stage3", "nvme")]
+# The default suite trains the cells whose code differs most (DDP, ZeRO-2's offload, ZeRO-3's partitioned adapters on
+# the host and swapped to NVMe); `make test-long` the rest.
+CELLS = [("ddp", "none"), pytest.param("stage0", "none", marks=pytest.mark.long),
+         pytest.param("stage1", "none", marks=pytest.mark.long), pytest.param("stage1", "cpu", marks=pytest.mark.long),
+         ("stage2", "cpu"), pytest.param("stage3", "none", marks=pytest.mark.long), ("stage3", "cpu"),
+         ("stage3", "nvme")]
 
 
 def summary(run_dir: Path) -> dict[str, Any]:

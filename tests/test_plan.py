@@ -115,6 +115,12 @@ def test_the_planner_counts_what_a_gpu_run_holds_beyond_the_model_states(base: p
     ddp32 = plan.estimate(make_cfg("model=sdxl_base", "zero=ddp", "precision=fp32"), "ddp", "none", 2)
     assert (ddp.params, ddp.grads, ddp.optimizer) == (6 * p, 4 * p, 8 * p)
     assert ddp32.params == 4 * p
+    # DDP's module keeps fp32 weights and the sampler runs no autocast: its sampling activations are fp32's (seen
+    # where the denoiser's, not the VAE decode's, are the peak: Flux's transformer at 1024 px)
+    arch = str(make_cfg("model=flux_dev").model.architecture)
+    sampled = {zero: plan_samples.peak(make_cfg("model=flux_dev", f"zero={zero}", "samples=on"), 0, p, arch)
+               for zero in ("ddp", "stage2", "fsdp_full_shard")}
+    assert sampled["ddp"] > sampled["stage2"] == sampled["fsdp_full_shard"], sampled
 
 
 def test_a_checkpoint_and_the_export_are_sized_from_the_parameters(base: plan.UNetStats) -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from helpers.cli import run_cli
+from helpers.deps import require
 
 from ds_trainer.train.observe import startup
 
@@ -148,6 +149,18 @@ def test_ops_compile_without_debug_information_in_every_process_that_loads_them(
     stock = subprocess.run([sys.executable, "-c", code.replace("op_cache.prepare(); ", "")], capture_output=True,
                            text=True, check=True).stdout
     assert "'-g'" in stock and "'-g'" not in lean and "'-O3'" in lean
+
+
+def test_ops_build_with_the_environments_own_ninja_whatever_path_the_process_got() -> None:
+    """A process started without the environment's bin/ on PATH (its python called by path) builds with the same
+    ninja as one started under `make`: two ninja versions read each other's build log as out of date."""
+    here = Path(sys.executable).parent
+    require((here / "ninja").exists(), f"no ninja beside {sys.executable} (make setup installs it)")
+    code = "from ds_trainer.config import op_cache; import shutil; op_cache.prepare(); print(shutil.which('ninja'))"
+    for path in ("/usr/bin:/bin", f"{here}:/usr/bin:/bin"):
+        found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                               env={**os.environ, "PATH": path}).stdout.strip().splitlines()[-1]
+        assert found == str(here / "ninja"), (path, found)
 
 
 def test_a_run_imports_bitsandbytes_only_when_its_optimizer_is_bitsandbytes() -> None:

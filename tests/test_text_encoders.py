@@ -213,8 +213,8 @@ def _pipeline_image(pipeline: Path, prompt: str, seed: int) -> Any:
 
 @pytest.mark.slow
 @pytest.mark.multiproc
-@pytest.mark.parametrize(("run", "zero"), [("full_run", "ddp"), ("fsdp_run", "stage2")],
-                         ids=["zero3_to_ddp", "fsdp_to_stage2"])
+@pytest.mark.parametrize(("run", "zero"), [pytest.param("full_run", "ddp", marks=pytest.mark.long),
+                                           ("fsdp_run", "stage2")], ids=["zero3_to_ddp", "fsdp_to_stage2"])
 def test_full_encoders_resume_from_two_ranks_under_another_backend_on_one(run: str, zero: str, tmp_path: Path,
                                                                          request: pytest.FixtureRequest) -> None:
     full_run = request.getfixturevalue(run)
@@ -320,6 +320,7 @@ def test_a_trained_encoder_caches_token_ids_not_embeddings(tmp_path: Path) -> No
 
 @pytest.mark.slow
 @pytest.mark.multiproc
+@pytest.mark.long  # init_from's own tests (test_lora.py) run by default; this is its two-rank, encoders' variant
 def test_a_lora_file_with_encoder_adapters_continues_and_one_without_is_refused(lora_run: Path, tmp_path: Path) -> None:
     from safetensors.torch import save_file
 

@@ -243,7 +243,7 @@ def test_sweep_report_labels_cells_by_every_axis_that_varies(tmp_path: Path) -> 
 
 @pytest.mark.slow
 @pytest.mark.multiproc
-@pytest.mark.parametrize("launcher", ["local_2proc", "slurm_localtest"])
+@pytest.mark.parametrize("launcher", ["local_2proc", pytest.param("slurm_localtest", marks=pytest.mark.long)])
 def test_a_tune_through_the_sweep_launchers_on_two_ranks_logs_its_table_to_wandb(
         tmp_path: Path, launcher: str, request: pytest.FixtureRequest) -> None:
     # The cell goes through the sweeps' launchers (submitit on this machine, and sbatch on the local Slurm

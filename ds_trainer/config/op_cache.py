@@ -13,7 +13,13 @@ Two start-up costs that are not the run's own:
 - DeepSpeed compiles its ops with `-g`: debug information nobody running them reads, which made each op's
   compile about 40% longer here (cpu_adam 50 s -> 30 s without it; the op is the same code at the same -O3).
   `lean_builds` leaves it out. Every process that loads ops from this environment's folder must do the same
-  (torch rebuilds an op whose flags changed): `prepare` does all three, and every entry point calls it.
+  (torch rebuilds an op whose flags changed).
+- torch's loader builds with the `ninja` first on PATH, and ninja 1.11 (Debian's) and 1.13 (the environment's,
+  from PyPI) hash the commands in the build log differently: each reads the other's log as out of date and
+  rebuilds every op it loads (measured here: fused_adam and the CPU comm op rebuilt 4 and 6 times in an hour,
+  1-2 minutes each, when runs started with and without the environment's bin/ on PATH took turns). `own_ninja`
+  puts the environment's bin/ first on PATH where it has a ninja.
+`prepare` does all four, and every entry point calls it.
 """
 
 from __future__ import annotations
@@ -139,9 +145,18 @@ def lean_builds() -> None:
     OpBuilder.strip_empty_entries = strip_empty_entries  # type: ignore[method-assign]
 
 
+def own_ninja() -> None:
+    """The environment's own `ninja` (beside its python) first on PATH, in this process and those it starts."""
+    here = Path(sys.executable).parent
+    path = os.environ.get("PATH", "")
+    if (here / "ninja").exists() and path.split(os.pathsep)[0] != str(here):
+        os.environ["PATH"] = os.pathsep.join([str(here), path]) if path else str(here)
+
+
 def prepare() -> Path:
     """Everything above, once per process before DeepSpeed loads an op; returns the ops' folder."""
     folder = use_environment_folder()
     cache_cpu_info()
     lean_builds()
+    own_ninja()
     return folder

@@ -148,7 +148,9 @@ def _sampling(cfg: DictConfig, resident: int, unet_params: int, architecture: st
 
     width, height = samples.size(cfg)
     batch = 2 if float(cfg.samples.guidance_scale) > 1 else 1
-    dtype_bytes = 4 if cfg.precision.name.value == "fp32" else 2
+    # DDP's module keeps its fp32 weights and the sampler runs no autocast: it samples in fp32 whatever the precision
+    fp32 = cfg.precision.name.value == "fp32" or cfg.zero.backend.value == "ddp"
+    dtype_bytes = 4 if fp32 else 2
     ema = 4 * unet_params if cfg.train.ema and cfg.samples.ema else 0  # the whole EMA UNet, gathered to sample
     if ema:
         dtype_bytes = 4  # the EMA UNet samples in float32

@@ -184,7 +184,7 @@ class Trained:
         module = accelerator.unwrap_model(run.model)
         weights = lora_file.gather_fp32(module, self.names, run.backend.engine(accelerator),
                                         accelerator.is_main_process)
-        shadow = ema.full(dst=0) if ema is not None else None  # collective: the EMA is sharded across the ranks
+        shadow = ema.full(dst=0, device="cpu") if ema is not None else None  # collective: sharded over the ranks
         if not accelerator.is_main_process:
             return
         dtype = _DTYPES[self.cfg.adapter.save_dtype.value]

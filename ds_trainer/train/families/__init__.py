@@ -37,13 +37,14 @@ def of(cfg: DictConfig) -> Family:
 
 
 def of_module(module: Any) -> Family:
-    """The family a trained module belongs to, by its class (a LoRA file's pipeline class)."""
-    kind = type(module).__name__
-    if kind == "SD3Transformer2DModel":
+    """The family a trained module belongs to, by its class (a LoRA file's pipeline class). By the classes it derives
+    from: FSDP2 swaps a sharded module's class for a subclass of its own (`FSDPSD3Transformer2DModel`)."""
+    kinds = {cls.__name__ for cls in type(module).__mro__}
+    if "SD3Transformer2DModel" in kinds:
         from ds_trainer.train.families.sd3 import SD3
 
         return SD3()
-    if kind == "FluxTransformer2DModel":
+    if "FluxTransformer2DModel" in kinds:
         from ds_trainer.train.families.flux import Flux
 
         return Flux()

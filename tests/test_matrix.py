@@ -1,0 +1,182 @@
+"""Every combination a user composes either trains or is refused before its first step (issue 44).
+
+A cell is one composition of the groups users combine. It passes when it finishes with status ok (a finite loss at
+every step, the export or the LoRA file written, samples and a validation loss where asked), or when it exits 2
+before its first step with the one-screen refusal (each problem's key, why and fix; no traceback, no step logged).
+A crash after training started is a defect, whatever its message.
+
+`make test-long` runs the pairwise covering array of every axis below (allpairspy: every pair of values of any
+two axes is in some cell). The default suite runs the covering array of the five axes whose pairs break most
+(model, backend, precision, adapter, and samples + validation + EMA together), the other axes at their defaults.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+from itertools import combinations
+from pathlib import Path
+
+import pytest
+from helpers.cli import run_cli, run_dirs
+from helpers.ranks import torchrun
+from test_buckets import make_folder
+
+from ds_trainer import CONF_DIR
+
+# The full array's axes (make test-long). The first value of each is the default the core cells keep.
+AXES: dict[str, list[str]] = {
+    "model": ["sdxl_tiny", "sd3_tiny", "flux_tiny"],
+    "zero": ["stage2", "ddp", "stage0", "stage1", "stage3", "fsdp_full_shard", "fsdp_shard_grad_op"],
+    "offload": ["none", "cpu", "nvme"],
+    "precision": ["bf16", "bf16_pure", "fp16", "fp32"],
+    "adapter": ["none", "lora"],
+    "text_encoders": ["frozen", "lora", "full"],
+    "optimizer": ["adamw", *sorted(p.stem for p in (CONF_DIR / "optimizer").glob("*.yaml") if p.stem != "adamw")],
+    "ema": ["off", "gpu", "cpu"],
+    "samples": ["off", "on"],
+    "validation": ["off", "on"],
+    "buckets": ["off", "on"],
+    "ranks": ["1", "2"],
+    "resume": ["none", "another_layout"],
+}
+# The default suite's axes: a backend stands for its ZeRO option, "extras" for samples, validation and EMA at once.
+BACKENDS = {"deepspeed": "stage2", "fsdp": "fsdp_full_shard", "ddp": "ddp"}
+CORE: dict[str, list[str]] = {"model": AXES["model"], "backend": list(BACKENDS), "precision": AXES["precision"],
+                              "adapter": AXES["adapter"], "extras": ["all", "none"]}
+FAST = ["logger=none", "train.max_steps=2", "data.num_samples=4", "scheduler=constant", "train.checkpoint_every=0"]
+
+
+def covering(axes: dict[str, list[str]]) -> list[dict[str, str]]:
+    """The pairwise covering array of `axes` (deterministic: allpairspy is greedy over the values in order)."""
+    from allpairspy import AllPairs
+
+    return [dict(zip(axes, row, strict=True)) for row in AllPairs(list(axes.values()))]
+
+
+def core_cells() -> list[dict[str, str]]:
+    """The default suite's cells, each as a full-array cell (the other axes at their defaults)."""
+    out = []
+    for core in covering(CORE):
+        cell = {axis: values[0] for axis, values in AXES.items()}
+        cell.update(model=core["model"], zero=BACKENDS[core["backend"]], precision=core["precision"],
+                    adapter=core["adapter"])
+        if core["extras"] == "all":
+            cell.update(ema="cpu", samples="on", validation="on")
+        out.append(cell)
+    return out
+
+
+def _name(cell: dict[str, str]) -> str:
+    defaults = {axis: values[0] for axis, values in AXES.items()}
+    return "-".join(f"{k}={v}" for k, v in cell.items() if v != defaults[k] or k in ("model", "zero", "precision"))
+
+
+def overrides(cell: dict[str, str], folder: Path, swap: Path) -> list[str]:
+    """The command line of a cell (without resume)."""
+    out = [f"{axis}={cell[axis]}" for axis in ("model", "zero", "offload", "precision", "adapter", "text_encoders",
+                                               "optimizer")]
+    if cell["offload"] == "nvme":
+        out.append(f"offload.nvme_path={swap}")
+    out += {"off": ["train.ema=false"], "gpu": ["train.ema=true", "train.ema_device=gpu"],
+            "cpu": ["train.ema=true", "train.ema_device=cpu"]}[cell["ema"]]
+    if cell["samples"] == "on":
+        out += ["samples=on", "samples.every=0", "samples.steps=2", "samples.prompts=[a red cube]"]
+    if cell["validation"] == "on":
+        out += ["validation=on", "validation.split=1"]
+    if cell["buckets"] == "on":
+        out += ["data=folder", f"data.path={folder}", "data.bucket_remainder=repeat"]
+    return out
+
+
+def _launch(cell: dict[str, str], args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    if cell["ranks"] == "1":
+        return run_cli(*args, cwd=cwd, timeout=900)
+    return subprocess.run([*torchrun(int(cell["ranks"])), "-m", "ds_trainer", *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def _first_layout(cell: dict[str, str]) -> list[str]:
+    """Where a cell's `resume=another_layout` was saved: one rank of DDP, or ZeRO-2 for a DDP cell."""
+    return ["zero=stage2" if cell["zero"] == "ddp" else "zero=ddp", "offload=none", "optimizer=adamw"]
+
+
+def run_cell(cell: dict[str, str], tmp_path: Path) -> str:
+    """Run a cell; 'trained' or 'refused', or an AssertionError saying what broke."""
+    folder, swap = tmp_path / "images", tmp_path / "swap"
+    if cell["buckets"] == "on":
+        make_folder(folder)
+    args = [*FAST, *overrides(cell, folder, swap)]
+    if cell["resume"] != "none":
+        first = [a for a in args if not a.startswith(("zero=", "offload=", "optimizer=", "offload.nvme_path"))]
+        saved = run_cli(*first, *_first_layout(cell), "train.export=false", cwd=tmp_path, timeout=900)
+        if saved.returncode == 2:
+            return _refused(saved, tmp_path)
+        assert saved.returncode == 0, saved.stderr[-3000:]
+        (run_dir,) = run_dirs(tmp_path)
+        args = [*args, "train.max_steps=4", f"resume={run_dir / 'checkpoints' / 'step_00000002'}"]  # steps 3, 4
+    before = set(run_dirs(tmp_path))
+    done = _launch(cell, args, tmp_path)
+    if done.returncode == 2:
+        return _refused(done, tmp_path, before)
+    assert done.returncode == 0, f"{_name(cell)} crashed:\n{done.stderr[-4000:]}"
+    (run_dir,) = set(run_dirs(tmp_path)) - before
+    _trained(cell, run_dir, 2)
+    return "trained"
+
+
+def _refused(done: subprocess.CompletedProcess[str], tmp_path: Path, before: set[Path] | None = None) -> str:
+    """Exit 2: the one-screen refusal, before any step."""
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert "why:" in done.stderr and "fix:" in done.stderr, done.stderr[-3000:]
+    for run_dir in set(run_dirs(tmp_path)) - (before or set()):
+        rows = (run_dir / "metrics.jsonl").read_text().splitlines() if (run_dir / "metrics.jsonl").exists() else []
+        assert not [r for r in rows if "loss" in json.loads(r)], f"refused after training started: {run_dir}"
+    return "refused"
+
+
+def _trained(cell: dict[str, str], run_dir: Path, steps: int) -> None:
+    """Status ok, a finite loss at every step, and what the cell asked for written."""
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "ok", summary
+    losses = [r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    assert len(losses) == steps and all(math.isfinite(x) for x in losses), losses
+    lora = cell["adapter"] == "lora" or cell["text_encoders"] == "lora"
+    if lora:
+        assert list((run_dir / "lora").glob("*.safetensors")), sorted(p.name for p in run_dir.iterdir())
+    if cell["adapter"] == "none":
+        component = "unet" if cell["model"] == "sdxl_tiny" else "transformer"
+        assert list((run_dir / component).glob("*.safetensors")), sorted(p.name for p in run_dir.iterdir())
+        if cell["ema"] != "off":
+            assert list((run_dir / f"{component}_ema").glob("*.safetensors"))
+    if cell["samples"] == "on":
+        assert list((run_dir / "samples").rglob("*.png")), "no samples written"
+    if cell["validation"] == "on":
+        assert math.isfinite(summary["val_loss"]), summary
+
+
+def test_the_default_cells_cover_every_pair_of_the_core_axes() -> None:
+    """Each pair of values of any two core axes is in some default cell; the cells are what the array says."""
+    cells = covering(CORE)
+    for a, b in combinations(CORE, 2):
+        missing = {(x, y) for x in CORE[a] for y in CORE[b]} - {(c[a], c[b]) for c in cells}
+        assert not missing, (a, b, missing)
+    assert len(core_cells()) == len(cells) and len({_name(c) for c in core_cells()}) == len(cells)
+    full = covering(AXES)
+    assert all(set(c) == set(AXES) for c in full) and len(full) >= len(AXES["optimizer"]) * len(AXES["zero"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cell", core_cells(), ids=_name)
+def test_a_core_cell_trains_or_is_refused_before_its_first_step(cell: dict[str, str], tmp_path: Path) -> None:
+    run_cell(cell, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.long
+@pytest.mark.parametrize("cell", covering(AXES), ids=_name)
+def test_a_cell_of_the_full_array_trains_or_is_refused_before_its_first_step(cell: dict[str, str],
+                                                                            tmp_path: Path) -> None:
+    run_cell(cell, tmp_path)
