@@ -38,6 +38,7 @@ BAD = [
      ["model.transformer=/nonexistent/sd3.5_medium.safetensors", "no such file"]),
     (["zero=ddp", "optimizer=lion"], ["optimizer.name=lion", "torch.optim"]),
     (["optimizer.lr=-1"], ["optimizer.lr=-1.0"]),
+    (["optimizer=prodigy", "optimizer.lr=0"], ["optimizer.lr=0.0", "optimizer.lr=1e-4"]),  # not a ZeroDivisionError
     (["optimizer.lr=nan"], ["optimizer.lr=nan", "finite"]),
     (["train.gradient_clipping=inf"], ["train.gradient_clipping=inf", "finite"]),
     (["optimizer.betas=[0.9,1.5]"], ["optimizer.betas"]),

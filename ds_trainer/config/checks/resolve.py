@@ -87,7 +87,7 @@ def _global_state(cfg: DictConfig, optimizer: str | None, info: hardware.Platfor
         out.append(f"optimizer=prodigy on {world} ranks under ZeRO-{stage}: prodigyopt's fsdp_in_use path "
                    "all-reduces the sums behind d, so every rank steps with the same d (not run on a GPU by "
                    "ds_trainer's tests)")
-    if optimizer == "prodigy" and lr < 0.1:
+    if optimizer == "prodigy" and 0 < lr < 0.1:  # lr <= 0 is refused (settings)
         out.append(f"optimizer=prodigy with optimizer.lr={lr:g}: Prodigy's lr multiplies the step size it estimates "
                    f"(1.0 takes the estimate as it is), so this trains about {1 / lr:.0f} times slower than Prodigy "
                    "would")
