@@ -52,6 +52,7 @@ def test_bench_runs_the_target_cells_writes_results_and_continues(tmp_path: Path
 
 
 @pytest.mark.slow
+@pytest.mark.long  # CI budget: the bench's precision comparison runs by default
 def test_bench_times_the_first_step_against_the_raw_loop(tmp_path: Path) -> None:
     out = tmp_path / "startup"
     cmd = [sys.executable, "-m", "ds_trainer.bench", "--out", str(out), "--model", "sdxl_tiny", "--resolutions", "128",

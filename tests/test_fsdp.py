@@ -189,6 +189,7 @@ def _dcp_tensors(folder: Path) -> dict[str, tuple[str, int]]:
 
 @pytest.mark.slow
 @pytest.mark.multiproc
+@pytest.mark.long  # CI budget: FSDP2 bf16_pure trains in a default matrix cell
 def test_bf16_pure_keeps_bf16_shards_and_a_run_moves_into_it_and_out_with_the_rounding_said(
         fsdp_run: tuple[Path, str], tmp_path: Path) -> None:
     """fp32 FSDP -> bf16_pure FSDP (two ranks) -> fp32 ZeRO-2 (one rank), each resumed from the portable state."""

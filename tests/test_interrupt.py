@@ -86,6 +86,7 @@ def test_ctrl_c_saves_the_step_and_resume_latest_finishes_with_checkpoints_by_wa
     assert _summary(second)["status"] == "ok"
 
 
+@pytest.mark.long  # CI budget: the first Ctrl-C's save and resume run by default
 def test_a_second_ctrl_c_stops_at_once_and_leaves_no_checkpoint_that_looks_complete(tmp_path: Path) -> None:
     # Steps of seconds (512 px, micro batch 8, two micro-batches), no checkpoint before Ctrl-C's. In fp32: a CPU
     # without bf16 kernels (AVX2 only) took 150 s a step in bf16; a second Ctrl-C waits for the backward in flight.

@@ -236,6 +236,7 @@ def _accelerate(machine_rank: int, config: Path, *args: str) -> list[str]:
 
 @pytest.mark.slow
 @pytest.mark.multiproc
+@pytest.mark.long  # CI budget: two nodes through Slurm run by default
 def test_torchrun_and_accelerate_launch_across_the_two_node_addresses(tmp_path: Path,
                                                                       two_nodes: dict[str, str]) -> None:
     run_dir = tmp_path / "run"

@@ -67,6 +67,7 @@ def test_other_hosts_are_judged_by_their_heartbeat_and_a_requeued_slurm_job_by_i
 
 
 @pytest.mark.slow
+@pytest.mark.long  # CI budget: the lock's heartbeat rules run by default
 def test_a_second_run_on_a_busy_run_directory_stops_at_once_and_the_first_finishes_untouched(
         tmp_path: Path) -> None:
     folder = tmp_path / "outputs" / "the_run"

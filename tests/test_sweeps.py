@@ -255,6 +255,7 @@ def test_a_preempted_slurm_job_is_requeued_and_resumes_into_the_same_wandb_run(
 
 @pytest.mark.slow
 @pytest.mark.multiproc
+@pytest.mark.long  # CI budget: the USR2 requeue and a two-node kill -9 resubmission run by default
 def test_a_slurm_job_cancelled_with_scancel_comes_back_and_resumes(workdir: Path,
                                                                    slurm_cluster: dict[str, str]) -> None:
     # No periodic checkpoints: scancel's SIGTERM makes the run save after its step, and the launcher

@@ -96,6 +96,7 @@ def test_accelerate_launch_runs_the_trainer(workdir: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.long  # CI budget: the families sweep's loss falls over 40 steps by default
 def test_loss_falls_when_overfitting_one_batch(workdir: Path) -> None:
     result = run_cli("logger=none", "data.num_samples=2", "train.micro_batch_size=2", "train.max_steps=60",
                      "scheduler=constant", "optimizer.lr=1e-3", cwd=workdir)
