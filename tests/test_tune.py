@@ -274,6 +274,7 @@ def test_a_tune_through_the_sweep_launchers_on_two_ranks_logs_its_table_to_wandb
 
 
 @pytest.mark.slow
+@pytest.mark.long  # CI budget: 1024 px steps in emulated bf16 take minutes; the hanging cell runs by default
 def test_a_cell_out_of_memory_is_a_result_and_the_search_goes_on(tmp_path: Path) -> None:
     # A real allocation failure: the tune, and so each cell, gets 4 GiB of address space; micro batch 16 at
     # 1024 px needs far more, micro batch 1 does not. No budget prunes either (tune.vram_gib is huge).
