@@ -17,6 +17,7 @@ import inspect
 import re
 import sys
 import typing
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -152,19 +153,25 @@ def render() -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Print the page, or with `--write` rewrite `docs/config.md`."""
-    parser = argparse.ArgumentParser(prog="python -m ds_trainer.config.reference", description=__doc__.split("\n")[0])
-    parser.add_argument("--write", action="store_true", help=f"rewrite {PAGE.relative_to(PAGE.parents[1])}")
+def generated_page(argv: list[str] | None, module: str, page: Path, make: Callable[[], str], about: str) -> int:
+    """The command line of a page generated from the code (`python -m <module> [--write]`): print it, or rewrite
+    `page`."""
+    parser = argparse.ArgumentParser(prog=f"python -m {module}", description=about)
+    parser.add_argument("--write", action="store_true", help=f"rewrite {page.relative_to(page.parents[1])}")
     args = parser.parse_args(argv)
-    text = render()
+    text = make()
     if args.write:
-        PAGE.parent.mkdir(parents=True, exist_ok=True)
-        PAGE.write_text(text)
-        print(f"wrote {PAGE}")
+        page.parent.mkdir(parents=True, exist_ok=True)
+        page.write_text(text)
+        print(f"wrote {page}")
     else:
         sys.stdout.write(text)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print the page, or with `--write` rewrite `docs/config.md`."""
+    return generated_page(argv, "ds_trainer.config.reference", PAGE, render, __doc__.split("\n")[0])
 
 
 if __name__ == "__main__":

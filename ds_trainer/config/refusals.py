@@ -14,11 +14,12 @@ the modules are read as source, not imported.
 
 from __future__ import annotations
 
-import argparse
 import ast
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+from ds_trainer.config import reference
 
 PACKAGE = Path(__file__).resolve().parents[1]
 PAGE = PACKAGE.parent / "docs" / "refusals.md"
@@ -158,16 +159,7 @@ def render() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Print the page, or with `--write` rewrite `docs/refusals.md`."""
-    parser = argparse.ArgumentParser(prog="python -m ds_trainer.config.refusals", description=__doc__.split("\n")[0])
-    parser.add_argument("--write", action="store_true", help="rewrite docs/refusals.md")
-    args = parser.parse_args(argv)
-    text = render()
-    if args.write:
-        PAGE.write_text(text)
-        print(f"wrote {PAGE}")
-    else:
-        sys.stdout.write(text)
-    return 0
+    return reference.generated_page(argv, "ds_trainer.config.refusals", PAGE, render, __doc__.split("\n")[0])
 
 
 if __name__ == "__main__":

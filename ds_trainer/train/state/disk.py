@@ -30,11 +30,16 @@ def _chain(exc: BaseException) -> Iterator[BaseException]:
         current = current.__cause__ or current.__context__
 
 
-def nearly_full(folder: Path) -> bool:
-    """Less than 256 MiB or 1% of the disk left where `folder` (or its closest existing parent) lives."""
+def _existing(folder: Path) -> Path:
+    """`folder`, or its closest parent that exists (a failed write may not have made it)."""
     while not folder.exists() and folder != folder.parent:
         folder = folder.parent
-    usage = shutil.disk_usage(folder)
+    return folder
+
+
+def nearly_full(folder: Path) -> bool:
+    """Less than 256 MiB or 1% of the disk left where `folder` (or its closest existing parent) lives."""
+    usage = shutil.disk_usage(_existing(folder))
     return usage.free < max(256 * 2**20, usage.total // 100)
 
 
@@ -61,10 +66,7 @@ def message(exc: BaseException, folder: Path, what: str, intact: str | None) -> 
     """The one-screen message: what was being written, where, how much is free there, the checkpoint a resume
     continues from (`intact`, a folder name; None: no checkpoint was completed), and the way on."""
     target = where(exc) or folder
-    probe = target
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    free = shutil.disk_usage(probe).free / 2**20
+    free = shutil.disk_usage(_existing(target)).free / 2**20
     kept = f"the last checkpoint, {intact}, is intact" if intact else "no checkpoint was completed before it"
     return (f"disk full while {what} ({target}: {free:.0f} MiB free on its disk); {kept}. Free space, or move "
             "paths.outputs (and data.cache_dir, where the latent cache is) to a larger disk or lower "
