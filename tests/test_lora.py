@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from helpers.cfg import make_cfg
 from helpers.cli import run_cli, run_dirs
@@ -102,12 +103,20 @@ def test_lora_file_loads_into_the_pipeline_and_unloads(shared_run: Path) -> None
     assert abs(adapted - base).max() > 1e-4, "the LoRA changed nothing"
     assert (image() == base).all(), "unloading did not restore the base output"
     assert (shared_run / "lora_ema" / "pytorch_lora_weights.safetensors").exists()
+    # kohya's layout (adapter.format=both), through diffusers' own kohya converter: the same image.
+    pipe.load_lora_weights(shared_run / "lora" / "kohya.safetensors")
+    np.testing.assert_allclose(image(), adapted, rtol=0, atol=1e-5)
+    pipe.unload_lora_weights()
+    header = _metadata(shared_run / "lora", "kohya.safetensors")
+    assert header["modelspec.architecture"] == "stable-diffusion-xl-v1-base/lora"
+    assert header["ss_network_dim"] == "4" and header["ss_base_model_version"] == "sdxl_base_v1-0"
+    assert header["ss_steps"] == "6" and (shared_run / "lora_ema" / "kohya.safetensors").exists()
 
 
-def _metadata(folder: Path) -> dict[str, str]:
+def _metadata(folder: Path, name: str = "pytorch_lora_weights.safetensors") -> dict[str, str]:
     from safetensors import safe_open
 
-    with safe_open(folder / "pytorch_lora_weights.safetensors", "pt") as f:
+    with safe_open(folder / name, "pt") as f:
         return dict(f.metadata())
 
 
@@ -152,13 +161,19 @@ def test_init_from_a_mismatched_file_gets_one_screen(shared_run: Path, workdir: 
     assert result.returncode == 2, result.stderr[-3000:]
     assert "adapter.init_from=" in result.stderr and "rank 4" in result.stderr
     assert "Traceback" not in result.stderr
+    kohya = run_cli(*LORA, "adapter.rank=8", f"adapter.init_from={shared_run / 'lora' / 'kohya.safetensors'}",
+                    cwd=workdir)
+    assert kohya.returncode == 2 and "Traceback" not in kohya.stderr, kohya.stderr[-3000:]
+    assert "kohya-layout" in kohya.stderr and "rank 4, this adapter's is 8" in kohya.stderr, kohya.stderr[-3000:]
 
 
 @pytest.mark.slow
-def test_init_from_continues_from_the_file(shared_run: Path, workdir: Path) -> None:
-    # One step at a negligible learning rate: the exported adapters are the file's values.
+@pytest.mark.parametrize("layout", [pytest.param("pytorch_lora_weights.safetensors", marks=pytest.mark.long),
+                                    "kohya.safetensors"])
+def test_init_from_continues_from_the_file(shared_run: Path, workdir: Path, layout: str) -> None:
+    # One step at a negligible learning rate: the exported adapters are the file's values (from either layout).
     result = run_cli(*LORA, "zero=stage3", "adapter.rank=4", "adapter.alpha=4", "train.max_steps=1",
-                     "optimizer.lr=1e-12", "scheduler=constant", f"adapter.init_from={shared_run / 'lora'}",
+                     "optimizer.lr=1e-12", "scheduler=constant", f"adapter.init_from={shared_run / 'lora' / layout}",
                      cwd=workdir)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "LoRA initialised from" in result.stderr

@@ -144,17 +144,44 @@ def _trained(cell: dict[str, str], run_dir: Path, steps: int) -> None:
     losses = [r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
     assert len(losses) == steps and all(math.isfinite(x) for x in losses), losses
     lora = cell["adapter"] == "lora" or cell["text_encoders"] == "lora"
-    if lora:
-        assert list((run_dir / "lora").glob("*.safetensors")), sorted(p.name for p in run_dir.iterdir())
+    if lora:  # both layouts (adapter.format=both)
+        assert {p.name for p in (run_dir / "lora").glob("*.safetensors")} == {
+            "pytorch_lora_weights.safetensors", "kohya.safetensors"}, sorted(p.name for p in run_dir.iterdir())
     if cell["adapter"] == "none":
         component = "unet" if cell["model"] == "sdxl_tiny" else "transformer"
         assert list((run_dir / component).glob("*.safetensors")), sorted(p.name for p in run_dir.iterdir())
+        family = cell["model"].removesuffix("_tiny")
+        _single_file_is_the_export(run_dir, family, "")
         if cell["ema"] != "off":
             assert list((run_dir / f"{component}_ema").glob("*.safetensors"))
+            _single_file_is_the_export(run_dir, family, "_ema")
+    card = (run_dir / "README.md").read_text()  # the model card: what trained, the loss, the samples, the files
+    assert card.startswith("---\n") and "## What trained" in card and "| file | opens in |" in card, card[:2000]
     if cell["samples"] == "on":
         assert list((run_dir / "samples").rglob("*.png")), "no samples written"
+        images = [line.split("](")[1].rstrip(")") for line in card.splitlines() if line.startswith("![")]
+        assert images and all((run_dir / image).is_file() for image in images), card
     if cell["validation"] == "on":
         assert math.isfinite(summary["val_loss"]), summary
+        assert f"- final: {summary['val_loss']:.5f} at step" in card, card
+
+
+def _single_file_is_the_export(run_dir: Path, family: str, suffix: str) -> None:
+    """export.format=both: `single_file/model[_ema].safetensors` holds the diffusers export's weights in the makers'
+    layout, in bf16 (export.dtype), with the model spec in its header (test_exports: the layouts themselves)."""
+    import torch
+    from diffusers import FluxTransformer2DModel, SD3Transformer2DModel, UNet2DConditionModel
+    from safetensors import safe_open
+
+    from ds_trainer.train.export import single_file
+
+    cls = {"sdxl": UNet2DConditionModel, "sd3": SD3Transformer2DModel, "flux": FluxTransformer2DModel}[family]
+    component = "unet" if family == "sdxl" else "transformer"
+    expected = single_file.denoiser_tensors(family, cls.from_pretrained(run_dir / f"{component}{suffix}"))
+    with safe_open(run_dir / "single_file" / f"model{suffix}.safetensors", "pt") as f:
+        assert f.metadata()["modelspec.architecture"] and f.metadata()["modelspec.sai_model_spec"]
+        for key, value in expected.items():
+            assert torch.equal(f.get_tensor(key), value.to(torch.bfloat16)), key
 
 
 def test_the_default_cells_cover_every_pair_of_the_core_axes() -> None:

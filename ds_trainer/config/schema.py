@@ -90,6 +90,18 @@ class SaveDtype(str, Enum):
     bf16 = "bf16"
 
 
+class ExportFormat(str, Enum):
+    diffusers = "diffusers"
+    single_file = "single_file"
+    both = "both"
+
+
+class LoraFormat(str, Enum):
+    diffusers = "diffusers"
+    kohya = "kohya"
+    both = "both"
+
+
 class ModelFamily(str, Enum):
     sdxl = "sdxl"  # UNet, DDPM noise (epsilon or v), CLIP-L + OpenCLIP-bigG, micro-conditioning
     sd3 = "sd3"  # MMDiT transformer, flow matching, CLIP-L + CLIP-G + T5 (SD3 and SD3.5)
@@ -359,8 +371,28 @@ class AdapterConfig:
     targets: list[str] = field(default_factory=lambda: ["to_q", "to_k", "to_v", "to_out.0"])
     # A diffusers-format LoRA file (or its folder) to continue from; its rank and targets must match.
     init_from: str | None = None
-    # dtype of the exported `<run>/lora/pytorch_lora_weights.safetensors` (cast from the fp32 masters).
+    # dtype of the exported LoRA files in `<run>/lora/` (cast from the fp32 masters).
     save_dtype: SaveDtype = SaveDtype.fp32
+    # The LoRA file's layout: diffusers' (`pytorch_lora_weights.safetensors`, `load_lora_weights`), kohya's
+    # (`kohya.safetensors`: lora_unet_*/lora_te1_*/lora_te2_* names, which ComfyUI, Forge and kohya's scripts load), or
+    # both. ds_trainer/train/export/lora_layouts.py.
+    format: LoraFormat = LoraFormat.both
+
+
+@dataclass
+class ExportConfig:
+    """`export`: what a full fine-tune's end writes (`train.export=false` writes nothing). `diffusers`: the trained
+    model's folder (`<run>/unet`, `<run>/transformer`, with EMA `..._ema`); `single_file`: one `.safetensors` in the
+    makers' layout (`<run>/single_file/model.safetensors`, with EMA `model_ema.safetensors`: SDXL with its VAE and
+    both text encoders in Stability's layout, SD3/SD3.5's MMDiT in Stability's, Flux's transformer in Black Forest
+    Labs'), which ComfyUI, Forge and InvokeAI load; both. ds_trainer/train/export/."""
+
+    format: ExportFormat = ExportFormat.both
+    # dtype of the single file (the diffusers folders stay float32, from the fp32 masters).
+    dtype: SaveDtype = SaveDtype.bf16
+    # `<run>/README.md`: a model card (base model and license, what trained, data, resolution, validation loss,
+    # samples) beside the exports.
+    card: bool = True
 
 
 @dataclass
@@ -520,6 +552,7 @@ class Config:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     adapter: AdapterConfig = field(default_factory=AdapterConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
     text_encoders: TextEncodersConfig = field(default_factory=TextEncodersConfig)
     samples: SamplesConfig = field(default_factory=SamplesConfig)
     validation: ValidationConfig = field(default_factory=ValidationConfig)

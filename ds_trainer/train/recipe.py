@@ -29,6 +29,7 @@ from ds_trainer.errors import TrainingError
 from ds_trainer.train import backends, data, export, families, outcome
 from ds_trainer.train.adapters import adapter
 from ds_trainer.train.backends import accelerator as accel
+from ds_trainer.train.export import card
 from ds_trainer.train.families import common, text_encoders
 from ds_trainer.train.observe import metrics, startup, validate
 from ds_trainer.train.observe.sampling import Sampler
@@ -106,6 +107,7 @@ def setup(run: Run, resume: Resume) -> Started:
     # --- data and frozen parts: a folder with nothing usable fails before any model loads
     run.backend.before_build(accelerator)
     dataset = data.dataset(cfg, accelerator)
+    run.tracker.add_facts({"images": len(dataset)})
     if getattr(dataset, "layout", None) is not None:
         run.tracker.add_facts({"buckets": dataset.layout.counts()})  # type: ignore[union-attr]
     torch.manual_seed(int(cfg.train.seed))
@@ -178,7 +180,8 @@ def loop(run: Run, started: Started) -> None:
 
 
 def finish(run: Run) -> None:
-    """The end: what trained as LoRA in the LoRA file, what trained whole as diffusers models (train/export.py)."""
+    """The end: what trained as LoRA in the LoRA files, what trained whole as diffusers models and single files, and
+    the model card (train/export)."""
     if not run.cfg.train.export:
         return
     with run.eval_weights(), outcome.writing(run.run_dir, "exporting the trained weights"):
@@ -188,6 +191,8 @@ def finish(run: Run) -> None:
             export.diffusers(run)
         else:
             export.base_pipeline(run)
+        if run.cfg.export.card and run.accelerator.is_main_process:
+            card.write(run)
 
 
 def single_process_env() -> None:

@@ -18,7 +18,7 @@ from omegaconf import DictConfig
 
 from ds_trainer.config.problems import Problem
 from ds_trainer.train import families
-from ds_trainer.train.adapters import lora_file
+from ds_trainer.train.adapters import kohya_file, lora_file
 from ds_trainer.train.adapters.lora_file import adaptable_names
 from ds_trainer.train.families import common, text_encoders
 
@@ -177,9 +177,10 @@ class Trained:
             self.export(run)
 
     def export(self, run: Run) -> None:
-        """Collective: `<run>/lora/pytorch_lora_weights.safetensors` (and `<run>/lora_ema/` with EMA) from
-        the fp32 master weights, gathered on every rank whatever the ZeRO stage; rank 0 writes. Every LoRA of the
-        run is in the one file (`unet.`, `text_encoder.`, `text_encoder_2.` keys)."""
+        """Collective: the LoRA files in `<run>/lora/` (and `<run>/lora_ema/` with EMA) from the fp32 master weights,
+        gathered on every rank whatever the ZeRO stage; rank 0 writes, as `adapter.format` asks: diffusers'
+        `pytorch_lora_weights.safetensors` (`unet.`, `text_encoder.`, `text_encoder_2.` keys) and kohya's
+        `kohya.safetensors` (lora_unet_*, lora_te1_*, lora_te2_*), every LoRA of the run in each."""
         accelerator, ema, run_dir = run.accelerator, run.ema, run.run_dir
         module = accelerator.unwrap_model(run.model)
         weights = lora_file.gather_fp32(module, self.names, run.backend.engine(accelerator),
@@ -187,11 +188,19 @@ class Trained:
         shadow = ema.full(dst=0, device="cpu") if ema is not None else None  # collective: sharded over the ranks
         if not accelerator.is_main_process:
             return
-        dtype = _DTYPES[self.cfg.adapter.save_dtype.value]
-        lora_file.write(run_dir / "lora", module, weights, dtype)
-        if shadow is not None:
-            lora_file.write(run_dir / "lora_ema", module, {n: v for n, v in shadow.items() if n in set(self.names)},
-                            dtype)
+        from ds_trainer.train.layouts import metadata
+
+        dtype, fmt = _DTYPES[self.cfg.adapter.save_dtype.value], self.cfg.adapter.format.value
+        averaged = {n: v for n, v in shadow.items() if n in set(self.names)} if shadow is not None else None
+        for folder, values in (("lora", weights), ("lora_ema", averaged)):
+            if values is None:
+                continue
+            if fmt != "kohya":
+                lora_file.write(run_dir / folder, module, values, dtype)
+            if fmt != "diffusers":
+                header = metadata.kohya_lora(run, folder == "lora_ema", int(self.cfg.adapter.rank),
+                                             float(self.cfg.adapter.alpha), int(self.cfg.train.max_steps))
+                kohya_file.write(run_dir / folder, module, values, dtype, header)
 
 
 def _lora_names(module: torch.nn.Module) -> list[str]:

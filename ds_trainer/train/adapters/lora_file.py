@@ -1,6 +1,7 @@
 """The diffusers LoRA file: gathering the adapters' fp32 masters under any ZeRO stage, writing
 `pytorch_lora_weights.safetensors` (keys `unet.<module>.lora.down/up.weight`, peft config in the
-`lora_adapter_metadata` metadata), and reading one back for `adapter.init_from`.
+`lora_adapter_metadata` metadata), and reading one back for `adapter.init_from` (or a kohya-layout file, through
+kohya_file.py).
 
 Under ZeRO-3 `state_dict()` of the module holds empty placeholders for every tensor above
 `stage3_param_persistence_threshold`; the adapters are read with `safe_get_full_fp32_param` instead,
@@ -133,6 +134,32 @@ def read(path: Path, component: str = "unet") -> dict[str, torch.Tensor]:
     return dict(convert_state_dict_to_peft(mine)) if mine else {}
 
 
+def is_kohya(path: Path) -> bool:
+    """Whether `adapter.init_from` names a kohya-layout file (a folder holding both: the diffusers file is read)."""
+    from ds_trainer.config.weights_file import safetensors_keys
+    from ds_trainer.train.layouts import kohya
+
+    if path.is_dir():
+        return not (path / WEIGHT_NAME).is_file() and (path / "kohya.safetensors").is_file()
+    try:
+        return kohya.is_kohya(safetensors_keys(path))
+    except (OSError, ValueError):
+        return False
+
+
+def read_for(path: Path, module: torch.nn.Module, component: str) -> dict[str, torch.Tensor]:
+    """The file's LoRA of `module` (LoRA-injected; `component` its pipeline name) as peft tensors, from either
+    layout; a kohya file's tensors this model has no adapter for raise ValueError."""
+    if not is_kohya(path):
+        return read(path, component)
+    from ds_trainer.train.adapters import kohya_file
+
+    state, problems = kohya_file.read(path / "kohya.safetensors" if path.is_dir() else path, module, component)
+    if problems:
+        raise ValueError(f"{len(problems)} of its kohya-layout modules do not fit this adapter: {problems[0]}")
+    return state
+
+
 def read_module(path: Path, module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The file's tensors named as `module`'s parameters are without peft's adapter name: the UNet's, or with
     trained text encoders every component's under its prefix (`unet.`, `text_encoder.`, `text_encoder_2.`)."""
@@ -141,9 +168,9 @@ def read_module(path: Path, module: torch.nn.Module) -> dict[str, torch.Tensor]:
     if not isinstance(module, text_encoders.Denoiser):
         from ds_trainer.train.families.base import component_of
 
-        return read(path, component_of(module))
+        return read_for(path, module, component_of(module))
     return {f"{name}.{k}": v for name, part in text_encoders.components(module) if text_encoders.is_lora(part)
-            for k, v in read(path, name).items()}
+            for k, v in read_for(path, part, name).items()}
 
 
 def mismatch(path: Path, module: torch.nn.Module, component: str = "unet") -> str | None:
@@ -151,14 +178,21 @@ def mismatch(path: Path, module: torch.nn.Module, component: str = "unet") -> st
     `component`), or None."""
     from peft.utils import get_peft_model_state_dict
 
+    from ds_trainer.train.layouts import kohya
+
+    kohya_layout = is_kohya(path)
+    layout, keys = (("a kohya-layout", f"{kohya.PREFIX[component]}*") if kohya_layout
+                    else ("a diffusers", f"{component}."))
     try:
-        found = {k: tuple(v.shape) for k, v in read(path, component).items()}
+        found = {k: tuple(v.shape) for k, v in read_for(path, module, component).items()}
+    except ValueError as exc:
+        return str(exc)
     except Exception as exc:  # noqa: BLE001 - any unreadable file is the user's to replace
-        return f"cannot be read as a diffusers LoRA file ({type(exc).__name__}: {exc})"
+        return f"cannot be read as {layout} LoRA file ({type(exc).__name__}: {exc})"
     if not found and component in ("unet", "transformer"):
-        return f"holds no {'UNet' if component == 'unet' else 'transformer'} LoRA tensors (no `{component}.` keys)"
+        return f"holds no {'UNet' if component == 'unet' else 'transformer'} LoRA tensors (no `{keys}` keys)"
     if not found:
-        return (f"holds no LoRA tensors for {component} (no `{component}.` keys): it was trained with that encoder "
+        return (f"holds no LoRA tensors for {component} (no `{keys}` keys): it was trained with that encoder "
                 "frozen")
     targets = "adapter.targets" if component in ("unet", "transformer") else "text_encoders.targets"
     wanted = {k: tuple(v.shape) for k, v in get_peft_model_state_dict(module).items()}
@@ -177,7 +211,7 @@ def load_into(path: Path, module: torch.nn.Module, component: str = "unet") -> N
     """Set the injected adapters of `module` (the UNet, or the text encoder `component`) to the file's values."""
     from peft.utils import set_peft_model_state_dict
 
-    state = {k: v.to(torch.float32) for k, v in read(path, component).items()}
+    state = {k: v.to(torch.float32) for k, v in read_for(path, module, component).items()}
     result = set_peft_model_state_dict(module, state)
     unexpected = getattr(result, "unexpected_keys", None)
     if unexpected:

@@ -1,9 +1,10 @@
-"""The end of a run: the UNet or transformer (and its EMA) and fully trained text encoders in diffusers format; for a
-tiny model and a
-run from a single-file checkpoint a whole pipeline."""
+"""The end of a run: the UNet or transformer (and its EMA) and fully trained text encoders in diffusers format (for a
+tiny model and a run from a single-file checkpoint a whole pipeline), the single file in the makers' layout
+(single_file.py) and the model card (card.py), as `export.format` asks."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
@@ -13,11 +14,15 @@ from omegaconf import DictConfig
 
 from ds_trainer.config import weights_file
 from ds_trainer.train.backends import inner
+from ds_trainer.train.export import single_file
 from ds_trainer.train.families import text_encoders
+from ds_trainer.train.layouts import metadata
 from ds_trainer.train.state import portable
 
 if TYPE_CHECKING:
     from ds_trainer.train.run import Run
+
+log = logging.getLogger(__name__)
 
 
 def diffusers(run: Run) -> None:
@@ -42,6 +47,7 @@ def diffusers(run: Run) -> None:
 
 def _write(run: Run, module: Any, weights: dict[str, torch.Tensor], shadow: dict[str, torch.Tensor] | None) -> None:
     whole = not isinstance(module, text_encoders.Denoiser)
+    fmt = run.cfg.export.format.value
     exported: dict[str, Any] = {}
     for name, part in text_encoders.components(module):
         if text_encoders.is_lora(part):
@@ -55,11 +61,34 @@ def _write(run: Run, module: Any, weights: dict[str, torch.Tensor], shadow: dict
             # is the trained weights' own.
             model = _fresh(part)
             model.load_state_dict({k: v.float() for k, v in {**trained, **values}.items()})
-            model.save_pretrained(run.run_dir / folder)
+            if fmt != "single_file":
+                model.save_pretrained(run.run_dir / folder)
             exported[folder] = model
-    if _whole_pipeline(run.cfg):
+    if fmt != "diffusers" and run.family.component in exported:
+        _single_files(run, exported)
+    if fmt != "single_file" and _whole_pipeline(run.cfg):
         parts = {name: exported.get(f"{name}_ema", exported.get(name)) for name in (run.family.component, *_ENCODERS)}
         _pipeline(run, **{k: v for k, v in parts.items() if v is not None})
+
+
+def _single_files(run: Run, exported: dict[str, Any]) -> None:
+    """`<run>/single_file/model.safetensors` from the trained weights, `model_ema.safetensors` from the EMA (a fully
+    trained encoder's EMA with it); the VAE (SDXL, SD3) and SDXL's encoders as loaded (an encoder trained as LoRA:
+    its base, the LoRA file holding its adapters)."""
+    component, cfg = run.family.component, run.cfg
+    frozen = _frozen_on_cpu(run) if run.family.name != "flux" else None
+    for name, suffix in ((single_file.MODEL, ""), (single_file.EMA, "_ema")):
+        denoiser = exported.get(component + suffix)
+        if denoiser is None:
+            continue
+        parts = {}
+        if frozen is not None:
+            parts = {"vae": frozen.vae, **{e: exported.get(e + suffix, exported.get(e, getattr(frozen, e)))
+                                           for e in _ENCODERS if run.family.name == "sdxl"}}
+        state = single_file.tensors(run.family.name, denoiser, parts)
+        path = run.run_dir / single_file.FOLDER / name
+        single_file.write(path, state, cfg.export.dtype.value, metadata.checkpoint(run, ema=bool(suffix)))
+        log.info("wrote %s (%s, the makers' layout)", path, cfg.export.dtype.value)
 
 
 _ENCODERS = ("text_encoder", "text_encoder_2")
@@ -97,17 +126,21 @@ def _masters(accelerator: Any, model: Any, optimizer: Any) -> dict[str, torch.Te
 def _pipeline(run: Run, **trained: Any) -> None:
     """`<run>/pipeline`: the trained parts given (`unet` or `transformer`, `text_encoder`, `text_encoder_2`), the rest
     as loaded (the base of a part trained as LoRA)."""
-    cfg, family, frozen = run.cfg, run.family, run.frozen
+    pipe = run.family.pipeline(run.cfg, _frozen_on_cpu(run), trained)
+    pipe.save_pretrained(run.run_dir / "pipeline")
+
+
+def _frozen_on_cpu(run: Run) -> Any:
+    """The run's frozen parts (VAE, text encoders) on the CPU at their source precision."""
+    frozen = run.frozen
     slots = [frozen.vae, *(getattr(frozen, name) for name in (*_ENCODERS, "text_encoder_3") if hasattr(frozen, name))]
     if any(p is None or p.dtype != torch.float32 for p in slots):
         # Training ran them in 16 bits (a GPU run): up-casting those copies would save rounded weights as
-        # float32; or an encoder trained and its base is needed. The pipeline gets them as loaded, from the source,
-        # on the CPU.
-        frozen = family.load_frozen(cfg)
+        # float32; or an encoder trained and its base is needed. They are loaded again, from the source, on the CPU.
+        frozen = run.family.load_frozen(run.cfg)
     for part in frozen.modules():
         part.to("cpu")
-    pipe = family.pipeline(cfg, frozen, trained)
-    pipe.save_pretrained(run.run_dir / "pipeline")
+    return frozen
 
 
 def base_pipeline(run: Run) -> None:

@@ -1,0 +1,214 @@
+"""`<run>/README.md`: the model card beside the exports, in the model hub's format (YAML front matter, then Markdown):
+the base model and its license, what trained and how, the data, the validation loss, the last samples with their
+prompts, and which file opens where. Written by rank 0 at the end of a run that exports (`export.card`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from ds_trainer.train.layouts import metadata
+
+if TYPE_CHECKING:
+    from ds_trainer.train.run import Run
+
+# The base models' licenses, as the hub names them (license, license_name, the license's page).
+_LICENSES = {
+    "sdxl_base": ("openrail++", None, "https://huggingface.co/stabilityai/stable-diffusion-xl-base-1.0/blob/main/LICENSE.md"),
+    "sd35_medium": ("other", "stabilityai-ai-community",
+                    "https://huggingface.co/stabilityai/stable-diffusion-3.5-medium/blob/main/LICENSE.md"),
+    "sd35_large": ("other", "stabilityai-ai-community",
+                   "https://huggingface.co/stabilityai/stable-diffusion-3.5-large/blob/main/LICENSE.md"),
+    "flux_dev": ("other", "flux-1-dev-non-commercial-license",
+                 "https://huggingface.co/black-forest-labs/FLUX.1-dev/blob/main/LICENSE.md"),
+}
+_BASE_IDS = {"sdxl_base": "stabilityai/stable-diffusion-xl-base-1.0",
+             "sd35_medium": "stabilityai/stable-diffusion-3.5-medium",
+             "sd35_large": "stabilityai/stable-diffusion-3.5-large", "flux_dev": "black-forest-labs/FLUX.1-dev"}
+_FAMILY_TAGS = {"sdxl": ["stable-diffusion-xl", "text-to-image"], "sd3": ["stable-diffusion-3", "sd3", "text-to-image"],
+                "flux": ["flux", "text-to-image"]}
+
+
+def write(run: Run) -> Path:
+    """`<run>/README.md`, from the run's config, its metrics and what the export wrote."""
+    path = run.run_dir / "README.md"
+    path.write_text(text(run.cfg, run.family.name, run.run_dir, run.tracker.facts, run.tracker.validations))
+    return path
+
+
+def _value(v: Any) -> str:
+    return str(getattr(v, "value", v))
+
+
+def _front_matter(cfg: DictConfig, family: str, lora: bool) -> str:
+    name = str(cfg.model.name)
+    license_, license_name, _ = _LICENSES.get(name, (None, None, None))
+    lines = ["---"]
+    base = _BASE_IDS.get(name)
+    if base:
+        lines.append(f"base_model: {base}")
+    if license_:
+        lines.append(f"license: {license_}")
+    if license_name:
+        lines.append(f"license_name: {license_name}")
+    lines.append("library_name: diffusers")
+    tags = ["ds_trainer", *_FAMILY_TAGS[family], "lora" if lora else "full-fine-tune"]
+    lines.append("tags:")
+    lines += [f"- {tag}" for tag in tags]
+    lines.append("---")
+    return "\n".join(lines)
+
+
+def _what_trained(cfg: DictConfig, lora: bool) -> list[str]:
+    component = "UNet" if cfg.model.family.value == "sdxl" else "transformer"
+    if lora:
+        a = cfg.adapter
+        since = f", continued from `{a.init_from}`" if a.init_from else ""
+        out = [f"- {component}: LoRA, rank {a.rank}, alpha {a.alpha}, on the modules ending with "
+               f"{', '.join(f'`{t}`' for t in a.targets)}{since}"]
+    else:
+        out = [f"- {component}: every weight (a full fine-tune)"]
+    te = cfg.text_encoders
+    mode = _value(te.mode)
+    if mode == "lora":
+        out.append(f"- text encoders ({_value(te.which)}): LoRA, rank {te.rank}, alpha {te.alpha}")
+    elif mode == "full":
+        out.append(f"- text encoders ({_value(te.which)}): every weight")
+    else:
+        out.append("- text encoders: frozen")
+    return out
+
+
+def _training(cfg: DictConfig, facts: dict[str, Any]) -> list[str]:
+    data = cfg.data
+    source = _value(data.source) + (f" (`{data.path}`)" if data.path else "")
+    images = facts.get("images")
+    res = f"{cfg.resolution.width}x{cfg.resolution.height}"
+    buckets = facts.get("buckets")
+    out = [f"- steps: {cfg.train.max_steps}, micro-batch {cfg.train.micro_batch_size} x gradient accumulation "
+           f"{cfg.train.gradient_accumulation_steps} x {cfg.resolved.world_size or 1} rank(s)",
+           f"- data: {source}" + (f", {images} images" if images is not None else ""),
+           f"- resolution: {res}" + (f", aspect-ratio buckets {buckets}" if data.buckets and buckets else
+                                     (", aspect-ratio buckets" if data.buckets else ", no buckets")),
+           f"- optimizer: {_value(cfg.optimizer.name)}, learning rate {cfg.optimizer.lr}, schedule "
+           f"{_value(cfg.scheduler.name)}",
+           f"- precision: {_value(cfg.precision.name)}; backend: {cfg.resolved.backend or _value(cfg.zero.backend)}"
+           + (f", ZeRO stage {cfg.zero.stage}" if str(cfg.resolved.backend or "") == "deepspeed" else "")
+           + f", offload {_value(cfg.offload.device)}",
+           f"- EMA: {'decay ' + str(cfg.train.ema_decay) if cfg.train.ema else 'off'}; seed {cfg.train.seed}"]
+    return out
+
+
+def _validation(validations: list[dict[str, Any]]) -> list[str]:
+    rows = [row for row in validations if "val_loss" in row]
+    if not rows:
+        return ["No validation loss was measured (`validation=on` measures one)."]
+    best = min(rows, key=lambda row: row["val_loss"])
+    out = [f"- final: {rows[-1]['val_loss']:.5f} at step {rows[-1]['step']}",
+           f"- best: {best['val_loss']:.5f} at step {best['step']}"]
+    ema_rows = [row for row in validations if "val_loss_ema" in row]
+    if ema_rows:
+        out.append(f"- EMA, final: {ema_rows[-1]['val_loss_ema']:.5f} at step {ema_rows[-1]['step']}")
+    return out
+
+
+def _prompts(cfg: DictConfig) -> list[str]:
+    prompts = cfg.samples.prompts
+    if isinstance(prompts, str):
+        file = Path(prompts)
+        return [line.strip() for line in file.read_text().splitlines() if line.strip()] if file.is_file() else []
+    return [str(p) for p in prompts]
+
+
+def _samples(cfg: DictConfig, run_dir: Path) -> list[str]:
+    steps = sorted((run_dir / "samples").glob("step_*")) if (run_dir / "samples").is_dir() else []
+    if not steps:
+        return ["No samples were generated (`samples=on` generates them)."]
+    last = steps[-1]
+    prompts = _prompts(cfg)
+    out = [f"At step {int(last.name.removeprefix('step_'))}, {cfg.samples.steps} sampling steps, guidance "
+           f"{cfg.samples.guidance_scale}:", ""]
+    for image in sorted(last.glob("*_*.png")):
+        index, seed = image.stem.split("_", 1)
+        prompt = prompts[int(index)] if index.isdigit() and int(index) < len(prompts) else ""
+        out.append(f"![{prompt}]({image.relative_to(run_dir).as_posix()})")
+        out.append(f"*{prompt}* (seed {seed})")
+        out.append("")
+    return out
+
+
+def _files(family: str, run_dir: Path) -> list[str]:
+    kohya = {"sdxl": "ComfyUI (`models/loras`), Forge, kohya's scripts, diffusers' `load_lora_weights`",
+             "sd3": "ComfyUI (`models/loras`), kohya's sd-scripts (diffusers has no reader of this layout for SD3: "
+                    "use `pytorch_lora_weights.safetensors` there)",
+             "flux": "ComfyUI (`models/loras`), Forge, kohya's sd-scripts, diffusers' `load_lora_weights`"}[family]
+    where = {
+        "single_file/model.safetensors": "ComfyUI (`models/checkpoints`; Flux: `models/diffusion_models`), Forge, "
+                                         "InvokeAI, diffusers' `from_single_file`",
+        "single_file/model_ema.safetensors": "the EMA weights, as above",
+        "lora/kohya.safetensors": kohya,
+        "lora/pytorch_lora_weights.safetensors": "diffusers' `load_lora_weights`"
+                                                 + (", ComfyUI" if family != "sdxl" else ""),
+        "lora_ema/kohya.safetensors": "the EMA of the LoRA, as lora/kohya.safetensors",
+        "lora_ema/pytorch_lora_weights.safetensors": "the EMA of the LoRA, as lora/pytorch_lora_weights.safetensors",
+        "unet": "diffusers' `UNet2DConditionModel.from_pretrained`", "unet_ema": "the EMA weights, as unet/",
+        "transformer": "diffusers' `from_pretrained` of the transformer", "transformer_ema": "the EMA weights, as "
+                                                                                              "transformer/",
+        "text_encoder": "transformers' `from_pretrained`", "text_encoder_2": "transformers' `from_pretrained`",
+        "pipeline": "diffusers' `DiffusionPipeline.from_pretrained`",
+    }
+    out = ["| file | opens in |", "|---|---|"]
+    out += [f"| `{name}` | {what} |" for name, what in where.items() if (run_dir / name).exists()]
+    return out
+
+
+def text(cfg: DictConfig, family: str, run_dir: Path, facts: dict[str, Any],
+         validations: list[dict[str, Any]]) -> str:
+    """The card's text (also `python -m ds_trainer.convert --card` for an earlier run)."""
+    lora = _value(cfg.adapter.method) == "lora"
+    name = str(cfg.model.name)
+    base = metadata.base_model(cfg)
+    license_line = _LICENSES.get(name, (None, None, None))[2]
+    sections = [
+        _front_matter(cfg, family, lora),
+        f"# {name}: {'LoRA' if lora else 'fine-tune'} of {run_dir.parent.name} {run_dir.name}",
+        f"{'A LoRA' if lora else 'A fine-tune'} of `{base}` ({metadata.architecture(cfg, family)}), trained with "
+        "ds_trainer." + (f" The base model's license applies: {license_line}" if license_line else
+                         " The base model's license applies to these weights."),
+        "## What trained", "\n".join(_what_trained(cfg, lora)),
+        "## Training", "\n".join(_training(cfg, facts)),
+        "## Validation loss", "\n".join(_validation(validations)),
+        "## Samples", "\n".join(_samples(cfg, run_dir)),
+        "## Files", "\n".join(_files(family, run_dir)),
+        "## Configuration",
+        "The whole configuration is in `config.yaml` beside this card; `python -m ds_trainer` with these overrides "
+        "trains the same:",
+        "```\n" + " ".join(_overrides(run_dir)) + "\n```",
+    ]
+    return "\n\n".join(sections) + "\n"
+
+
+def _overrides(run_dir: Path) -> list[str]:
+    """The command line's overrides (Hydra's record of the run)."""
+    path = run_dir / ".hydra" / "overrides.yaml"
+    if not path.is_file():
+        return ["(no record of the command line)"]
+    return [str(o) for o in OmegaConf.load(path)] or ["(the defaults)"]
+
+
+def facts_of(run_dir: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """An earlier run's facts and validation rows, from its summary.json and metrics.jsonl."""
+    summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").is_file() else {}
+    rows = []
+    if (run_dir / "metrics.jsonl").is_file():
+        for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            if "val_loss" in row:
+                rows.append(row)
+    return summary, rows
