@@ -40,10 +40,10 @@ def summary(run_dir: Path) -> dict[str, Any]:
     return dict(json.loads((run_dir / "summary.json").read_text()))
 
 
-def lora_tensors(folder: Path) -> dict[str, Any]:
+def lora_tensors(folder: Path, name: str = "pytorch_lora_weights.safetensors") -> dict[str, Any]:
     from safetensors.torch import load_file
 
-    return dict(load_file(folder / "pytorch_lora_weights.safetensors"))
+    return dict(load_file(folder / name))
 
 
 def folder_bytes(folder: Path) -> int:
@@ -83,7 +83,7 @@ def test_lora_trains_in_every_zero_and_offload_cell(workdir: Path, zero: str, of
 
 
 @pytest.mark.slow
-def test_lora_file_loads_into_the_pipeline_and_unloads(shared_run: Path) -> None:
+def test_lora_file_loads_into_the_pipeline_and_unloads(shared_run: Path, tmp_path: Path) -> None:
     from diffusers import StableDiffusionXLPipeline
 
     assert_full_lora_file(shared_run)
@@ -111,6 +111,16 @@ def test_lora_file_loads_into_the_pipeline_and_unloads(shared_run: Path) -> None
     assert header["modelspec.architecture"] == "stable-diffusion-xl-v1-base/lora"
     assert header["ss_network_dim"] == "4" and header["ss_base_model_version"] == "sdxl_base_v1-0"
     assert header["ss_steps"] == "6" and (shared_run / "lora_ema" / "kohya.safetensors").exists()
+    # An earlier run's diffusers file to kohya's layout: `python -m ds_trainer.convert <run> --to kohya`.
+    from ds_trainer.tools import convert
+
+    (tmp_path / "lora").mkdir()
+    for name in ("config.yaml", "lora/pytorch_lora_weights.safetensors"):
+        (tmp_path / name).write_bytes((shared_run / name).read_bytes())
+    assert convert.main([str(tmp_path), "--to", "kohya"]) == 0
+    written = lora_tensors(tmp_path / "lora", "kohya.safetensors")
+    expected = lora_tensors(shared_run / "lora", "kohya.safetensors")
+    assert written.keys() == expected.keys() and all(torch.equal(written[k], expected[k]) for k in expected)
 
 
 def _metadata(folder: Path, name: str = "pytorch_lora_weights.safetensors") -> dict[str, str]:

@@ -1,5 +1,7 @@
 """`model.pretrained=<file>.safetensors`: a single-file SDXL checkpoint in the original (Stability) key
-layout, written here from sdxl_tiny's weights, loads to the same UNet; `model.vae` replaces the VAE."""
+layout, written by the export's own code from sdxl_tiny's weights, loads to the same UNet and trains again (its run
+exports the single file, which `python -m ds_trainer.convert --to single_file` writes too); `model.vae` replaces the
+VAE."""
 
 from __future__ import annotations
 
@@ -14,84 +16,21 @@ from helpers.cli import run_cli, run_dirs
 
 torch = pytest.importorskip("torch")
 
-_RESNET = {"norm1": "in_layers.0", "conv1": "in_layers.2", "time_emb_proj": "emb_layers.1", "norm2": "out_layers.0",
-           "conv2": "out_layers.3", "conv_shortcut": "skip_connection"}
-_TOP = {"time_embedding.linear_1": "time_embed.0", "time_embedding.linear_2": "time_embed.2",
-        "add_embedding.linear_1": "label_emb.0.0", "add_embedding.linear_2": "label_emb.0.2",
-        "conv_in": "input_blocks.0.0", "conv_norm_out": "out.0", "conv_out": "out.2"}
-
-
-def original_unet_key(key: str, per_block: int, attention_up_blocks: set[int]) -> str:
-    """A diffusers UNet key in the original layout (input, middle and output blocks of SDXL's LDM UNet)."""
-    for name, old in _TOP.items():
-        if key.startswith(name + "."):
-            return old + key[len(name):]
-    parts = key.split(".")
-    if parts[0] == "mid_block":  # resnet, attention, resnet
-        kind, rest = parts[1], parts[3:]
-        head = f"middle_block.{2 * int(parts[2]) if kind == 'resnets' else 1}"
-    else:
-        block, kind = int(parts[1]), parts[2]
-        if kind == "downsamplers":
-            return f"input_blocks.{(block + 1) * (per_block + 1)}.0.op.{parts[-1]}"
-        if kind == "upsamplers":  # after the block's last resnet (and attention)
-            index = block * (per_block + 1) + per_block
-            return f"output_blocks.{index}.{2 if block in attention_up_blocks else 1}.conv.{parts[-1]}"
-        layer, rest = int(parts[3]), parts[4:]
-        head = (f"input_blocks.{1 + block * (per_block + 1) + layer}" if parts[0] == "down_blocks"
-                else f"output_blocks.{block * (per_block + 1) + layer}") + (".0" if kind == "resnets" else ".1")
-    if kind == "resnets":
-        rest = [_RESNET.get(rest[0], rest[0]), *rest[1:]]
-    return ".".join([head, *rest])
-
-
-def original_layout(unet: Any, te1: Any, te2: Any) -> dict[str, torch.Tensor]:
-    """UNet, CLIP ViT-L and OpenCLIP bigG weights under the original SDXL checkpoint's key names."""
-    per_block, state = unet.config.layers_per_block, unet.state_dict()
-    attention_up_blocks = {int(k.split(".")[1]) for k in state if k.startswith("up_blocks.") and ".attentions." in k}
-    out = {"model.diffusion_model." + original_unet_key(k, per_block, attention_up_blocks): v for k, v in state.items()}
-    for key, value in te1.state_dict().items():  # transformers may flatten CLIPTextModel's text_model
-        out["conditioner.embedders.0.transformer." + ("" if key.startswith("text_model.") else "text_model.") + key] = (
-            value)
-    big_g = "conditioner.embedders.1.model."
-    qkv: dict[str, dict[str, torch.Tensor]] = {}
-    rename = [("text_model.encoder.layers.", "transformer.resblocks."), ("layer_norm1", "ln_1"),
-              ("layer_norm2", "ln_2"), ("mlp.fc1", "mlp.c_fc"), ("mlp.fc2", "mlp.c_proj"), ("self_attn", "attn")]
-    fixed = {"text_model.embeddings.position_embedding.weight": "positional_embedding",
-             "text_model.embeddings.token_embedding.weight": "token_embedding.weight",
-             "text_model.final_layer_norm.weight": "ln_final.weight",
-             "text_model.final_layer_norm.bias": "ln_final.bias"}
-    for key, value in te2.state_dict().items():
-        if key == "text_projection.weight":
-            out[big_g + "text_projection"] = value.T.contiguous()
-        elif key in fixed:
-            out[big_g + fixed[key]] = value
-        elif any(f"self_attn.{p}_proj." in key for p in "qkv"):
-            stem, proj, kind = key.rsplit(".", 2)
-            qkv.setdefault(f"{stem}.in_proj_{kind}", {})[proj[0]] = value
-        else:
-            for old, new in rename:
-                key = key.replace(old, new)
-            out[big_g + key] = value
-    for key, parts in qkv.items():
-        for old, new in rename:
-            key = key.replace(old, new)
-        out[big_g + key] = torch.cat([parts["q"], parts["k"], parts["v"]])
-    return out
-
-
 @pytest.fixture(scope="module")
 def files(module_tmp: Callable[[str], Path]) -> dict[str, Any]:
     from safetensors.torch import save_file
 
+    from ds_trainer.train.export import single_file
     from ds_trainer.train.families import sdxl
 
     root = module_tmp("single_file")
     cfg = make_cfg("train.seed=3")
     unet, frozen = sdxl.load_unet(cfg), sdxl.load_frozen(cfg)
     checkpoint = root / "sdxl_tiny_original.safetensors"
-    save_file({k: v.contiguous() for k, v in original_layout(unet, frozen.text_encoder, frozen.text_encoder_2).items()},
-              checkpoint)
+    # The layout a run's export writes (train/export/single_file.py), without its VAE: model.vae gives one.
+    state = single_file.tensors("sdxl", unet, {"vae": frozen.vae, "text_encoder": frozen.text_encoder,
+                                               "text_encoder_2": frozen.text_encoder_2})
+    save_file({k: v for k, v in state.items() if not k.startswith("first_stage_model.")}, checkpoint)
     torch.manual_seed(11)
     from diffusers import AutoencoderKL
 
@@ -126,9 +65,21 @@ def test_training_from_a_single_file_exports_a_pipeline_and_bad_files_are_named(
     result = run_cli("logger=none", "train.max_steps=1", "data.num_samples=2",
                      f"model.pretrained={files['checkpoint']}", f"model.vae={files['vae']}", cwd=root)
     assert result.returncode == 0, result.stderr[-3000:]
-    pipeline = run_dirs(root)[0] / "pipeline"
+    run_dir = run_dirs(root)[0]
+    pipeline = run_dir / "pipeline"
     assert {p.name for p in pipeline.iterdir()} >= {"unet", "vae", "text_encoder", "text_encoder_2", "tokenizer",
                                                     "scheduler", "model_index.json"}
+    # The run's single file again, from its diffusers export, by `python -m ds_trainer.convert --to single_file`.
+    from safetensors.torch import load_file
+
+    from ds_trainer.tools import convert
+
+    exported = load_file(run_dir / "single_file" / "model.safetensors")
+    (run_dir / "single_file" / "model.safetensors").unlink()
+    assert convert.main([str(run_dir), "--to", "single_file,card"]) == 0
+    again = load_file(run_dir / "single_file" / "model.safetensors")
+    assert exported.keys() == again.keys() and all(torch.equal(exported[k], again[k]) for k in exported)
+    assert "# sdxl_tiny: fine-tune of" in (run_dir / "README.md").read_text()
     bad = run_cli(f"model.pretrained={root / 'diffusers_unet.safetensors'}", "dry_run=true", cwd=root)
     assert bad.returncode == 2 and "is not an SDXL checkpoint: a diffusers-format model" in bad.stderr
     no_vae = run_cli(f"model.pretrained={files['checkpoint']}", "dry_run=true", cwd=root)

@@ -101,14 +101,13 @@ def _transformer(model: str, seed: int, **config: object) -> torch.nn.Module:
 
 def _single_file(root: Path, seed: int, model: str = "sd3_tiny", name: str = "", **config: object) -> Path:
     """`model`'s transformer (from `seed`, `config` changed) written in its makers' layout
-    (helpers/transformer_files.py)."""
-    from helpers import transformer_files
+    (the export's own code, train/export/single_file.py)."""
     from safetensors.torch import save_file
 
+    from ds_trainer.train.export import single_file
+
     module = _transformer(model, seed, **config)
-    c = module.config
-    state = (transformer_files.sd3(module.state_dict(), c.num_layers) if model == "sd3_tiny" else
-             transformer_files.flux(module.state_dict(), c.num_layers, c.num_single_layers))
+    state = single_file.denoiser_tensors("sd3" if model == "sd3_tiny" else "flux", module)
     path = root / f"{name or model}_{seed}.safetensors"
     save_file({k: v.contiguous() for k, v in state.items()}, path)
     return path
@@ -372,11 +371,11 @@ def test_a_flux_transformer_at_flux1s_width_reads_from_black_forest_labs_layout(
     """Flux.1's width (3072; one block of each kind, 530 M parameters in bf16): diffusers' loader, which splits the
     single-stream blocks at that width, gives the weights the file was written from, through model.transformer."""
     from diffusers import FluxTransformer2DModel
-    from helpers import transformer_files
     from safetensors.torch import save_file
 
     from ds_trainer.config import checks
     from ds_trainer.train import families
+    from ds_trainer.train.export import single_file
 
     config = {"patch_size": 1, "in_channels": 64, "num_layers": 1, "num_single_layers": 1, "attention_head_dim": 128,
               "num_attention_heads": 24, "joint_attention_dim": 64, "pooled_projection_dim": 32,
@@ -387,7 +386,7 @@ def test_a_flux_transformer_at_flux1s_width_reads_from_black_forest_labs_layout(
     shutil.copytree(make_cfg("model=flux_tiny").model.architecture, arch)
     module.save_config(arch / "transformer")
     path = tmp_path / "flux1.safetensors"
-    save_file({k: v.contiguous() for k, v in transformer_files.flux(module.state_dict(), 1, 1).items()}, path)
+    save_file(single_file.denoiser_tensors("flux", module), path)
     cfg = make_cfg("model=flux_tiny", f"model.architecture={arch}", f"model.transformer={path}")
     assert not checks.check(cfg).problems
     loaded = families.of(cfg).load_trained(cfg)

@@ -375,7 +375,7 @@ class AdapterConfig:
     save_dtype: SaveDtype = SaveDtype.fp32
     # The LoRA file's layout: diffusers' (`pytorch_lora_weights.safetensors`, `load_lora_weights`), kohya's
     # (`kohya.safetensors`: lora_unet_*/lora_te1_*/lora_te2_* names, which ComfyUI, Forge and kohya's scripts load), or
-    # both. ds_trainer/train/export/lora_layouts.py.
+    # both (docs/exports.md).
     format: LoraFormat = LoraFormat.both
 
 
@@ -385,8 +385,9 @@ class ExportConfig:
     model's folder (`<run>/unet`, `<run>/transformer`, with EMA `..._ema`); `single_file`: one `.safetensors` in the
     makers' layout (`<run>/single_file/model.safetensors`, with EMA `model_ema.safetensors`: SDXL with its VAE and
     both text encoders in Stability's layout, SD3/SD3.5's MMDiT in Stability's, Flux's transformer in Black Forest
-    Labs'), which ComfyUI, Forge and InvokeAI load; both. ds_trainer/train/export/."""
+    Labs'), which ComfyUI, Forge and InvokeAI load; both (docs/exports.md)."""
 
+    # diffusers: the folders only; single_file: the single files only; both.
     format: ExportFormat = ExportFormat.both
     # dtype of the single file (the diffusers folders stay float32, from the fp32 masters).
     dtype: SaveDtype = SaveDtype.bf16

@@ -1,7 +1,11 @@
-"""`python -m ds_trainer.convert`: checkpoints without GPUs and without the run's world size.
+"""`python -m ds_trainer.convert`: checkpoints and exports without GPUs and without the run's world size.
 
-- `convert <checkpoint> --unet <dir>` writes the UNet (or with `--ema` its EMA) in diffusers format from
-  a ds_trainer checkpoint: its portable state, or DeepSpeed's files (zero_to_fp32) for older checkpoints.
+- `convert <run> --to single_file,kohya,card` writes an earlier run's export in the layouts people load (as
+  `export.format=both` and `adapter.format=both` write them now): `<run>/single_file/model[_ema].safetensors` from
+  its diffusers export, `<run>/lora[_ema]/kohya.safetensors` from its diffusers LoRA file, `<run>/README.md`.
+- `convert <checkpoint> --unet <dir>` writes the UNet or transformer (or with `--ema` its EMA) in diffusers format
+  from a ds_trainer checkpoint: its portable state, or DeepSpeed's files (zero_to_fp32) for older checkpoints;
+  `--single-file <file>` writes it as the makers' single file instead.
 - `convert <accelerate save_state folder> --import-to <dir> --architecture sdxl_base` turns a DeepSpeed
   ZeRO-1/2/3 checkpoint written by Accelerate in another tool (diffusers' SDXL script, for example) into a
   ds_trainer checkpoint: fp32 weights and Adam moments from the ZeRO partitions (merged with
@@ -63,28 +67,141 @@ def _weights(checkpoint: Path, ema: bool) -> dict[str, Any]:
     return dict(get_fp32_state_dict_from_zero_checkpoint(str(checkpoint)))
 
 
-def export_unet(checkpoint: Path, out: Path, ema: bool = False) -> Path:
-    """Write the checkpoint's UNet (fp32) as a diffusers folder; the architecture is the run's config.yaml."""
+def _run_config(run_dir: Path) -> Any:
+    """The run's config.yaml on the schema (typed as a run's; keys added since take their defaults)."""
     from omegaconf import DictConfig, OmegaConf
 
-    from ds_trainer.train.families import sdxl
+    from ds_trainer.config import schema
 
-    config = checkpoint.parent.parent / "config.yaml"
+    config = run_dir / "config.yaml"
     if not config.is_file():
-        raise ConvertError(f"{checkpoint}: no config.yaml two folders up (is it a ds_trainer checkpoint folder?)")
-    cfg = OmegaConf.load(config)
+        raise ConvertError(f"{run_dir}: no config.yaml (is it a ds_trainer run folder?)")
+    cfg = OmegaConf.merge(OmegaConf.structured(schema.Config), OmegaConf.load(config))
     assert isinstance(cfg, DictConfig)
-    unet = sdxl.load_unet(cfg)
+    return cfg
+
+
+def export_unet(checkpoint: Path, out: Path, ema: bool = False) -> Path:
+    """Write the checkpoint's UNet or transformer (fp32) as a diffusers folder; the architecture is the run's
+    config.yaml."""
+    from ds_trainer.train import families
+
+    cfg = _run_config(checkpoint.parent.parent)
+    model = families.of(cfg).load_trained(cfg)
     weights = _weights(checkpoint, ema)
-    missing, unexpected = unet.load_state_dict(weights, strict=False)
-    trained = {n for n, p in unet.named_parameters() if p.requires_grad}
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
     if unexpected or trained & set(missing):
-        raise ConvertError(f"{checkpoint}: the weights do not fit the run's UNet (missing {sorted(missing)[:3]}, "
+        raise ConvertError(f"{checkpoint}: the weights do not fit the run's model (missing {sorted(missing)[:3]}, "
                            f"unexpected {sorted(unexpected)[:3]})")
-    unet.save_pretrained(out, safe_serialization=True)
+    model.save_pretrained(out, safe_serialization=True)  # type: ignore[operator]
     return out
 
 
+def _frozen_parts(cfg: Any, run_dir: Path, suffix: str) -> dict[str, Any]:
+    """What a family's single file holds beside the denoiser (SD3's VAE; SDXL's VAE and encoders): a fully trained
+    encoder's export, else the run's pipeline folder's (a tiny model's, whose weights nobody else has), else the
+    model's source."""
+    from ds_trainer.train import families
+
+    family = families.of(cfg)
+    if family.name == "flux":
+        return {}
+    frozen = family.load_frozen(cfg)
+    pipeline = run_dir / "pipeline"
+    parts: dict[str, Any] = {"vae": frozen.vae}
+    if (pipeline / "vae").is_dir():
+        from diffusers import AutoencoderKL
+
+        parts["vae"] = AutoencoderKL.from_pretrained(pipeline / "vae")
+    if family.name == "sdxl":
+        for name in ("text_encoder", "text_encoder_2"):
+            source = next((d for d in (run_dir / f"{name}{suffix}", run_dir / name, pipeline / name) if d.is_dir()),
+                          None)
+            parts[name] = type(getattr(frozen, name)).from_pretrained(source) if source else getattr(frozen, name)
+    return parts
+
+
+def single_files(run_dir: Path) -> list[Path]:
+    """`<run>/single_file/model[_ema].safetensors` from the run's diffusers export (`<run>/unet[_ema]` or
+    `<run>/transformer[_ema]`), in the run's `export.dtype`."""
+    from ds_trainer.train import families
+    from ds_trainer.train.export import single_file
+
+    cfg = _run_config(run_dir)
+    family = families.of(cfg)
+    cls: Any = type(family.meta_trained(cfg))
+    if not (run_dir / family.component).is_dir():
+        raise ConvertError(f"{run_dir}: no {family.component}/ folder (the export of a full fine-tune; a LoRA run "
+                           f"has none, and a run that did not finish has only checkpoints: --unet first)")
+    out = []
+    for suffix in ("", "_ema"):
+        if (run_dir / f"{family.component}{suffix}").is_dir():
+            denoiser = cls.from_pretrained(run_dir / f"{family.component}{suffix}")
+            out.append(single_file.export(cfg, family, run_dir, denoiser, _frozen_parts(cfg, run_dir, suffix),
+                                          ema=bool(suffix)))
+    return out
+
+
+def kohya_files(run_dir: Path) -> list[Path]:
+    """`<run>/lora[_ema]/kohya.safetensors` from the run's diffusers LoRA files, on the run's adapters built on the
+    meta device (only the LoRA tensors are read)."""
+    import torch
+
+    from ds_trainer.train import families
+    from ds_trainer.train.adapters import adapter, kohya_file, lora_file
+    from ds_trainer.train.layouts import metadata
+
+    cfg = _run_config(run_dir)
+    cfg.adapter.init_from = None
+    family = families.of(cfg)
+    encoders = _meta_encoders(cfg) if cfg.text_encoders.mode.value == "lora" else {}
+    trained = adapter.build(cfg, family.meta_trained(cfg), encoders or None)
+    dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[cfg.adapter.save_dtype.value]
+    out = []
+    for folder in ("lora", "lora_ema"):
+        path = run_dir / folder / lora_file.WEIGHT_NAME
+        if not path.is_file():
+            continue
+        values = lora_file.read_module(path, trained.module)
+        weights = {k.replace(".lora_A.", ".lora_A.default.").replace(".lora_B.", ".lora_B.default."): v
+                   for k, v in values.items()}
+        header = metadata.kohya_lora(cfg, family, run_dir, folder == "lora_ema")
+        out.append(kohya_file.write(run_dir / folder, trained.module, weights, dtype, header))
+    if not out:
+        raise ConvertError(f"{run_dir}: no lora/{lora_file.WEIGHT_NAME} (a LoRA run's export)")
+    return out
+
+
+def _meta_encoders(cfg: Any) -> dict[str, Any]:
+    """SDXL's encoders that trained as LoRA, on the meta device, with the run's adapters."""
+    import torch
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+
+    from ds_trainer.train.families import text_encoders
+    from ds_trainer.train.families.common import source
+
+    path, kwargs = source(cfg)
+    classes = {"text_encoder": CLIPTextModel, "text_encoder_2": CLIPTextModelWithProjection}
+    out = {}
+    for name in text_encoders.trained(cfg):
+        with torch.device("meta"):
+            encoder = classes[name](CLIPTextConfig.from_pretrained(path, subfolder=name, **kwargs))
+        text_encoders.prepare_encoder(text_encoders.Spec.of(cfg), name, encoder)
+        out[name] = encoder
+    return out
+
+
+def card(run_dir: Path) -> Path:
+    """`<run>/README.md`, the model card, from the run's config, summary.json and metrics.jsonl."""
+    from ds_trainer.train import families
+    from ds_trainer.train.export import card as model_card
+
+    cfg = _run_config(run_dir)
+    summary, validations = model_card.facts_of(run_dir)
+    path = run_dir / "README.md"
+    path.write_text(model_card.text(cfg, families.of(cfg).name, run_dir, summary, validations))
+    return path
 def _merge(kind_groups: list[list[Any]], stage: int, world: int, model_states: Any, paddings: Any) -> dict[str, Any]:
     """Full tensors by name from per-rank ZeRO partitions, with zero_to_fp32's own merge."""
     from collections import OrderedDict
@@ -148,10 +265,24 @@ def import_accelerate(source: Path, out: Path, architecture: str, optimizer: str
     return out
 
 
+FORMATS = {"single_file": single_files, "kohya": kohya_files, "card": lambda run_dir: [card(run_dir)]}
+
+
+def _to(run_dir: Path, formats: str) -> list[Path]:
+    wanted = [f.strip() for f in formats.split(",") if f.strip()]
+    unknown = [f for f in wanted if f not in FORMATS]
+    if unknown or not wanted:
+        raise ConvertError(f"--to {formats}: {', '.join(unknown) or 'nothing'} is not one of {', '.join(FORMATS)}")
+    return [path for f in wanted for path in FORMATS[f](run_dir)]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ds_trainer.convert", description=__doc__.split("\n")[0])
-    parser.add_argument("checkpoint", type=Path, help="a ds_trainer checkpoint, or an Accelerate save_state folder")
-    parser.add_argument("--unet", type=Path, help="write the UNet in diffusers format here")
+    parser.add_argument("checkpoint", type=Path,
+                        help="a run folder (with --to), a ds_trainer checkpoint, or an Accelerate save_state folder")
+    parser.add_argument("--to", help="with a run folder: what to write from its export, of single_file, kohya, card "
+                                     "(comma-separated)")
+    parser.add_argument("--unet", type=Path, help="write the UNet or transformer in diffusers format here")
     parser.add_argument("--ema", action="store_true", help="with --unet: the EMA weights")
     parser.add_argument("--import-to", type=Path, help="import a DeepSpeed save_state folder as a checkpoint")
     parser.add_argument("--architecture", default="sdxl_base", help="with --import-to: the model's architecture")
@@ -161,9 +292,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if not args.checkpoint.is_dir():
             raise ConvertError(f"{args.checkpoint}: not a folder")
-        if (args.unet is None) == (args.import_to is None):
-            raise ConvertError("give one of --unet <dir> (export) or --import-to <dir> (import)")
-        if args.unet is not None:
+        if sum(x is not None for x in (args.to, args.unet, args.import_to)) != 1:
+            raise ConvertError("give one of --to single_file,kohya,card (a run's export), --unet <dir> (a checkpoint's "
+                               "weights) or --import-to <dir> (import)")
+        if args.to is not None:
+            for path in _to(args.checkpoint, args.to):
+                print(f"wrote {path}")
+        elif args.unet is not None:
             print(f"wrote {export_unet(args.checkpoint, args.unet, args.ema)}")
         else:
             print(f"wrote {import_accelerate(args.checkpoint, args.import_to, args.architecture, args.optimizer)}; "

@@ -198,8 +198,7 @@ class Trained:
             if fmt != "kohya":
                 lora_file.write(run_dir / folder, module, values, dtype)
             if fmt != "diffusers":
-                header = metadata.kohya_lora(run, folder == "lora_ema", int(self.cfg.adapter.rank),
-                                             float(self.cfg.adapter.alpha), int(self.cfg.train.max_steps))
+                header = metadata.kohya_lora(self.cfg, run.family, run_dir, folder == "lora_ema")
                 kohya_file.write(run_dir / folder, module, values, dtype, header)
 
 

@@ -16,7 +16,6 @@ from ds_trainer.config import weights_file
 from ds_trainer.train.backends import inner
 from ds_trainer.train.export import single_file
 from ds_trainer.train.families import text_encoders
-from ds_trainer.train.layouts import metadata
 from ds_trainer.train.state import portable
 
 if TYPE_CHECKING:
@@ -77,7 +76,7 @@ def _single_files(run: Run, exported: dict[str, Any]) -> None:
     its base, the LoRA file holding its adapters)."""
     component, cfg = run.family.component, run.cfg
     frozen = _frozen_on_cpu(run) if run.family.name != "flux" else None
-    for name, suffix in ((single_file.MODEL, ""), (single_file.EMA, "_ema")):
+    for suffix in ("", "_ema"):
         denoiser = exported.get(component + suffix)
         if denoiser is None:
             continue
@@ -85,9 +84,7 @@ def _single_files(run: Run, exported: dict[str, Any]) -> None:
         if frozen is not None:
             parts = {"vae": frozen.vae, **{e: exported.get(e + suffix, exported.get(e, getattr(frozen, e)))
                                            for e in _ENCODERS if run.family.name == "sdxl"}}
-        state = single_file.tensors(run.family.name, denoiser, parts)
-        path = run.run_dir / single_file.FOLDER / name
-        single_file.write(path, state, cfg.export.dtype.value, metadata.checkpoint(run, ema=bool(suffix)))
+        path = single_file.export(cfg, run.family, run.run_dir, denoiser, parts, ema=bool(suffix))
         log.info("wrote %s (%s, the makers' layout)", path, cfg.export.dtype.value)
 
 

@@ -7,12 +7,16 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+from omegaconf import DictConfig
 
+from ds_trainer.train.layouts import metadata, table, transformers
 from ds_trainer.train.layouts import sdxl as sdxl_layout
-from ds_trainer.train.layouts import table, transformers
+
+if TYPE_CHECKING:
+    from ds_trainer.train.families import Family
 
 FOLDER, MODEL, EMA = "single_file", "model.safetensors", "model_ema.safetensors"
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -44,6 +48,14 @@ def denoiser_tensors(family: str, denoiser: Any) -> dict[str, torch.Tensor]:
     if family == "sd3":
         return table.weights(transformers.sd3(state, config.num_layers), state, sdxl_layout.UNET)
     return table.weights(sdxl_layout.unet(state, config.layers_per_block), state, sdxl_layout.UNET)
+
+
+def export(cfg: DictConfig, family: Family, run_dir: Path, denoiser: Any, parts: dict[str, Any], ema: bool) -> Path:
+    """`<run>/single_file/model.safetensors` (`model_ema.safetensors` for the EMA) in `export.dtype`, with the model
+    spec in its header."""
+    path = run_dir / FOLDER / (EMA if ema else MODEL)
+    header = metadata.checkpoint(cfg, family, run_dir, ema)
+    return write(path, tensors(family.name, denoiser, parts), cfg.export.dtype.value, header)
 
 
 def write(path: Path, state: dict[str, torch.Tensor], dtype: str, metadata: dict[str, str]) -> Path:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from omegaconf import DictConfig
 
 if TYPE_CHECKING:
-    from ds_trainer.train.run import Run
+    from ds_trainer.train.families import Family
 
 SPEC_VERSION = "1.0.1"  # Stability's ModelSpec, as sd-scripts writes it (library/sai_model_spec.py)
 _IMPLEMENTATION = {"sdxl": "https://github.com/Stability-AI/generative-models",
@@ -41,13 +41,13 @@ def kohya_version(cfg: DictConfig, family: str) -> str:
     return {"flux": "flux1"}.get(family, "sdxl_base_v1-0")
 
 
-def _prediction(run: Run) -> str:
-    return "v" if run.family.schedule(run.cfg).config.prediction_type == "v_prediction" else "epsilon"
+def _prediction(cfg: DictConfig, family: Family) -> str:
+    return "v" if family.schedule(cfg).config.prediction_type == "v_prediction" else "epsilon"
 
 
-def _common(run: Run, kind: str, ema: bool) -> dict[str, str]:
-    cfg, family = run.cfg, run.family.name
-    title = f"{run.run_dir.name}{' (EMA)' if ema else ''}"
+def _common(cfg: DictConfig, model: Family, run_dir: Path, kind: str, ema: bool) -> dict[str, str]:
+    family = model.name
+    title = f"{run_dir.parent.name} {run_dir.name}{' (EMA)' if ema else ''}"
     out = {"modelspec.sai_model_spec": SPEC_VERSION,
            "modelspec.architecture": architecture(cfg, family) + kind,
            "modelspec.implementation": _IMPLEMENTATION[family],
@@ -58,7 +58,7 @@ def _common(run: Run, kind: str, ema: bool) -> dict[str, str]:
            "modelspec.implementation_version": "ds_trainer",
            }
     if family == "sdxl":  # the flow models have no such choice (sd-scripts leaves it out for Flux)
-        out["modelspec.prediction_type"] = _prediction(run)
+        out["modelspec.prediction_type"] = _prediction(cfg, model)
     return out
 
 
@@ -66,23 +66,24 @@ def base_model(cfg: DictConfig) -> str:
     return str(cfg.model.transformer or cfg.model.pretrained or cfg.model.name)
 
 
-def checkpoint(run: Run, ema: bool = False) -> dict[str, str]:
+def checkpoint(cfg: DictConfig, model: Family, run_dir: Path, ema: bool = False) -> dict[str, str]:
     """A single-file checkpoint's header."""
-    return _common(run, "", ema)
+    return _common(cfg, model, run_dir, "", ema)
 
 
-def kohya_lora(run: Run, ema: bool, rank: int, alpha: float, steps: int) -> dict[str, str]:
+def kohya_lora(cfg: DictConfig, model: Family, run_dir: Path, ema: bool = False) -> dict[str, str]:
     """A kohya-layout LoRA file's header: the model spec (`.../lora`) and kohya's `ss_*` training keys."""
-    cfg, family = run.cfg, run.family.name
-    te = cfg.text_encoders.mode.value if "text_encoders" in cfg else "frozen"
-    out = _common(run, "/lora", ema)
+    family = model.name
+    te = _value(cfg.text_encoders.mode) if "text_encoders" in cfg else "frozen"
+    rank, alpha, steps = int(cfg.adapter.rank), float(cfg.adapter.alpha), int(cfg.train.max_steps)
+    out = _common(cfg, model, run_dir, "/lora", ema)
     out.update({
         "ss_network_module": "networks.lora",
         "ss_network_dim": str(rank),
         "ss_network_alpha": str(alpha),
         "ss_base_model_version": kohya_version(cfg, family),
         "ss_v2": "False",
-        "ss_output_name": run.run_dir.name,
+        "ss_output_name": f"{run_dir.parent.name}_{run_dir.name}",
         "ss_sd_model_name": Path(base_model(cfg)).name,
         "ss_resolution": f"({cfg.resolution.width}, {cfg.resolution.height})",
         "ss_steps": str(steps),
