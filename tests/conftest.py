@@ -20,15 +20,26 @@ sweep.register()
 rundir.register_resolvers()
 
 
+# Module-scoped fixtures that train runs several tests check.
+SHARED_RUNS = {"chain", "shared_run", "zero3_run", "runs", "references", "fsdp_run", "check", "tuned", "files"}
+
+
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Under pytest-xdist (`-n 2`, as `make test` runs) the tests of one local Slurm cluster run one after another
     in one worker, which starts that cluster once: the one-node cluster's tests in one group, the two-node
-    cluster's in another (the two clusters run side by side), and both groups start first."""
+    cluster's in another (the two clusters run side by side), and both groups start first. So do the tests of a
+    module that share its trained runs (a module-scoped fixture is built once per worker: split over both workers,
+    the CI run trained test_portable's chain, test_lora's shared run and the others twice)."""
     rank = {}
     for item in items:
         fixtures = set(getattr(item, "fixturenames", ()))
-        if "two_nodes" in fixtures:
+        shared = sorted(fixtures & SHARED_RUNS)
+        if shared and item.get_closest_marker("xdist_group") is None and "two_nodes" not in fixtures and not (
+                "slurm_cluster" in fixtures or "slurm" in item.name):
+            item.add_marker(pytest.mark.xdist_group(f"{item.module.__name__}.{shared[0]}"))  # type: ignore[attr-defined]
+            rank[item.nodeid] = 1
+        elif "two_nodes" in fixtures:
             item.add_marker(pytest.mark.xdist_group("slurm_two_nodes"))
             rank[item.nodeid] = 0
         elif "slurm_cluster" in fixtures or "slurm" in item.name:

@@ -74,6 +74,7 @@ def test_bench_times_the_first_step_against_the_raw_loop(tmp_path: Path) -> None
 
 
 @pytest.mark.slow
+@pytest.mark.long  # CI budget (112 s of bf16 emulated on the CPU): the bench's other cells run by default
 def test_bench_compares_the_training_loss_of_precisions_on_the_same_run(tmp_path: Path) -> None:
     out = tmp_path / "precision"
     cmd = [sys.executable, "-m", "ds_trainer.bench", "--out", str(out), "--model", "sdxl_tiny", "--resolutions", "128",

@@ -183,6 +183,7 @@ def test_a_two_node_job_at_its_time_limit_signal_or_scancelled_comes_back_and_re
 
 @pytest.mark.slow
 @pytest.mark.multiproc
+@pytest.mark.long  # CI budget (148 s): one node's requeue (test_sweeps' USR2) and two nodes' equality run by default
 def test_kill_9_of_one_node_task_brings_the_whole_two_node_job_back(tmp_path: Path,
                                                                      two_nodes: dict[str, str]) -> None:
     # One node's rank dies outright (the out-of-memory killer, a node failure): the other rank's next

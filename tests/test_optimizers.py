@@ -422,7 +422,6 @@ def test_muon_trains_lora_under_zero3_without_reduce_scatter(tmp_path: Path) -> 
     ds = json.loads((run_dir / "ds_config.json").read_text())
     assert ds["optimizer"]["type"] == "Muon" and ds["zero_optimization"]["reduce_scatter"] is False
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "ok"
-    (lora_file,) = (run_dir / "lora").glob("*.safetensors")
-    weights = load_file(lora_file)
+    weights = load_file(run_dir / "lora" / "pytorch_lora_weights.safetensors")
     b_matrices = [w for key, w in weights.items() if "lora_B" in key or "lora.up" in key]
     assert b_matrices and all(float(w.abs().max()) > 0 for w in b_matrices)

@@ -1,4 +1,4 @@
-"""Property test: generated override sets (150, and 2500 in `make test-long`), run as a user runs them (dry
+"""Property test: generated override sets (100, and 2500 in `make test-long`), run as a user runs them (dry
 run). Each either runs or exits 2 with a one-screen message naming a key or value it was given; none prints a
 traceback.
 
@@ -126,9 +126,9 @@ def _one_set(tmp_path_factory: pytest.TempPathFactory, overrides: list[str]) -> 
     _check(overrides, code, output, [cwd, Path(FIXED) / "run_a"])
 
 
-# 150 sets in the default suite (about a minute), 2500 in `make test-long` (FUZZ_EXAMPLES overrides both).
+# 100 sets in the default suite (under a minute), 2500 in `make test-long` (FUZZ_EXAMPLES overrides both).
 @pytest.mark.slow
-@settings(max_examples=int(os.environ.get("FUZZ_EXAMPLES", "150")), deadline=None, derandomize=True,
+@settings(max_examples=int(os.environ.get("FUZZ_EXAMPLES", "100")), deadline=None, derandomize=True,
           suppress_health_check=list(HealthCheck))
 @given(overrides=override_sets(FIXED))
 def test_generated_overrides_run_or_fail_with_one_screen_naming_the_key(tmp_path_factory: pytest.TempPathFactory,

@@ -251,7 +251,7 @@ def references(module_tmp: Callable[[str], Path]) -> References:
 @pytest.mark.slow
 @pytest.mark.parametrize(("zero", "offload", "moment"), [
     pytest.param(zero, offload, moment, marks=() if (zero, offload, moment) in
-                 {("stage2", "none", "step"), ("stage3", "cpu", "save")} else pytest.mark.long)
+                 {("stage2", "none", "step")} else pytest.mark.long)
     for zero, offload in (("stage2", "none"), ("stage2", "cpu"), ("stage3", "none"), ("stage3", "cpu"),
                           ("stage3", "nvme"), ("ddp", "none"), ("fsdp_full_shard", "none"), ("fsdp_full_shard", "cpu"))
     for moment in ("step", "save")])

@@ -124,6 +124,7 @@ def test_sampling_does_not_change_training(zero3_run: Path, tmp_path: Path) -> N
 
 @pytest.mark.slow
 @pytest.mark.multiproc
+@pytest.mark.long  # CI budget (121 s): FSDP2 in bf16 trains, samples and exports in test_matrix's default cells
 def test_bf16_under_fsdp_trains_the_weights_zero3_trains(zero3_run: Path, tmp_path: Path) -> None:
     """`precision=bf16` means one thing under both backends (fp32 masters and Adam state, bf16 compute): FSDP full
     shard on the same two ranks, data and steps gives ZeRO-3's weights to its summation-order noise. It samples as

@@ -80,6 +80,12 @@ def test_training_from_a_single_file_exports_a_pipeline_and_bad_files_are_named(
     again = load_file(run_dir / "single_file" / "model.safetensors")
     assert exported.keys() == again.keys() and all(torch.equal(exported[k], again[k]) for k in exported)
     assert "# sdxl_tiny: fine-tune of" in (run_dir / "README.md").read_text()
+    # And the UNet of its final checkpoint (portable state), by `convert <checkpoint> --unet`: the export's weights.
+    (checkpoint,) = (run_dir / "checkpoints").glob("step_*")
+    assert convert.main([str(checkpoint), "--unet", str(root / "unet_again")]) == 0
+    unet = load_file(root / "unet_again" / "diffusion_pytorch_model.safetensors")
+    expected = load_file(run_dir / "unet" / "diffusion_pytorch_model.safetensors")
+    assert unet.keys() == expected.keys() and all(torch.equal(unet[k], expected[k]) for k in expected)
     bad = run_cli(f"model.pretrained={root / 'diffusers_unet.safetensors'}", "dry_run=true", cwd=root)
     assert bad.returncode == 2 and "is not an SDXL checkpoint: a diffusers-format model" in bad.stderr
     no_vae = run_cli(f"model.pretrained={files['checkpoint']}", "dry_run=true", cwd=root)

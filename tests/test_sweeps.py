@@ -93,6 +93,7 @@ def test_a_named_sweep_runs_without_dash_m(workdir: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.long  # CI budget (151 s): every family trains and exports in test_matrix's default cells
 def test_a_sweep_compares_the_model_families_side_by_side(workdir: Path) -> None:
     """SDXL's UNet, SD3's and Flux's transformers as one sweep's cells, each a full fine-tune under DDP and under
     ZeRO-2: each trains (its loss falls) and is scored, and the report names each cell's model and what trained (the
@@ -255,7 +256,7 @@ def test_a_preempted_slurm_job_is_requeued_and_resumes_into_the_same_wandb_run(
 
 @pytest.mark.slow
 @pytest.mark.multiproc
-@pytest.mark.long  # CI budget: the USR2 requeue and a two-node kill -9 resubmission run by default
+@pytest.mark.long  # CI budget: the USR2 requeue runs by default (the two-node kill -9 resubmission: test-long)
 def test_a_slurm_job_cancelled_with_scancel_comes_back_and_resumes(workdir: Path,
                                                                    slurm_cluster: dict[str, str]) -> None:
     # No periodic checkpoints: scancel's SIGTERM makes the run save after its step, and the launcher

@@ -64,7 +64,8 @@ def test_a_few_steps_per_zero_and_offload(workdir: Path, zero: str, offload: str
 
 @pytest.mark.slow
 @pytest.mark.multiproc
-@pytest.mark.parametrize("zero", ["stage2", "stage3"])
+# ZeRO-3's two ranks in make test-long (CI budget): test_lora's and test_transformers' two-rank ZeRO-3 runs by default.
+@pytest.mark.parametrize("zero", ["stage2", pytest.param("stage3", marks=pytest.mark.long)])
 def test_two_ranks_share_one_run(workdir: Path, zero: str) -> None:
     cmd = [*torchrun(2), "-m", "ds_trainer", f"zero={zero}",
            *FAST]

@@ -269,8 +269,9 @@ def _reference_image(run_dir: Path, bf16: bool) -> Any:
 @pytest.mark.slow
 @pytest.mark.multiproc
 @pytest.mark.parametrize(("model", "layout"), [
-    ("sd3_tiny", "ddp"), ("flux_tiny", "fsdp_x2"),
-    # The other two pairs in `make test-long` (the CI budget; their figures are in the docstring).
+    ("sd3_tiny", "ddp"),
+    # The other three pairs in `make test-long` (the CI budget; their figures are in the docstring).
+    pytest.param("flux_tiny", "fsdp_x2", marks=pytest.mark.long),
     pytest.param("sd3_tiny", "fsdp_x2", marks=pytest.mark.long),
     pytest.param("flux_tiny", "ddp", marks=pytest.mark.long)])
 def test_zero3_checkpoint_resumes_under_ddp_and_fsdp_within_noise(runs: Callable[[str, str], Path], model: str,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import os
 import re
 import signal
@@ -55,6 +56,7 @@ def cli_in_process(argv: list[str], cwd: Path) -> tuple[int, str]:
 
     out = io.StringIO()
     old, environ, sigint = Path.cwd(), dict(os.environ), signal.getsignal(signal.SIGINT)
+    loggers = _handlers()
     os.chdir(cwd)
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
@@ -72,4 +74,27 @@ def cli_in_process(argv: list[str], cwd: Path) -> tuple[int, str]:
         # main() ends by ignoring SIGINT (a process's last moments); every process this worker starts later would
         # inherit that, and Ctrl-C would do nothing to them (CI5: the Slurm Ctrl-C test in the same worker).
         signal.signal(signal.SIGINT, sigint)
+        # Hydra's job logging put a file handler on the root logger (<run>/ds_trainer.log): left there, every later
+        # test of this worker logged into a folder pytest had deleted with the test's tmp_path, and failed with
+        # FileNotFoundError (DeepSpeed's op loader reported the async_io op as incompatible for that).
+        _restore(loggers)
     return code, out.getvalue()
+
+
+def _handlers() -> dict[logging.Logger, list[logging.Handler]]:
+    loggers = [logging.getLogger(), *(v for v in logging.Logger.manager.loggerDict.values()
+                                      if isinstance(v, logging.Logger))]
+    return {log: list(log.handlers) for log in loggers}
+
+
+def _restore(before: dict[logging.Logger, list[logging.Handler]]) -> None:
+    """Each logger's handlers as they were; a handler the run added is closed."""
+    for log in [logging.getLogger(), *(v for v in logging.Logger.manager.loggerDict.values()
+                                       if isinstance(v, logging.Logger))]:
+        kept = before.get(log, [])
+        for handler in [h for h in log.handlers if h not in kept]:
+            log.removeHandler(handler)
+            handler.close()
+        for handler in kept:
+            if handler not in log.handlers:
+                log.addHandler(handler)
