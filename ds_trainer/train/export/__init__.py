@@ -21,7 +21,7 @@ from ds_trainer.train.state import portable
 if TYPE_CHECKING:
     from ds_trainer.train.run import Run
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("ds_trainer")
 
 
 def diffusers(run: Run) -> None:
