@@ -68,6 +68,7 @@ def test_single_files_read_back_to_the_weights_they_were_written_from(tmp_path: 
 
     from ds_trainer.train import families
     from ds_trainer.train.export import single_file
+    from ds_trainer.train.families import common
 
     cfg = make_cfg("train.seed=3")
     sdxl = families.of(cfg)
@@ -77,7 +78,7 @@ def test_single_files_read_back_to_the_weights_they_were_written_from(tmp_path: 
     for dtype in ("fp32", "bf16"):
         path = single_file.write(tmp_path / f"sdxl_{dtype}.safetensors", state, dtype, {"modelspec.title": "t"})
         loaded_cfg = make_cfg(f"model.pretrained={path}")
-        to = single_file.DTYPES[dtype]
+        to = common.SAVE_DTYPES[dtype]
         pairs = [(sdxl.load_trained(loaded_cfg), unet)]
         again = sdxl.load_frozen(loaded_cfg)
         pairs += [(again.vae, frozen.vae), (again.text_encoder, frozen.text_encoder),

@@ -4,8 +4,7 @@
   `export.format=both` and `adapter.format=both` write them now): `<run>/single_file/model[_ema].safetensors` from
   its diffusers export, `<run>/lora[_ema]/kohya.safetensors` from its diffusers LoRA file, `<run>/README.md`.
 - `convert <checkpoint> --unet <dir>` writes the UNet or transformer (or with `--ema` its EMA) in diffusers format
-  from a ds_trainer checkpoint: its portable state, or DeepSpeed's files (zero_to_fp32) for older checkpoints;
-  `--single-file <file>` writes it as the makers' single file instead.
+  from a ds_trainer checkpoint: its portable state, or DeepSpeed's files (zero_to_fp32) for older checkpoints.
 - `convert <accelerate save_state folder> --import-to <dir> --architecture sdxl_base` turns a DeepSpeed
   ZeRO-1/2/3 checkpoint written by Accelerate in another tool (diffusers' SDXL script, for example) into a
   ds_trainer checkpoint: fp32 weights and Adam moments from the ZeRO partitions (merged with
@@ -146,10 +145,9 @@ def single_files(run_dir: Path) -> list[Path]:
 def kohya_files(run_dir: Path) -> list[Path]:
     """`<run>/lora[_ema]/kohya.safetensors` from the run's diffusers LoRA files, on the run's adapters built on the
     meta device (only the LoRA tensors are read)."""
-    import torch
-
     from ds_trainer.train import families
     from ds_trainer.train.adapters import adapter, kohya_file, lora_file
+    from ds_trainer.train.families import common
     from ds_trainer.train.layouts import metadata
 
     cfg = _run_config(run_dir)
@@ -157,7 +155,7 @@ def kohya_files(run_dir: Path) -> list[Path]:
     family = families.of(cfg)
     encoders = _meta_encoders(cfg) if cfg.text_encoders.mode.value == "lora" else {}
     trained = adapter.build(cfg, family.meta_trained(cfg), encoders or None)
-    dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[cfg.adapter.save_dtype.value]
+    dtype = common.SAVE_DTYPES[cfg.adapter.save_dtype.value]
     out = []
     for folder in ("lora", "lora_ema"):
         path = run_dir / folder / lora_file.WEIGHT_NAME

@@ -27,7 +27,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("ds_trainer")
 
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def enabled(cfg: DictConfig) -> bool:
@@ -190,7 +189,7 @@ class Trained:
             return
         from ds_trainer.train.layouts import metadata
 
-        dtype, fmt = _DTYPES[self.cfg.adapter.save_dtype.value], self.cfg.adapter.format.value
+        dtype, fmt = common.SAVE_DTYPES[self.cfg.adapter.save_dtype.value], self.cfg.adapter.format.value
         averaged = {n: v for n, v in shadow.items() if n in set(self.names)} if shadow is not None else None
         for folder, values in (("lora", weights), ("lora_ema", averaged)):
             if values is None:

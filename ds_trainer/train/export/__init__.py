@@ -63,19 +63,22 @@ def _write(run: Run, module: Any, weights: dict[str, torch.Tensor], shadow: dict
             if fmt != "single_file":
                 model.save_pretrained(run.run_dir / folder)
             exported[folder] = model
-    if fmt != "diffusers" and run.family.component in exported:
-        _single_files(run, exported)
-    if fmt != "single_file" and _whole_pipeline(run.cfg):
+    single = fmt != "diffusers" and run.family.component in exported
+    pipeline = fmt != "single_file" and _whole_pipeline(run.cfg)
+    # Both need the frozen parts on the CPU (on a GPU run loaded again from the source): loaded once.
+    frozen = _frozen_on_cpu(run) if pipeline or (single and run.family.name != "flux") else None
+    if single:
+        _single_files(run, exported, frozen)
+    if pipeline:
         parts = {name: exported.get(f"{name}_ema", exported.get(name)) for name in (run.family.component, *_ENCODERS)}
-        _pipeline(run, **{k: v for k, v in parts.items() if v is not None})
+        _pipeline(run, frozen, **{k: v for k, v in parts.items() if v is not None})
 
 
-def _single_files(run: Run, exported: dict[str, Any]) -> None:
+def _single_files(run: Run, exported: dict[str, Any], frozen: Any) -> None:
     """`<run>/single_file/model.safetensors` from the trained weights, `model_ema.safetensors` from the EMA (a fully
     trained encoder's EMA with it); the VAE (SDXL, SD3) and SDXL's encoders as loaded (an encoder trained as LoRA:
     its base, the LoRA file holding its adapters)."""
     component, cfg = run.family.component, run.cfg
-    frozen = _frozen_on_cpu(run) if run.family.name != "flux" else None
     for suffix in ("", "_ema"):
         denoiser = exported.get(component + suffix)
         if denoiser is None:
@@ -120,10 +123,10 @@ def _masters(accelerator: Any, model: Any, optimizer: Any) -> dict[str, torch.Te
             if keep and values[0] is not None}
 
 
-def _pipeline(run: Run, **trained: Any) -> None:
+def _pipeline(run: Run, frozen: Any, **trained: Any) -> None:
     """`<run>/pipeline`: the trained parts given (`unet` or `transformer`, `text_encoder`, `text_encoder_2`), the rest
-    as loaded (the base of a part trained as LoRA)."""
-    pipe = run.family.pipeline(run.cfg, _frozen_on_cpu(run), trained)
+    as loaded (`frozen`, on the CPU; the base of a part trained as LoRA)."""
+    pipe = run.family.pipeline(run.cfg, frozen, trained)
     pipe.save_pretrained(run.run_dir / "pipeline")
 
 
@@ -145,7 +148,7 @@ def base_pipeline(run: Run) -> None:
     rank 0, so that `<run>/lora` can be loaded into it with `load_lora_weights`."""
     if str(run.cfg.model.name).endswith("_tiny") and run.accelerator.is_main_process:
         with _alone(run):  # the base of a trained encoder is loaded again here
-            _pipeline(run)
+            _pipeline(run, _frozen_on_cpu(run))
 
 
 @contextmanager

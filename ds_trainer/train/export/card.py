@@ -39,10 +39,6 @@ def write(run: Run) -> Path:
     return path
 
 
-def _value(v: Any) -> str:
-    return str(getattr(v, "value", v))
-
-
 def _front_matter(cfg: DictConfig, family: str, lora: bool) -> str:
     name = str(cfg.model.name)
     license_, license_name, _ = _LICENSES.get(name, (None, None, None))
@@ -72,11 +68,11 @@ def _what_trained(cfg: DictConfig, lora: bool) -> list[str]:
     else:
         out = [f"- {component}: every weight (a full fine-tune)"]
     te = cfg.text_encoders
-    mode = _value(te.mode)
+    mode = metadata.value_of(te.mode)
     if mode == "lora":
-        out.append(f"- text encoders ({_value(te.which)}): LoRA, rank {te.rank}, alpha {te.alpha}")
+        out.append(f"- text encoders ({metadata.value_of(te.which)}): LoRA, rank {te.rank}, alpha {te.alpha}")
     elif mode == "full":
-        out.append(f"- text encoders ({_value(te.which)}): every weight")
+        out.append(f"- text encoders ({metadata.value_of(te.which)}): every weight")
     else:
         out.append("- text encoders: frozen")
     return out
@@ -84,20 +80,22 @@ def _what_trained(cfg: DictConfig, lora: bool) -> list[str]:
 
 def _training(cfg: DictConfig, facts: dict[str, Any]) -> list[str]:
     data = cfg.data
-    source = _value(data.source) + (f" (`{data.path}`)" if data.path else "")
+    source = metadata.value_of(data.source) + (f" (`{data.path}`)" if data.path else "")
     images = facts.get("images")
     res = f"{cfg.resolution.width}x{cfg.resolution.height}"
     buckets = facts.get("buckets")
+    value = metadata.value_of
+    backend = cfg.resolved.backend or value(cfg.zero.backend)
     out = [f"- steps: {cfg.train.max_steps}, micro-batch {cfg.train.micro_batch_size} x gradient accumulation "
            f"{cfg.train.gradient_accumulation_steps} x {cfg.resolved.world_size or 1} rank(s)",
            f"- data: {source}" + (f", {images} images" if images is not None else ""),
            f"- resolution: {res}" + (f", aspect-ratio buckets {buckets}" if data.buckets and buckets else
                                      (", aspect-ratio buckets" if data.buckets else ", no buckets")),
-           f"- optimizer: {_value(cfg.optimizer.name)}, learning rate {cfg.optimizer.lr}, schedule "
-           f"{_value(cfg.scheduler.name)}",
-           f"- precision: {_value(cfg.precision.name)}; backend: {cfg.resolved.backend or _value(cfg.zero.backend)}"
+           f"- optimizer: {value(cfg.optimizer.name)}, learning rate {cfg.optimizer.lr}, schedule "
+           f"{value(cfg.scheduler.name)}",
+           f"- precision: {value(cfg.precision.name)}; backend: {backend}"
            + (f", ZeRO stage {cfg.zero.stage}" if str(cfg.resolved.backend or "") == "deepspeed" else "")
-           + f", offload {_value(cfg.offload.device)}",
+           + f", offload {value(cfg.offload.device)}",
            f"- EMA: {'decay ' + str(cfg.train.ema_decay) if cfg.train.ema else 'off'}; seed {cfg.train.seed}"]
     return out
 
@@ -168,7 +166,7 @@ def _files(family: str, run_dir: Path) -> list[str]:
 def text(cfg: DictConfig, family: str, run_dir: Path, facts: dict[str, Any],
          validations: list[dict[str, Any]]) -> str:
     """The card's text (also `python -m ds_trainer.convert --card` for an earlier run)."""
-    lora = _value(cfg.adapter.method) == "lora"
+    lora = metadata.value_of(cfg.adapter.method) == "lora"
     name = str(cfg.model.name)
     base = metadata.base_model(cfg)
     license_line = _LICENSES.get(name, (None, None, None))[2]

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from omegaconf import DictConfig
 
+from ds_trainer.train.families import common
 from ds_trainer.train.layouts import metadata, table, transformers
 from ds_trainer.train.layouts import sdxl as sdxl_layout
 
@@ -19,7 +20,6 @@ if TYPE_CHECKING:
     from ds_trainer.train.families import Family
 
 FOLDER, MODEL, EMA = "single_file", "model.safetensors", "model_ema.safetensors"
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def tensors(family: str, denoiser: Any, parts: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -62,7 +62,7 @@ def write(path: Path, state: dict[str, torch.Tensor], dtype: str, metadata: dict
     """`state` in `dtype` (integer tensors as they are) as `path`, atomically (a `.partial` file renamed)."""
     from safetensors.torch import save_file
 
-    to = DTYPES[dtype]
+    to = common.SAVE_DTYPES[dtype]
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(path.name + ".partial")
     save_file({k: (v.to(to) if v.is_floating_point() else v).contiguous() for k, v in state.items()}, str(partial),

@@ -47,6 +47,8 @@ def meta_module(cfg: DictConfig, cls: Any, subfolder: str) -> torch.nn.Module:
     return model
 
 
+# The torch dtype of an exported file's `SaveDtype` (adapter.save_dtype, export.dtype).
+SAVE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 FROZEN_DTYPES = {"bf16": "bfloat16", "bf16_pure": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 

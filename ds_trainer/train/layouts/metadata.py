@@ -20,7 +20,8 @@ _IMPLEMENTATION = {"sdxl": "https://github.com/Stability-AI/generative-models",
                    "flux": "https://github.com/black-forest-labs/flux"}
 
 
-def _value(v: object) -> str:
+def value_of(v: object) -> str:
+    """A config value as text: an enum's value, anything else as it prints."""
     return str(getattr(v, "value", v))
 
 
@@ -74,7 +75,7 @@ def checkpoint(cfg: DictConfig, model: Family, run_dir: Path, ema: bool = False)
 def kohya_lora(cfg: DictConfig, model: Family, run_dir: Path, ema: bool = False) -> dict[str, str]:
     """A kohya-layout LoRA file's header: the model spec (`.../lora`) and kohya's `ss_*` training keys."""
     family = model.name
-    te = _value(cfg.text_encoders.mode) if "text_encoders" in cfg else "frozen"
+    te = value_of(cfg.text_encoders.mode) if "text_encoders" in cfg else "frozen"
     rank, alpha, steps = int(cfg.adapter.rank), float(cfg.adapter.alpha), int(cfg.train.max_steps)
     out = _common(cfg, model, run_dir, "/lora", ema)
     out.update({
@@ -93,11 +94,11 @@ def kohya_lora(cfg: DictConfig, model: Family, run_dir: Path, ema: bool = False)
         "ss_text_encoder_lr": str(cfg.text_encoders.lr if te == "lora" and cfg.text_encoders.lr else
                                   (cfg.optimizer.lr if te == "lora" else 0)),
         "ss_network_train_unet_only": str(te != "lora"),
-        "ss_optimizer": _value(cfg.optimizer.name),
-        "ss_lr_scheduler": _value(cfg.scheduler.name),
+        "ss_optimizer": value_of(cfg.optimizer.name),
+        "ss_lr_scheduler": value_of(cfg.scheduler.name),
         "ss_lr_warmup_steps": str(cfg.scheduler.get("warmup_steps", 0)),
         "ss_seed": str(cfg.train.seed),
-        "ss_mixed_precision": _value(cfg.precision.name),
+        "ss_mixed_precision": value_of(cfg.precision.name),
         "ss_gradient_accumulation_steps": str(cfg.train.gradient_accumulation_steps),
         "ss_batch_size_per_device": str(cfg.train.micro_batch_size),
         "ss_noise_offset": str(cfg.train.noise_offset),
