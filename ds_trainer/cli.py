@@ -27,7 +27,7 @@ from ds_trainer.config import (
     runlock,
     schema,
 )
-from ds_trainer.config.problems import ConfigError, Problem, Report, first_problem
+from ds_trainer.config.problems import ConfigError, Problem, Report, first_problem, refuse
 from ds_trainer.errors import NodesError, TrainingError
 from ds_trainer.launch import sweep
 from ds_trainer.train.observe import startup
@@ -142,8 +142,7 @@ def hydra_main(cfg: DictConfig) -> None:
         try:
             run(cfg, run_dir, overrides)
         except ConfigError as exc:
-            print(exc, file=sys.stderr)
-            raise SystemExit(2) from None
+            refuse(str(exc))
         except TrainingError as exc:  # the run's summary, already printed, says what failed and why
             raise SystemExit(exc.exit_status) from None
         return

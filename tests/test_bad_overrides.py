@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
 from pathlib import Path
 
 import pytest
 from helpers.cfg import make_cfg
 from helpers.cli import run_cli
+from helpers.ranks import torchrun
 
 from ds_trainer.config import checks, hardware, nvme
 
@@ -69,6 +73,22 @@ def test_bad_override_exits_with_one_screen_message(workdir: Path, overrides: li
     for text in expected:
         assert text in output, output
     assert not list((workdir / "outputs" / "runs").glob("*/*/ds_config.json"))
+
+
+@pytest.mark.parametrize("overrides", [["zero=fsdp_full_shard", "offload=nvme"], ["zero=stage9"]],
+                         ids=["a rule", "an override Hydra refuses"])
+def test_a_refusal_under_torchrun_is_said_once_before_any_rank_trains(workdir: Path, overrides: list[str]) -> None:
+    """Two ranks check the same configuration: the refusal is printed once (not once per rank), torchrun's exit
+    status carries the ranks' 2, and what precedes torchrun's own failure block has no traceback."""
+    done = subprocess.run([*torchrun(2), "-m", "ds_trainer", *overrides], cwd=workdir, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    ours, hint, torchruns = done.stderr.partition("(torchrun's own failure block follows")
+    assert hint, done.stderr
+    assert ours.count("problem in the configuration, nothing was run") == 1, done.stderr
+    assert "why:" in ours and "fix:" in ours and "Traceback" not in ours, done.stderr
+    assert "world_size=<ranks> dry_run=true" in torchruns
+    assert done.returncode == 1 and re.search(r"exitcode\s*:\s*2\b", torchruns), done.stderr[-2000:]
+    assert not list((workdir / "outputs" / "runs").glob("*/*/metrics.jsonl"))
 
 
 def test_all_problems_are_reported_at_once(workdir: Path) -> None:

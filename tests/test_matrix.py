@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 from itertools import combinations
 from pathlib import Path
@@ -119,7 +120,7 @@ def run_cell(cell: dict[str, str], tmp_path: Path) -> str:
         args = [*args, "train.max_steps=4", f"resume={run_dir / 'checkpoints' / 'step_00000002'}"]  # steps 3, 4
     before = set(run_dirs(tmp_path))
     done = _launch(cell, args, tmp_path)
-    if done.returncode == 2:
+    if done.returncode == 2 or (cell["ranks"] != "1" and _torchrun_refused(done)):
         return _refused(done, tmp_path, before)
     assert done.returncode == 0, f"{_name(cell)} crashed:\n{done.stderr[-4000:]}"
     (run_dir,) = set(run_dirs(tmp_path)) - before
@@ -127,10 +128,19 @@ def run_cell(cell: dict[str, str], tmp_path: Path) -> str:
     return "trained"
 
 
+def _torchrun_refused(done: subprocess.CompletedProcess[str]) -> bool:
+    """torchrun exits 1 for a rank's exit 2; its failure block names the first rank's exit code."""
+    root = done.stderr.partition("Root Cause (first observed failure)")[2]
+    return done.returncode == 1 and re.search(r"exitcode\s*:\s*2\b", root) is not None
+
+
 def _refused(done: subprocess.CompletedProcess[str], tmp_path: Path, before: set[Path] | None = None) -> str:
-    """Exit 2: the one-screen refusal, before any step."""
-    assert "Traceback" not in done.stderr, done.stderr[-3000:]
-    assert "why:" in done.stderr and "fix:" in done.stderr, done.stderr[-3000:]
+    """Exit 2: the one-screen refusal, before any step; said once however many ranks checked it (under
+    torchrun, its own failure block follows ours: torchrun's, not a traceback of ds_trainer)."""
+    ours = done.stderr.partition("(torchrun's own failure block follows")[0]
+    assert "Traceback" not in ours, done.stderr[-3000:]
+    assert "why:" in ours and "fix:" in ours, done.stderr[-3000:]
+    assert len(re.findall(r"^ds_trainer: \d+ problems? ", ours, re.MULTILINE)) == 1, ours[-3000:]
     for run_dir in set(run_dirs(tmp_path)) - (before or set()):
         rows = (run_dir / "metrics.jsonl").read_text().splitlines() if (run_dir / "metrics.jsonl").exists() else []
         assert not [r for r in rows if "loss" in json.loads(r)], f"refused after training started: {run_dir}"

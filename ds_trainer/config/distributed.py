@@ -21,6 +21,20 @@ def is_main() -> bool:
     return rank() == 0
 
 
+def local_rank() -> int:
+    """This machine's rank: torchrun/Accelerate's LOCAL_RANK, else SLURM's local task id, else 0."""
+    for var in ("LOCAL_RANK", "SLURM_LOCALID"):
+        value = os.environ.get(var)
+        if value is not None and value.isdigit():
+            return int(value)
+    return 0
+
+
+def under_torchrun() -> bool:
+    """Whether torchrun's elastic agent started this process (it reports a rank's non-zero exit itself)."""
+    return "TORCHELASTIC_RUN_ID" in os.environ
+
+
 def one_machine() -> bool:
     """Whether every rank of the launch runs on this machine (LOCAL_WORLD_SIZE equals WORLD_SIZE, as
     torchrun and the submitit launchers set them)."""

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from ds_trainer import CONF_DIR
-from ds_trainer.config.problems import Problem, Report
+from ds_trainer.config.problems import Problem, Report, refuse
 
 F = TypeVar("F", bound=Callable[..., Any])
 _OURS = "_DS_TRAINER_FULL_ERROR_SET"  # we set HYDRA_FULL_ERROR ourselves (not the user)
@@ -304,8 +304,7 @@ def task(fn: F) -> F:
         except Exception as exc:
             # Here, not after Hydra: Hydra would first log "Error executing job" for it.
             if (problem := _interpolation_problem(exc, parse(sys.argv[1:])[0])) is not None:
-                print(render([problem]), file=sys.stderr)
-                raise SystemExit(2) from None
+                refuse(render([problem]))
             if ours:
                 raise TaskFailed(exc) from exc
             raise
@@ -322,8 +321,7 @@ def guarded(entry: Callable[[], Any], argv: list[str] | None = None) -> Any:
     argv = sys.argv[1:] if argv is None else argv
     overrides, multirun = parse(argv)
     if problems := check_args(overrides, multirun):
-        print(render(problems), file=sys.stderr)
-        raise SystemExit(2)
+        refuse(render(problems))
     if "HYDRA_FULL_ERROR" in os.environ and os.environ.get(_OURS) != "1":
         return entry()  # the user asked for Hydra's full traces
     saved_argv = sys.argv
@@ -339,8 +337,7 @@ def guarded(entry: Callable[[], Any], argv: list[str] | None = None) -> Any:
         problem = explain(exc, overrides, multirun)
         if problem is None:
             raise
-        print(render([problem]), file=sys.stderr)
-        raise SystemExit(2) from None
+        refuse(render([problem]))
     finally:
         sys.argv = saved_argv
         os.environ.pop("HYDRA_FULL_ERROR", None)
@@ -355,8 +352,7 @@ def compose_checked(overrides: list[str]) -> Any:
 
     console.install()  # Hydra's note of a presets folder not written yet is not for the terminal
     if problems := check_args(overrides, multirun=False):
-        print(render(problems), file=sys.stderr)
-        raise SystemExit(2)
+        refuse(render(problems))
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
             return compose(config_name="config", overrides=overrides)
@@ -364,5 +360,4 @@ def compose_checked(overrides: list[str]) -> Any:
         problem = explain(exc, overrides, multirun=False)
         if problem is None:
             raise
-        print(render([problem]), file=sys.stderr)
-        raise SystemExit(2) from None
+        refuse(render([problem]))

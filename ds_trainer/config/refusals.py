@@ -35,7 +35,9 @@ fails when this page and the code disagree). A combination that cannot train is 
 with a one-screen message naming each problem's key, its value, why, and the fix, and exit status 2; nothing is
 swapped silently. Most refusals come already from a dry run (`dry_run=true`: the torch-free checks of
 `ds_trainer/config/`); the last sections are the run's own checks once the models load (a resume from another
-layout, a LoRA's target modules, a weights file).
+layout, a LoRA's target modules, a weights file). Under torchrun the ranks of a machine print the message once
+(its first local rank), and torchrun then adds its own failure block (its exit status is 1, the block names the
+rank's `exitcode: 2`); to see a multi-rank refusal without launching, add `world_size=<ranks> dry_run=true`.
 
 Each entry: **the key** the message names, *when* (the conditions around the rule in the code, as written there),
 then why and the fix as the message says them, `{...}` standing for a value the message fills in.
