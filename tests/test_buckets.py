@@ -39,13 +39,13 @@ def make_folder(root: Path, images: dict[str, tuple[tuple[int, int], str]] = IMA
     return root
 
 
-def folder_data(path: Path, *overrides: str):  # noqa: ANN201 - FolderImages
+def folder_data(path: Path, *overrides: str):  # noqa: ANN201 - SourceImages
     from ds_trainer.config import checks
     from ds_trainer.train import data
 
     cfg = checks.check(make_cfg("data=folder", f"data.path={path}", f"paths.outputs={path.parent / 'out'}",
                                     *overrides)).cfg
-    return data.FolderImages(cfg)
+    return data.SourceImages(cfg)
 
 
 def test_bucket_sizes_follow_the_area_the_step_and_the_limits() -> None:
@@ -68,7 +68,7 @@ def test_the_planner_uses_the_largest_bucket(tmp_path: Path, capsys: pytest.Capt
 def test_mixed_sizes_land_in_their_buckets_and_every_global_batch_is_one_bucket(tmp_path: Path) -> None:
     folder = make_folder(tmp_path / "images")
     data = folder_data(folder)
-    landed = {path.stem: geometry.name(data.layout.bucket(i)) for i, path in enumerate(data.files)}
+    landed = {Path(key).stem: geometry.name(data.layout.bucket(i)) for i, key in enumerate(data.names())}
     assert landed == {name: bucket for name, (_, bucket) in IMAGES.items()}
     assert data.layout.counts() == {"64x256": 1, "64x192": 1, "128x128": 4, "192x64": 1, "256x64": 1}
     # Global batch 4 (micro 1 x accumulation 2 x 2 ranks): only 128x128 fills one; the rest is dropped, and said.
@@ -92,9 +92,9 @@ def test_time_ids_are_source_size_crop_offset_and_bucket(tmp_path: Path) -> None
     for flip in (False, True):
         data = folder_data(folder, "data.center_crop=false", f"data.random_flip={str(flip).lower()}")
         offsets, mirrored = set(), 0
-        for i, path in enumerate(data.files):
+        for i, key in enumerate(data.names()):
             example = data[i]
-            (w, h), _ = IMAGES[path.stem]
+            (w, h), _ = IMAGES[Path(key).stem]
             bw, bh = data.layout.bucket(i)
             orig_h, orig_w, top, left, target_h, target_w = example.time_ids.tolist()
             assert (orig_w, orig_h, target_w, target_h) == (w, h, bw, bh)
@@ -106,12 +106,12 @@ def test_time_ids_are_source_size_crop_offset_and_bucket(tmp_path: Path) -> None
             if new_h - bh >= 16:
                 offsets.add(("top", top))
                 green = (example.pixels[1, 2, bw // 2].item() + 1) / 2
-                assert abs(green - (top + 2) / (new_h - 1)) < 0.03, (path.stem, top, green)
+                assert abs(green - (top + 2) / (new_h - 1)) < 0.03, (key, top, green)
             if new_w - bw >= 16:
                 offsets.add(("left", left))
                 red = (example.pixels[0, bh // 2, 2].item() + 1) / 2
                 plain, flipped = (left + 2) / (new_w - 1), 1 - (left + 2) / (new_w - 1)
-                assert abs(red - plain) < 0.03 or flip and abs(red - flipped) < 0.03, (path.stem, left, red, plain)
+                assert abs(red - plain) < 0.03 or flip and abs(red - flipped) < 0.03, (key, left, red, plain)
                 mirrored += abs(red - plain) >= 0.03
         assert len(offsets) == 3 and all(offset > 0 for _, offset in offsets)  # random crops, not the edge
         assert (mirrored > 0) == flip

@@ -173,7 +173,7 @@ def test_bad_data_is_converted_or_skipped_with_counts(tmp_path: Path) -> None:
     assert "skipped 1 file(s): not an image (unrecognized format)" in log  # text named .png
     assert "5 image(s) have no caption" in log  # gray, cmyk, alpha, deep, tiny
     assert "cached latents and embeddings of 6 samples" in log
-    assert "9 image file(s); 9 decoded now to check them" in log
+    assert "checked 9 image(s): 9 decoded now" in log
     (run_dir,) = run_dirs(tmp_path)
     assert summary(run_dir)["status"] == "ok"
 
@@ -193,18 +193,18 @@ def test_a_folder_is_decoded_once_and_only_changed_files_again(tmp_path: Path,
     caplog.set_level(logging.INFO, logger="ds_trainer.train.data")
     first = data.dataset(cfg)
     assert len(first) == 6 and sum(first.skipped.values()) == 3
-    assert "9 image file(s); 9 decoded now to check them, 0 known" in caplog.text
+    assert "checked 9 image(s): 9 decoded now, 0 known" in caplog.text
     caplog.clear()
     second = data.dataset(cfg)
-    assert second.files == first.files and second.skipped == first.skipped
-    assert "9 image file(s); 0 decoded now to check them, 9 known" in caplog.text
+    assert second.names() == first.names() and second.skipped == first.skipped
+    assert "checked 9 image(s): 0 decoded now, 9 known" in caplog.text
     assert "skipped 1 file(s): truncated or corrupt image" in caplog.text  # still reported
     caplog.clear()
     good = images / "good.jpg"
     good.write_bytes(good.read_bytes()[:100])  # the same name, now truncated
     third = data.dataset(cfg)
-    assert "9 image file(s); 1 decoded now to check them, 8 known" in caplog.text
-    assert good not in third.files and third.skipped["truncated or corrupt image"] == 2
+    assert "checked 9 image(s): 1 decoded now, 8 known" in caplog.text
+    assert "good.jpg" not in third.names() and third.skipped["truncated or corrupt image"] == 2
 
 
 def test_a_folder_with_nothing_usable_fails_before_training(tmp_path: Path) -> None:

@@ -234,10 +234,10 @@ def test_trains_under_zero3_on_two_ranks_and_exports_a_pipeline_diffusers_loads(
         assert {key: tuple(item[key].shape) for key in CACHED[model]} == CACHED[model]
         assert item["prompt_embeds"].dtype == torch.bfloat16
     # The run says what the cache takes on disk (T5's long sequence makes it large at full size)
-    said = re.search(r"cached latents and embeddings of 2 samples in [\d.]+s: ([\d.]+) MiB on disk \((\d+) KiB a "
-                     r"sample; T5's sequence in bf16\), (\S+)", (run_dir / "ds_trainer.log").read_text())
+    said = re.search(r"cached latents and embeddings of 2 samples \(2 images\) in [\d.]+s: ([\d.]+) MiB on disk "
+                     r"\((\d+) KiB an image; T5's sequence in bf16\), (\S+)", (run_dir / "ds_trainer.log").read_text())
     assert said, (run_dir / "ds_trainer.log").read_text()[-2000:]
-    on_disk = sum(f.stat().st_size for f in Path(said.group(3)).glob("*.pt"))
+    on_disk = sum(f.stat().st_size for f in Path(said.group(3)).glob("0*.pt"))  # not the empty prompt's
     assert int(said.group(2)) == round(on_disk / 2 / 1024) and float(said.group(1)) == round(on_disk / 2**20, 1)
     # The planner sizes the attention by the text tokens the cache holds (SD3: CLIP's and T5's; Flux: T5's alone)
     from ds_trainer.tools.plan import unet as plan_unet

@@ -66,7 +66,7 @@ def test_a_validation_folder_of_its_own_is_scored_whole_and_the_training_folder_
     cfg = _cfg(folder, f"validation.path={other}", "validation.split=2")  # the split applies to data.path only
     trained, held = data.dataset(cfg), data.validation_set(cfg)
     assert len(trained) == len(IMAGES)
-    assert sorted(held.names()) == ["portrait.png", "square.png", "wide.png"] and held.root == other
+    assert sorted(held.names()) == ["portrait.png", "square.png", "wide.png"] and held.sources[0].path == str(other)
     assert held[0].caption == "a portrait picture" and held.layout is not None  # each at its bucket's size
 
 

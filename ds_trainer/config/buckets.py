@@ -36,7 +36,7 @@ def name(bucket: Bucket) -> str:
 
 
 def enabled(cfg: DictConfig) -> bool:
-    return bool(cfg.data.source.value == "folder" and cfg.data.buckets)
+    return bool(cfg.data.source.value != "synthetic" and cfg.data.buckets)
 
 
 def spec(cfg: DictConfig) -> Spec:

@@ -49,6 +49,15 @@ class Precision(str, Enum):
 class DataSource(str, Enum):
     synthetic = "synthetic"
     folder = "folder"
+    sources = "sources"  # data.sources: several folders, tables, tar shards, saved datasets
+
+
+class SourceKind(str, Enum):
+    auto = "auto"  # from the path: a saved dataset's folder is hf, another folder folder, .jsonl/.csv/.parquet table
+    folder = "folder"  # images with same-name caption files (or a metadata.jsonl)
+    table = "table"  # a .jsonl, .csv or .parquet file of image paths (or image bytes) and captions
+    webdataset = "webdataset"  # tar shards (a path or a brace pattern), a sample's members sharing a key
+    hf = "hf"  # a Hugging Face dataset saved with save_to_disk
 
 
 class Remainder(str, Enum):
@@ -292,11 +301,30 @@ class ModelConfig:
 
 
 @dataclass
+class SourceConfig:
+    """One entry of `data.sources` (data=sources)."""
+
+    path: str = MISSING
+    kind: SourceKind = SourceKind.auto
+    name: str | None = None  # its name in the log, summary.json and the sweep report (default: the path's last part)
+    repeats: int = 1  # times each of its images is seen an epoch (3 beside another source's 1: three times as often)
+    caption_dropout: float | None = None  # this source's probability of an empty caption (default data.caption_dropout)
+    caption_ext: str = "txt"  # folder: the caption files' extension; webdataset: the caption member's
+    image_column: str | None = None  # table, hf: the column of image paths or bytes (default image, file_name, path)
+    caption_column: str | None = None  # table, hf: the captions' column (default text, caption, prompt)
+    split: str = "train"  # hf: the split of a saved DatasetDict
+
+
+@dataclass
 class DataConfig:
     """`data` group: where images and captions come from."""
 
     source: DataSource = DataSource.synthetic
     path: str | None = None
+    sources: list[SourceConfig] = field(default_factory=list)
+    # The probability that a sample's caption is dropped (an empty prompt, so classifier-free guidance keeps working):
+    # drawn from the seed and the sample's position in the run, so a resume under any layout drops the same ones.
+    caption_dropout: float = 0.0
     num_samples: int = 64
     caption_ext: str = "txt"
     center_crop: bool = True

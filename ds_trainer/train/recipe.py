@@ -159,12 +159,13 @@ def loop(run: Run, started: Started) -> None:
     with StopRequest(terminal=accelerator.is_main_process) as request:
         train_step = TrainStep(run, started.loader, request, progress, save_due=saver.due)
         validator = validate.Validator(run, started.vset, train_step.dtype) if started.vset is not None else None
-        step = first
+        step = done = first
         try:
             if validator is not None and first == 0:
                 validator.after_step(0)  # validation.at_start: the starting weights' value
             for step in range(first + 1, max_steps + 1):
                 outcome = train_step(step)
+                done = step
                 sampler.after_step(step, outcome.stop)
                 saver.after_step(step, outcome.stop, outcome.save)
                 if validator is not None:  # after the checkpoint: a resume from it continues the weights trained
@@ -177,6 +178,8 @@ def loop(run: Run, started: Started) -> None:
             started.loader.close()
             if progress is not None:
                 progress.close()
+            if accelerator.is_main_process:  # per source: images, skipped, repeats, samples seen, captions dropped
+                run.tracker.add_facts({"sources": started.loader.seen(done)})
 
 
 def finish(run: Run) -> None:
@@ -254,9 +257,10 @@ def _build_cache(run: Run, dataset: Any) -> data.LatentCache | None:
         cache.finish()
         size = cache.disk_bytes()
         t5 = "; T5's sequence in bf16" if run.family.storage_dtype("prompt_embeds") else ""
-        log.info("cached latents and embeddings of %d samples in %.1fs: %s MiB on disk (%s KiB a sample%s), %s",
-                 len(dataset), time.time() - start, f"{size / 2**20:.1f}", f"{size / max(len(dataset), 1) / 2**10:.0f}",
-                 t5, cache.dir)
+        files = cache.files()
+        log.info("cached latents and embeddings of %d samples (%d images) in %.1fs: %s MiB on disk "
+                 "(%s KiB an image%s), %s", len(dataset), files, time.time() - start, f"{size / 2**20:.1f}",
+                 f"{size / max(files, 1) / 2**10:.0f}", t5, cache.dir)
     accelerator.wait_for_everyone()
     return cache
 

@@ -36,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="with --startup-pairs: the path of diffusers' examples/text_to_image/"
                              "train_text_to_image_sdxl.py, timed in each pair on the same weights, images, batch and "
                              "steps as the run (see tools/bench/peer.py); needs the datasets and torchvision packages "
-                             "in --peer-python (pip install -e '.[bench]', and the torchvision built for your torch)")
+                             "in --peer-python (datasets comes with ds_trainer; torchvision: the build for your torch)")
     parser.add_argument("--peer-python", default=sys.executable,
                         help="the Python that runs --peer-script (default: this one)")
     parser.add_argument("--precisions", nargs="+", default=None,

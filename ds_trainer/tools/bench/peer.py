@@ -181,7 +181,7 @@ def prepare(args: Any, out: Path) -> Peer:
     if check.returncode:
         last = check.stderr.strip().splitlines()[-1:] or ["?"]
         raise SystemExit(f"--peer-script needs the datasets and torchvision packages in --peer-python="
-                         f"{args.peer_python} ({last[0]}); pip install -e '.[bench]' and the torchvision built "
+                         f"{args.peer_python} ({last[0]}); pip install -e . (datasets) and the torchvision built "
                          "for your torch (docs/bench.md)")
     res = args.resolutions[0]
     model_dir = out / "peer_inputs" / f"{args.model}-seed0"

@@ -4,15 +4,15 @@
 
 from ds_trainer.train.data.cache import LatentCache, encode_batch
 from ds_trainer.train.data.images import (
-           IMAGE_EXTENSIONS,
            Example,
-           FolderImages,
+           SourceImages,
            SyntheticImages,
            dataset,
            validation_set,
 )
 from ds_trainer.train.data.loader import Loader
 from ds_trainer.train.data.order import batch_indices, sample_indices
+from ds_trainer.train.data.sources import IMAGE_EXTENSIONS
 
-__all__ = ["IMAGE_EXTENSIONS", "Example", "FolderImages", "LatentCache", "Loader", "SyntheticImages", "batch_indices",
+__all__ = ["IMAGE_EXTENSIONS", "Example", "SourceImages", "LatentCache", "Loader", "SyntheticImages", "batch_indices",
            "dataset", "encode_batch", "sample_indices", "validation_set"]

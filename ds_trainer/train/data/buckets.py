@@ -14,8 +14,9 @@ from __future__ import annotations
 import hashlib
 import logging
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
+from typing import TYPE_CHECKING, BinaryIO
 
 from omegaconf import DictConfig
 from PIL import Image
@@ -23,6 +24,9 @@ from PIL import Image
 from ds_trainer.config import buckets as geometry
 from ds_trainer.config.buckets import Bucket
 from ds_trainer.errors import DataError
+
+if TYPE_CHECKING:
+    from ds_trainer.train.data.sources import Item
 
 log = logging.getLogger(__name__)
 
@@ -52,9 +56,9 @@ def crop_of(size: tuple[int, int], target: Bucket, center: bool, flip: bool, rng
     return Crop(new_w, new_h, top, new_w - width - left if flipped else left, flipped)
 
 
-def source_size(path: Path) -> tuple[int, int]:
-    """(width, height) as the image is seen upright (EXIF orientation applied), from its header only."""
-    with Image.open(path) as image:
+def source_size(read: Callable[[], BinaryIO]) -> tuple[int, int]:
+    """(width, height) as the image `read` opens is seen upright (EXIF orientation applied), from its header only."""
+    with read() as f, Image.open(f) as image:
         width, height = image.size
         orientation = image.getexif().get(0x0112, 1)
     return (height, width) if orientation in (5, 6, 7, 8) else (width, height)
@@ -87,24 +91,28 @@ class Layout:
         return out
 
 
-def layout(cfg: DictConfig, root: Path, files: list[Path]) -> tuple[Layout, list[Path]]:
-    """Assign every image to its bucket; images more elongated than the max aspect ratio fit none and are
-    left out (with their sizes in the log); no image left is a DataError naming the sizes."""
+def layout(cfg: DictConfig, items: list[Item]) -> tuple[Layout, list[Item]]:
+    """Assign every image to its bucket (a repeated image's header is read once); images more elongated than the max
+    aspect ratio fit none and are left out (with their sizes in the log); no image left is a DataError naming the
+    sizes."""
     s = geometry.spec(cfg)
     found = geometry.generate(s)
-    kept, sizes, skipped = [], [], []
-    for path in files:
-        w, h = source_size(path)
+    kept, sizes, skipped, known = [], [], [], {}
+    for item in items:
+        if item.key not in known:
+            known[item.key] = source_size(item.read)
+        w, h = known[item.key]
         if max(w / h, h / w) > s.max_ratio + 1e-9:
-            skipped.append(f"{path.relative_to(root)} ({w}x{h})")
+            skipped.append(f"{item.key} ({w}x{h})")
         else:
-            kept.append(path)
+            kept.append(item)
             sizes.append((w, h))
+    skipped = list(dict.fromkeys(skipped))
     if skipped:
-        log.warning("data.path=%s: %d image(s) fit no bucket (aspect ratio beyond data.bucket_max_aspect_ratio=%s)"
-                    " and are left out: %s", root, len(skipped), s.max_ratio, ", ".join(skipped[:20]))
+        log.warning("%d image(s) fit no bucket (aspect ratio beyond data.bucket_max_aspect_ratio=%s) and are left "
+                    "out: %s", len(skipped), s.max_ratio, ", ".join(skipped[:20]))
     if not kept:
-        raise DataError(f"data.path={root}: no image fits a bucket: {', '.join(skipped[:20])} are all more "
+        raise DataError(f"data: no image fits a bucket: {', '.join(skipped[:20])} are all more "
                         f"elongated than data.bucket_max_aspect_ratio={s.max_ratio} (buckets "
                         f"{geometry.name(found[0])} to {geometry.name(found[-1])}); raise "
                         f"data.bucket_max_aspect_ratio or train at one size with data.buckets=false")

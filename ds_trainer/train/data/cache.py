@@ -10,10 +10,12 @@ import os
 from pathlib import Path
 from typing import Any
 
+import safetensors.torch
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from ds_trainer.train.data.images import FolderImages, SyntheticImages
+from ds_trainer.train.data import captions
+from ds_trainer.train.data.images import SourceImages, SyntheticImages
 from ds_trainer.train.families import common, text_encoders
 from ds_trainer.train.families.base import Family
 
@@ -21,17 +23,17 @@ log = logging.getLogger(__name__)
 
 
 class LatentCache:
-    """VAE latents and text embeddings, one file per sample under `data.cache_dir/<key>`.
+    """VAE latents and text embeddings, one file per image under `data.cache_dir/<key>`.
 
-    Without buckets the key hashes the model, resolution and data, so a change to any of them makes a
-    new cache. With buckets the key hashes the model alone and each sample's file, under its bucket's
-    folder, is named by a hash of its image, caption and crop: a later run, or a run on a folder
-    with images added, encodes only what it has not seen. A cache is complete when its manifest
-    exists; files are written atomically, so an interrupted build resumes where it stopped.
+    For synthetic data the key hashes the model, resolution and data, so a change to any of them makes a new cache.
+    For images of sources the key hashes the model alone and each image's file, under its size's folder, is named by
+    a hash of its image, caption and crop: a later run, or a run on a source with images added, encodes only what it
+    has not seen, and an image a source repeats is one file. A cache is complete when its manifest exists; files are
+    written atomically, so an interrupted build resumes where it stopped.
     """
 
-    def __init__(self, cfg: DictConfig, data: SyntheticImages | FolderImages, family: Family, kind: str) -> None:
-        self.names = data.cache_names() if isinstance(data, FolderImages) else None
+    def __init__(self, cfg: DictConfig, data: SyntheticImages | SourceImages, family: Family, kind: str) -> None:
+        self.names = data.cache_names() if isinstance(data, SourceImages) else None
         model: Any = OmegaConf.to_container(cfg.model, resolve=True)
         # The encoders' dtype is part of what a latent is: a cache built on a GPU in bf16 and one built on a CPU
         # in float32 must not be mixed in a shared cache_dir. `kind` is the device torch confirmed, which the
@@ -48,7 +50,8 @@ class LatentCache:
         identity = {"model": model, "resolution": [int(cfg.resolution.width), int(cfg.resolution.height)],
                     "data": data.identity()} if self.names is None else {"model": model}
         key = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
-        size = "buckets" if self.names is not None else f"{cfg.resolution.width}x{cfg.resolution.height}"
+        bucketed = getattr(data, "layout", None) is not None
+        size = "buckets" if bucketed else f"{cfg.resolution.width}x{cfg.resolution.height}"
         self.dir = Path(cfg.data.cache_dir) / f"{cfg.model.name}-{size}-{key}"
         self.manifest = self.dir / "manifest.json"
         if self.names is not None:  # one manifest per set of samples: the folder is shared by many sets
@@ -63,13 +66,20 @@ class LatentCache:
     def path(self, index: int) -> Path:
         return self.dir / (f"{self.names[index]}.pt" if self.names is not None else f"{index:08d}.pt")
 
-    def build(self, data: SyntheticImages | FolderImages, frozen: Any, rank: int, world: int,
+    def build(self, data: SyntheticImages | SourceImages, frozen: Any, rank: int, world: int,
               device: torch.device, batch_size: int = 8) -> int:
         """Encode this rank's share of the samples not cached yet; returns how many it encoded.
         Samples are encoded in batches of one shape (one bucket folder)."""
         family = self.family
         self.dir.mkdir(parents=True, exist_ok=True)
-        todo = sorted((i for i in range(rank, self.n, world) if not self.path(i).exists()),
+        if not (self.dir / captions.EMPTY).exists():  # what a dropped caption trains with (data.caption_dropout)
+            empty = family.text_inputs(frozen, [""], device)
+            tmp = self.dir / f".{captions.EMPTY}.tmp{os.getpid()}"
+            safetensors.torch.save_file({key: _on_cpu(value[0], family.storage_dtype(key)).contiguous()
+                                         for key, value in empty.items()}, str(tmp))
+            tmp.replace(self.dir / captions.EMPTY)
+        files = self._files()
+        todo = sorted((i for i in list(files.values())[rank::world] if not self.path(i).exists()),
                       key=lambda i: (self.path(i).parent.name, i))
         chunks = [list(group) for _, group in itertools.groupby(todo, key=lambda i: self.path(i).parent)]
         for group in chunks:
@@ -83,45 +93,67 @@ class LatentCache:
                     item = {"latents": latents[j].to("cpu", torch.float32).clone(),
                             **{key: _on_cpu(value[j], family.storage_dtype(key)) for key, value in text.items()},
                             "time_ids": chunk[j].time_ids.clone()}
-                    tmp = self.path(index).with_suffix(f".tmp{os.getpid()}")
-                    torch.save(item, tmp)
-                    tmp.replace(self.path(index))
+                    _save_atomic(item, self.path(index))
         return len(todo)
+
+    def _files(self) -> dict[Path, int]:
+        """Each file of the cache and the first sample it holds (a repeated image's samples share one)."""
+        files: dict[Path, int] = {}
+        for i in range(self.n):
+            files.setdefault(self.path(i), i)
+        return files
+
+    def files(self) -> int:
+        """How many files the samples take (a repeated image's samples share one)."""
+        return len(self._files())
 
     def disk_bytes(self) -> int:
         """What the cached samples take on disk."""
-        return sum(self.path(i).stat().st_size for i in range(self.n) if self.path(i).exists())
+        return sum(path.stat().st_size for path in self._files() if path.exists())
 
     def finish(self) -> None:
         """Mark the cache complete (rank 0, after every rank built its share)."""
-        missing = [i for i in range(self.n) if not self.path(i).exists()]
+        missing = [path for path in self._files() if not path.exists()]
         if missing:
             raise RuntimeError(f"latent cache {self.dir} lacks {len(missing)} samples after building")
         tmp = self.dir / f".manifest.tmp{os.getpid()}"
         tmp.write_text(json.dumps({"samples": self.n}))
         tmp.replace(self.manifest)
 
-    def load(self, indices: list[int]) -> dict[str, torch.Tensor]:
+    def load(self, indices: list[int], drop: list[bool] | None = None) -> dict[str, torch.Tensor]:
+        """The samples' tensors; those `drop` marks with the empty prompt's text tensors."""
         items = [torch.load(self.path(i), map_location="cpu", weights_only=True) for i in indices]
+        if drop and any(drop):
+            empty = safetensors.torch.load_file(str(self.dir / captions.EMPTY))
+            items = [{**item, **empty} if gone else item for item, gone in zip(items, drop, strict=True)]
         return {key: torch.stack([item[key] for item in items]) for key in items[0]}
 
 
-def encode_batch(data: SyntheticImages | FolderImages, frozen: Any, indices: list[int],
-                 device: torch.device, family: Family | None = None) -> dict[str, torch.Tensor]:
+def encode_batch(data: SyntheticImages | SourceImages, frozen: Any, indices: list[int],
+                 device: torch.device, family: Family | None = None,
+                 drop: list[bool] | None = None) -> dict[str, torch.Tensor]:
     """The same tensors as LatentCache.load, computed now (data.cache=false), as `family` encodes them (SDXL's
-    when not given)."""
+    when not given); the samples `drop` marks with an empty caption."""
     if family is None:
         from ds_trainer.train.families.sdxl import SDXL
 
         family = SDXL()
     examples = [data[i] for i in indices]
+    drop = drop or [False] * len(examples)
     latents = family.encode_images(frozen, torch.stack([e.pixels for e in examples]))
-    text = family.text_inputs(frozen, [e.caption for e in examples], device)
+    text = family.text_inputs(frozen, ["" if gone else e.caption for e, gone in zip(examples, drop, strict=True)],
+                              device)
     # On the CPU in float32, as the cache holds them: the step draws its noise on the CPU, and on a GPU the
     # encoders' CUDA tensors would meet it there (diffusers' add_noise moves only the schedule's tensors).
     return {"latents": latents.to("cpu", torch.float32),
             **{key: _on_cpu(value, family.storage_dtype(key)) for key, value in text.items()},
             "time_ids": torch.stack([e.time_ids for e in examples])}
+
+
+def _save_atomic(item: dict[str, torch.Tensor], path: Path) -> None:
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    torch.save(item, tmp)
+    tmp.replace(path)
 
 
 def _on_cpu(value: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -4,6 +4,7 @@ SDXL's micro-conditioning."""
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import logging
 import os
@@ -20,11 +21,10 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 from ds_trainer.config import buckets as bucket_geometry
 from ds_trainer.config import holdout
 from ds_trainer.errors import DataError
-from ds_trainer.train.data import buckets
+from ds_trainer.train.data import buckets, sources
 
 log = logging.getLogger(__name__)
 
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp")
 _COLORS = {"red": (220, 40, 40), "green": (40, 180, 60), "blue": (40, 80, 220), "yellow": (230, 210, 40),
            "purple": (140, 60, 190), "orange": (240, 140, 30), "white": (245, 245, 245), "black": (15, 15, 15)}
 _SHAPES = ("square", "bar", "block")
@@ -105,46 +105,50 @@ class SyntheticImages:
         return Example(pixels, caption, torch.tensor([self.height, self.width, 0, 0, self.height, self.width]))
 
 
-class FolderImages:
-    """jpg/png/webp files in a folder (recursively), captions from same-name .txt files or metadata.jsonl.
+class SourceImages:
+    """The images of `data.sources` (or data=folder's one folder, or validation.path): folders, tables, tar shards,
+    saved Hugging Face datasets (train/data/sources.py), each checked before a run, a source's images repeated
+    `repeats` times an epoch.
 
-    Unreadable files are skipped with a count in the log; a folder with no usable image is a DataError.
+    Unreadable images are skipped with a count per source and reason in the log; a source with nothing usable is a
+    DataError naming it.
     """
 
     def __init__(self, cfg: DictConfig, accelerator: Any = None, part: str = "all", root: str | None = None) -> None:
-        """`part`: `all` images of the folder, or those `validation.split` leaves to `train` or holds out for
-        `validation` (config/holdout.py); `root`: another folder than data.path (validation.path)."""
-        key = "validation.path" if root is not None else "data.path"
-        self.root = Path(root if root is not None else cfg.data.path)
+        """`part`: `all` images, or those `validation.split` leaves to `train` or holds out for `validation`
+        (config/holdout.py); `root`: validation.path's folder instead of the sources."""
+        self.scoring = root is not None
+        self.sources = [sources.for_validation(cfg)] if self.scoring else sources.of(cfg)
         self.width, self.height = int(cfg.resolution.width), int(cfg.resolution.height)
         self.center, self.flip, self.seed = bool(cfg.data.center_crop), bool(cfg.data.random_flip), int(cfg.train.seed)
-        self.caption_ext = str(cfg.data.caption_ext)
-        self.metadata = self._metadata()
-        folder_key = hashlib.sha256(str(self.root.resolve()).encode()).hexdigest()[:16]
-        record = Path(cfg.data.cache_dir) / f"scan-{folder_key}.json"
-        checks, checked_now = _check_images(self.root, record, accelerator)
-        self.files = [self.root / rel for rel, (_, _, problem) in sorted(checks.items()) if problem is None]
-        self.stats = {rel: (size, mtime) for rel, (size, mtime, _) in checks.items()}
+        found = {item.key: item for source in self.sources for item in sources.items(source)}
+        checks, checked_now = _check_items(found, _record(cfg, self.sources), accelerator)
+        usable = [found[key] for key, (_, _, problem) in sorted(checks.items()) if problem is None]
+        self.found = Counter(found[key].source for key in checks)
         self.skipped = Counter(problem for _, _, problem in checks.values() if problem is not None)
-        if part == "all" or part == "train":  # the held-out part says nothing new about the folder
-            log.info("%s=%s: %d image file(s); %d decoded now to check them, %d known from %s", key, self.root,
-                     len(checks), checked_now, len(checks) - checked_now, record)
-            for reason, count in sorted(self.skipped.items()):
-                log.warning("%s=%s: skipped %d file(s): %s", key, self.root, count, reason)
-        if not self.files:
-            found = f"{len(checks)} image file(s), none readable" if checks else "no jpg/png/webp files"
-            raise DataError(f"{key}={self.root}: {found}; nothing to {'score' if root else 'train on'}")
+        self.skipped_by_source = Counter((found[key].source, problem) for key, (_, _, problem) in checks.items()
+                                         if problem is not None)
+        if part in ("all", "train"):  # the held-out part says nothing new about the sources
+            self._log_found(checks, checked_now)
+        for source in self.sources:
+            if not any(item.source == source.index for item in usable):
+                n = self.found[source.index]
+                what = f"{n} image file(s), none readable" if n else f"no {sources.what_is_read(source.kind)}"
+                raise DataError(f"{source.label}={source.path}: {what}; nothing to "
+                                f"{'score' if self.scoring else 'train on'}")
         if part != "all":
-            self.files = self._split(cfg, part)
-        missing = sum(1 for f in self.files if not self._caption(f))
+            usable = self._split(cfg, usable, part)
+        self.unique = len(usable)
+        self.items = [item for item in usable for _ in range(1 if part == "validation" else self._repeats(item))]
+        missing = sum(1 for item in usable if not item.caption)
         if missing and part != "validation":
-            log.warning("%s=%s: %d image(s) have no caption; %s them with an empty prompt", key, self.root, missing,
-                        "scoring" if root else "training")
+            log.warning("%d image(s) have no caption; %s them with an empty prompt", missing,
+                        "scoring" if self.scoring else "training")
         self.layout: buckets.Layout | None = None
         self.plan: buckets.Plan | None = None
         if bucket_geometry.enabled(cfg):
-            self.layout, self.files = buckets.layout(cfg, self.root, self.files)
-            if part == "validation" or root is not None:
+            self.layout, self.items = buckets.layout(cfg, self.items)
+            if part == "validation" or self.scoring:
                 return  # scored image by image at its bucket's size: no epochs to plan
             world = accelerator.num_processes if accelerator else 1
             batch = int(cfg.train.micro_batch_size) * int(cfg.train.gradient_accumulation_steps) * world
@@ -153,80 +157,89 @@ class FolderImages:
                 for line in self.plan.report():
                     log.info("bucket %s", line)
 
-    def _split(self, cfg: DictConfig, part: str) -> list[Path]:
-        """The files `validation.split` leaves to training (`train`) or holds out (`validation`)."""
-        relative = [str(f.relative_to(self.root)) for f in self.files]
+    def _repeats(self, item: sources.Item) -> int:
+        return self.sources[item.source].repeats
+
+    def _log_found(self, checks: dict[str, list[Any]], checked_now: int) -> None:
+        for source in self.sources:
+            log.info("%s=%s: %d image(s), repeated %d time(s) an epoch", source.label, source.path,
+                     self.found[source.index], source.repeats)
+        for (index, reason), count in sorted(self.skipped_by_source.items()):
+            source = self.sources[index]
+            log.warning("%s=%s: skipped %d file(s): %s", source.label, source.path, count, reason)
+        log.info("checked %d image(s): %d decoded now, %d known from an earlier check", len(checks), checked_now,
+                 len(checks) - checked_now)
+
+    def _split(self, cfg: DictConfig, usable: list[sources.Item], part: str) -> list[sources.Item]:
+        """The items `validation.split` leaves to training (`train`) or holds out (`validation`)."""
+        keys = [item.key for item in usable]
         split = float(cfg.validation.split)
-        if holdout.count(split, len(relative)) >= len(relative):
-            raise DataError(f"validation.split={cfg.validation.split}: holds out {holdout.count(split, len(relative))} "
-                            f"of the {len(relative)} usable images of data.path={self.root}, leaving none to train on; "
-                            "hold out fewer (validation.split=0.05 or a count below the images), or score a folder "
-                            "of other images with validation.path=")
-        trained, held = holdout.split_files(relative, split)
-        return [self.root / rel for rel in (held if part == "validation" else trained)]
+        if holdout.count(split, len(keys)) >= len(keys):
+            raise DataError(f"validation.split={cfg.validation.split}: holds out {holdout.count(split, len(keys))} "
+                            f"of the {len(keys)} usable images of the data, leaving none to train on; hold out fewer "
+                            "(validation.split=0.05 or a count below the images), or score a folder of other images "
+                            "with validation.path=")
+        trained, held = holdout.split_files(keys, split)
+        chosen = set(held if part == "validation" else trained)
+        return [item for item in usable if item.key in chosen]
 
     def names(self) -> list[str]:
-        return [str(f.relative_to(self.root)) for f in self.files]
+        return [item.key for item in self.items]
 
-    def _metadata(self) -> dict[str, str]:
-        path = self.root / "metadata.jsonl"
-        captions: dict[str, str] = {}
-        if path.exists():
-            for line in path.read_text().splitlines():
-                if line.strip():
-                    row = json.loads(line)
-                    captions[str(row.get("file_name", ""))] = str(row.get("text", row.get("caption", "")))
-        return captions
+    def caption(self, index: int) -> str:
+        return self.items[index].caption
 
-    def _caption(self, path: Path) -> str:
-        text = path.with_suffix(f".{self.caption_ext}")
-        if text.exists():
-            return text.read_text().strip()
-        return self.metadata.get(str(path.relative_to(self.root)), self.metadata.get(path.name, ""))
+    def source_of(self, index: int) -> int:
+        return self.items[index].source
 
     def __len__(self) -> int:
-        return len(self.files)
+        return len(self.items)
 
     def identity(self) -> dict[str, Any]:
-        stats = [(str(f.relative_to(self.root)), f.stat().st_size, int(f.stat().st_mtime)) for f in self.files]
-        return {"source": "folder", "root": str(self.root.resolve()), "files": stats, "center": self.center,
-                "flip": self.flip, "seed": self.seed, "captions": self.caption_ext}
+        return {"source": "sources", "items": [(item.key, *item.stat) for item in self.items], "center": self.center,
+                "flip": self.flip, "seed": self.seed}
 
     def _target(self, index: int) -> tuple[tuple[int, int], random.Random]:
-        """The size sample `index` is trained at and the generator of its random crop and flip (keyed by the
-        file's name with buckets, so the cache of an image survives files added to the folder)."""
-        if self.layout is None:
-            return (self.width, self.height), random.Random(self.seed * 1_000_003 + index)
-        return self.layout.bucket(index), random.Random(f"{self.seed}:{self.files[index].relative_to(self.root)}")
+        """The size sample `index` is trained at and the generator of its random crop and flip, keyed by the item (a
+        repeated image has one crop, which the cache holds once; files added to a folder change no other crop)."""
+        target = (self.width, self.height) if self.layout is None else self.layout.bucket(index)
+        return target, random.Random(f"{self.seed}:{self.items[index].key}")
 
-    def cache_names(self) -> list[str] | None:
-        """Per-sample cache file names keyed by image, caption, bucket and crop (None without buckets)."""
-        if self.layout is None:
-            return None
-        names = []
-        for index, path in enumerate(self.files):
+    def cache_names(self) -> list[str]:
+        """Per-sample cache file names keyed by the item, its caption, its size and its crop: a repeated image is one
+        file, and a later run on a source with images added encodes only the new ones."""
+        names, sizes = [], dict[str, tuple[int, int]]()
+        for index, item in enumerate(self.items):
             target, rng = self._target(index)
-            crop = buckets.crop_of(self.layout.sizes[index], target, self.center, self.flip, rng)
-            rel = str(path.relative_to(self.root))
-            identity = f"{rel}|{self.stats[rel]}|{self.layout.sizes[index]}|{self._caption(path)}"
+            if self.layout is not None:
+                size = self.layout.sizes[index]
+            else:
+                size = sizes[item.key] = sizes.get(item.key) or buckets.source_size(item.read)
+            crop = buckets.crop_of(size, target, self.center, self.flip, rng)
+            identity = f"{item.key}|{item.stat}|{size}|{item.caption}"
             names.append(buckets.cache_name(target, identity, crop))
         return names
 
     def __getitem__(self, index: int) -> Example:
-        path = self.files[index]
-        with Image.open(path) as raw:
+        item = self.items[index]
+        with item.read() as f, Image.open(f) as raw:
             image = _to_rgb(raw)
         (width, height), rng = self._target(index)
         image, time_ids = _fit(image, width, height, self.center, self.flip, rng)
-        return Example(_pixels(image), self._caption(path), torch.tensor(time_ids))
+        return Example(_pixels(image), item.caption, torch.tensor(time_ids))
 
 
-def _problem(path: Path) -> str | None:
-    """Why an image file cannot be trained on (decoding it whole), or None."""
-    if path.stat().st_size == 0:
+def _problem(item: sources.Item) -> str | None:
+    """Why an image cannot be trained on (decoding it whole), or None."""
+    try:
+        with item.read() as f:
+            data = f.read()
+    except OSError as exc:
+        return f"unreadable ({exc.strerror or exc})"
+    if not data:
         return "empty file"
     try:
-        with Image.open(path) as image:
+        with Image.open(io.BytesIO(data)) as image:
             image.load()
     except UnidentifiedImageError:
         return "not an image (unrecognized format)"
@@ -235,34 +248,39 @@ def _problem(path: Path) -> str | None:
     return None
 
 
-def _check_images(root: Path, record: Path, accelerator: Any) -> tuple[dict[str, list[Any]], int]:
-    """{relative path: [size, mtime_ns, problem or None]} of every image file under `root`, and how many
-    were decoded now.
+def _record(cfg: DictConfig, found: list[sources.Source]) -> Path:
+    """Where the checks of these sources are kept (data=folder's record is named as before sources existed)."""
+    one_folder = len(found) == 1 and not found[0].keyed
+    text = str(Path(found[0].path).resolve()) if one_folder else "|".join(f"{s.kind}:{Path(s.path).resolve()}"
+                                                                         for s in found)
+    return Path(cfg.data.cache_dir) / f"scan-{hashlib.sha256(text.encode()).hexdigest()[:16]}.json"
 
-    Decoding every image is the only sure check, and slow on a large folder, so it is done once: the
-    results are kept in `record` (under data.cache_dir) and only new or changed files are decoded on a
-    later start (a resumed or requeued job). The ranks split that work. Rank 0 lists the folder and reads
-    the record for all of them, so every rank ends with the same list of files.
+
+def _check_items(found: dict[str, sources.Item], record: Path, accelerator: Any) -> tuple[dict[str, list[Any]], int]:
+    """{key: [size, mtime_ns, problem or None]} of every item, and how many were decoded now.
+
+    Decoding every image is the only sure check, and slow on a large source, so it is done once: the results are
+    kept in `record` (under data.cache_dir) and only new or changed items are decoded on a later start (a resumed or
+    requeued job). The ranks split that work. Rank 0's listing and record are every rank's, so every rank ends with
+    the same items.
     """
     from ds_trainer.train.backends import accelerator as accel
 
     rank, world = (accelerator.process_index, accelerator.num_processes) if accelerator else (0, 1)
     listing: tuple[dict[str, list[int]], dict[str, list[Any]]] = ({}, {})
     if rank == 0:
-        stats = {}
-        for path in sorted(root.rglob("*")):
-            if path.suffix.lower() in IMAGE_EXTENSIONS and path.is_file():
-                st = path.stat()
-                stats[str(path.relative_to(root))] = [st.st_size, st.st_mtime_ns]
         try:
             known = json.loads(record.read_text())
         except (OSError, ValueError):
             known = {}
-        listing = (stats, known)
+        listing = ({key: list(item.stat) for key, item in found.items()}, known)
     stats, known = accel.from_main(accelerator, listing) if world > 1 else listing
-    checks = {rel: known[rel] for rel, stat in stats.items() if known.get(rel, [None, None])[:2] == stat}
-    todo = [rel for rel in stats if rel not in checks]
-    mine = {rel: [*stats[rel], _problem(root / rel)] for rel in todo[rank::world]}
+    if unseen := [key for key in stats if key not in found]:
+        raise DataError(f"rank {rank} does not see {len(unseen)} image(s) rank 0 lists (e.g. {unseen[0]}): every "
+                        "node must see the same data; put it on a shared file system or the same path on each node")
+    checks = {key: known[key] for key, stat in stats.items() if known.get(key, [None, None])[:2] == stat}
+    todo = [key for key in stats if key not in checks]
+    mine = {key: [*stats[key], _problem(found[key])] for key in todo[rank::world]}
     if world > 1:
         from accelerate.utils import gather_object
 
@@ -278,21 +296,21 @@ def _check_images(root: Path, record: Path, accelerator: Any) -> tuple[dict[str,
     return checks, len(todo)
 
 
-def dataset(cfg: DictConfig, accelerator: Any = None) -> SyntheticImages | FolderImages:
+def dataset(cfg: DictConfig, accelerator: Any = None) -> SyntheticImages | SourceImages:
     """The images to train on (with validation on, without those it holds out); `accelerator` (optional) lets
-    the ranks share the work of checking a folder."""
+    the ranks share the work of checking the sources."""
     if cfg.data.source.value == "synthetic":
         return SyntheticImages(cfg)
     held_out = cfg.validation.enabled and cfg.validation.path is None
-    return FolderImages(cfg, accelerator, "train" if held_out else "all")
+    return SourceImages(cfg, accelerator, "train" if held_out else "all")
 
 
-def validation_set(cfg: DictConfig, accelerator: Any = None) -> SyntheticImages | FolderImages:
+def validation_set(cfg: DictConfig, accelerator: Any = None) -> SyntheticImages | SourceImages:
     """The images the validation loss scores: validation.path's folder, the part of data.path that
     validation.split holds out, or for synthetic data as many images again after the training ones."""
     if cfg.validation.path is not None:
-        return FolderImages(cfg, accelerator, "all", root=str(cfg.validation.path))
+        return SourceImages(cfg, accelerator, "all", root=str(cfg.validation.path))
     if cfg.data.source.value == "synthetic":
         n = int(cfg.data.num_samples)
         return SyntheticImages(cfg, holdout.count(float(cfg.validation.split), n), first=n)
-    return FolderImages(cfg, accelerator, "validation")
+    return SourceImages(cfg, accelerator, "validation")

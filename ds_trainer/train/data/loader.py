@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
+from omegaconf import DictConfig
 
+from ds_trainer.train.data import captions
 from ds_trainer.train.data.cache import LatentCache, encode_batch
-from ds_trainer.train.data.images import FolderImages, SyntheticImages
+from ds_trainer.train.data.images import SourceImages, SyntheticImages
 from ds_trainer.train.data.order import sample_indices
 
 if TYPE_CHECKING:
@@ -28,16 +31,18 @@ class Loader:
     (`position`), which seed their noise.
     """
 
-    def __init__(self, run: Run, data: SyntheticImages | FolderImages, cache: LatentCache | None,
+    def __init__(self, run: Run, data: SyntheticImages | SourceImages, cache: LatentCache | None,
                  start: tuple[int, int] | None = None) -> None:
         cfg, accelerator = run.cfg, run.accelerator
         self.data, self.cache, self.frozen, self.device = data, cache, run.frozen, accelerator.device
         self.family = run.family
         self.rank, self.world = accelerator.process_index, accelerator.num_processes
         self.micro, self.seed = int(cfg.train.micro_batch_size), int(cfg.train.seed)
-        self.plan = data.plan if isinstance(data, FolderImages) else None
+        self.plan = data.plan if isinstance(data, SourceImages) else None
+        self.dropout = dropout_of(cfg, data)
         step, self.offset = start or (0, 0)
-        self.first = step * int(cfg.train.gradient_accumulation_steps)
+        self.accumulation = int(cfg.train.gradient_accumulation_steps)
+        self.first = step * self.accumulation
         # The cache read of micro-batch b+1 runs in a thread while b trains (files, unpickling: no GPU work).
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="ds_trainer-prefetch") if cache is not None else None
         self._next: tuple[int, Future[dict[str, torch.Tensor]]] | None = None
@@ -59,6 +64,11 @@ class Loader:
         self._next = (b + 1, self._pool.submit(self._load, b + 1))
         return batch
 
+    def seen(self, step: int) -> list[dict[str, Any]]:
+        """Per source, what the run has trained on by the end of `step` (every rank, resumes included)."""
+        total = self.offset + (step * self.accumulation - self.first) * self.world * self.micro
+        return seen(self.data, self.seed, total, self.dropout)
+
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
@@ -69,7 +79,45 @@ class Loader:
             indices = self.plan.samples(position, self.micro)
         else:
             indices = sample_indices(position, self.micro, len(self.data), self.seed)
-        batch = self.cache.load(indices) if self.cache is not None else \
-            encode_batch(self.data, self.frozen, indices, self.device, self.family)
+        drop = [captions.dropped(self.seed, position + j, self.dropout(index)) for j, index in enumerate(indices)]
+        batch = self.cache.load(indices, drop) if self.cache is not None else \
+            encode_batch(self.data, self.frozen, indices, self.device, self.family, drop)
         batch["position"] = torch.arange(position, position + self.micro)
         return batch
+
+
+def dropout_of(cfg: DictConfig, data: SyntheticImages | SourceImages) -> Callable[[int], float]:
+    """A sample's caption dropout: its source's (data.sources[i].caption_dropout), else data.caption_dropout."""
+    default = float(cfg.data.caption_dropout)
+    if not isinstance(data, SourceImages):
+        return lambda _index: default
+    by_source = [source.caption_dropout for source in data.sources]
+    return lambda index: by_source[data.source_of(index)]
+
+
+def describe(data: SyntheticImages | SourceImages) -> list[dict[str, Any]]:
+    """Per source: its name, kind, path, images found, files skipped (by reason), repeats and caption dropout."""
+    if not isinstance(data, SourceImages):
+        return [{"name": "synthetic", "kind": "synthetic", "images": len(data), "skipped": {}, "repeats": 1,
+                 "samples_seen": 0, "captions_dropped": 0}]
+    return [{"name": source.name, "kind": source.kind, "path": source.path,
+             "images": data.found[source.index],
+             "skipped": {why: n for (index, why), n in sorted(data.skipped_by_source.items()) if index == source.index},
+             "repeats": source.repeats, "caption_dropout": source.caption_dropout, "samples_seen": 0,
+             "captions_dropped": 0} for source in data.sources]
+
+
+def seen(data: SyntheticImages | SourceImages, seed: int, total: int,
+         dropout: Callable[[int], float]) -> list[dict[str, Any]]:
+    """Per source, the first `total` samples of the run's sample sequence: its images, skipped files, repeats, samples
+    seen and captions dropped (summary.json's `sources`)."""
+    plan = data.plan if isinstance(data, SourceImages) else None
+    sources = describe(data)
+    for start in range(0, total, 4096):
+        count = min(4096, total - start)
+        indices = plan.samples(start, count) if plan is not None else sample_indices(start, count, len(data), seed)
+        for j, index in enumerate(indices):
+            entry = sources[data.source_of(index) if isinstance(data, SourceImages) else 0]
+            entry["samples_seen"] += 1
+            entry["captions_dropped"] += captions.dropped(seed, start + j, dropout(index))
+    return sources

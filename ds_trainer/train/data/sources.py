@@ -1,0 +1,319 @@
+"""Where images and captions come from (`data.sources`): a folder, a table of paths or image bytes (metadata.jsonl,
+CSV, parquet), webdataset tar shards, a Hugging Face dataset saved to disk. Each source becomes a list of `Item`s:
+a stable key, the caption, what identifies its bytes, and a way to read them on demand, so a dataset of any size is
+read image by image (the latent cache build and a run without a cache), never held in memory.
+
+Torch-free; pyarrow, pandas and datasets are imported only for a source of their kind.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import tarfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from omegaconf import DictConfig, OmegaConf
+
+from ds_trainer.errors import DataError
+
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp")
+TABLE_SUFFIXES = (".jsonl", ".csv", ".parquet")
+IMAGE_COLUMNS = ("image", "file_name", "path", "jpg", "png")
+CAPTION_COLUMNS = ("text", "caption", "prompt", "txt")
+
+
+@dataclass(frozen=True)
+class Item:
+    """One image of a source: `key` is unique across the sources and stable across runs (the check record and the
+    cache are keyed by it), `stat` identifies its bytes (a changed file gets checked and encoded again)."""
+
+    source: int
+    key: str
+    caption: str
+    stat: tuple[int, int]
+    read: Callable[[], BinaryIO] = field(compare=False, repr=False)
+
+
+@dataclass(frozen=True)
+class Source:
+    """One entry of `data.sources` (or data=folder's data.path, or validation.path), its kind resolved. `keyed`: its
+    items' keys start with its name (the one-folder cases keep their images' paths as keys)."""
+
+    index: int
+    name: str
+    path: str
+    kind: str
+    repeats: int
+    caption_dropout: float
+    caption_ext: str = "txt"
+    image_column: str | None = None
+    caption_column: str | None = None
+    split: str = "train"
+    key: str = ""  # the setting a message names: data.sources[i], data.path, validation.path
+    keyed: bool = True
+
+    @property
+    def label(self) -> str:
+        return f"{self.key} ({self.name})" if self.keyed else self.key
+
+
+def of(cfg: DictConfig) -> list[Source]:
+    """The run's sources: `data.sources`, or for `data=folder` the one folder of data.path."""
+    default_dropout = float(cfg.data.caption_dropout)
+    if cfg.data.source.value == "folder":
+        return [Source(0, Path(str(cfg.data.path)).name or str(cfg.data.path), str(cfg.data.path), "folder", 1,
+                       default_dropout, str(cfg.data.caption_ext), key="data.path", keyed=False)]
+    out, names = [], [_name_of(str(entry.path)) for entry in cfg.data.sources]
+    for index, entry in enumerate(cfg.data.sources):
+        spec: dict[str, Any] = OmegaConf.to_container(entry, resolve=True)  # type: ignore[assignment]
+        path = str(spec["path"])
+        dropout = spec.get("caption_dropout")
+        # Named by the path's last part; two alike (a/images, b/images) by their place in the list too.
+        name = spec.get("name") or (names[index] if names.count(names[index]) == 1 else f"{names[index]}-{index}")
+        out.append(Source(index, name, path, kind_of(path, str(getattr(spec["kind"], "value", spec["kind"]))),
+                          int(spec["repeats"]), default_dropout if dropout is None else float(dropout),
+                          str(spec.get("caption_ext") or "txt"), spec.get("image_column"), spec.get("caption_column"),
+                          str(spec.get("split") or "train"), f"data.sources[{index}]"))
+    return out
+
+
+def for_validation(cfg: DictConfig) -> Source:
+    """validation.path: a folder of other images the validation loss scores."""
+    return Source(0, "validation", str(cfg.validation.path), "folder", 1, 0.0, str(cfg.data.caption_ext),
+                  key="validation.path", keyed=False)
+
+
+def _name_of(path: str) -> str:
+    """A folder by its name, a file or a pattern of shards by the folder they are in."""
+    p = Path(path.rstrip("/"))
+    named = p.parent if "{" in path or p.is_file() else p
+    return named.name or path
+
+
+def kind_of(path: str, kind: str) -> str:
+    """`auto`: a folder holding a saved Hugging Face dataset is `hf`, another folder `folder`, a .jsonl/.csv/.parquet
+    file `table`, a .tar file or a brace pattern of them `webdataset`."""
+    if kind != "auto":
+        return kind
+    p = Path(path)
+    if p.is_dir():
+        saved = (p / "dataset_info.json").exists() or (p / "dataset_dict.json").exists() or (p / "state.json").exists()
+        return "hf" if saved else "folder"
+    if p.suffix.lower() in TABLE_SUFFIXES:
+        return "table"
+    return "webdataset" if ".tar" in path else "folder"
+
+
+def shards(path: str) -> list[str]:
+    """A webdataset source's tar files: a path, or a brace pattern (`shards/{000..063}.tar`), expanded as webdataset
+    expands it."""
+    import braceexpand
+
+    return [str(p) for p in braceexpand.braceexpand(path)]
+
+
+def items(source: Source) -> list[Item]:
+    """The items of a source, sorted by key (none: the caller says so, naming the source); a missing source or a
+    column that is not there is a DataError naming the source, what was found and the fix."""
+    reader = {"folder": _folder, "table": _table, "webdataset": _webdataset, "hf": _hf}
+    return sorted(reader[source.kind](source), key=lambda item: item.key)
+
+
+def what_is_read(kind: str) -> str:
+    """What a source of `kind` holds images as (for "no ..." when it holds none)."""
+    return {"folder": "jpg/png/webp files", "table": "rows with an image", "webdataset": "tar members with an image "
+            "extension", "hf": "rows"}.get(kind, kind)
+
+
+def _file_reader(path: Path) -> Callable[[], BinaryIO]:
+    return lambda: path.open("rb")
+
+
+def _bytes_reader(data: bytes) -> Callable[[], BinaryIO]:
+    return lambda: io.BytesIO(data)
+
+
+def _folder(source: Source) -> list[Item]:
+    """Images under a folder (recursively); captions from same-name .<caption_ext> files (`.caption` too), else a
+    metadata.jsonl beside them (file_name, text or caption)."""
+    root = Path(source.path)
+    if not root.is_dir():
+        raise DataError(f"{source.label}: {root} is not a folder; point it at the folder of images")
+    metadata = _folder_metadata(root)
+    prefix = f"{source.name}/" if source.keyed else ""
+    out = []
+    for path in sorted(root.rglob("*")):
+        if path.suffix.lower() in IMAGE_EXTENSIONS and path.is_file():
+            rel = str(path.relative_to(root))
+            st = path.stat()
+            out.append(Item(source.index, prefix + rel, _folder_caption(path, rel, source.caption_ext, metadata),
+                            (st.st_size, st.st_mtime_ns), _file_reader(path)))
+    return out
+
+
+def _folder_metadata(root: Path) -> dict[str, str]:
+    path = root / "metadata.jsonl"
+    captions: dict[str, str] = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            if line.strip():
+                row = json.loads(line)
+                captions[str(row.get("file_name", ""))] = str(row.get("text", row.get("caption", "")))
+    return captions
+
+
+def _folder_caption(path: Path, rel: str, ext: str, metadata: dict[str, str]) -> str:
+    for suffix in (f".{ext}", ".caption"):
+        text = path.with_suffix(suffix)
+        if text.exists():
+            return text.read_text().strip()
+    return metadata.get(rel, metadata.get(path.name, ""))
+
+
+def _column(source: Source, columns: list[str], asked: str | None, candidates: tuple[str, ...], what: str,
+            key: str) -> str | None:
+    """The column holding `what`: the one asked for (a DataError when absent), else the first usual name found."""
+    if asked is not None:
+        if asked not in columns:
+            raise DataError(f"{source.label}: {source.path} has no column {asked!r} ({key}={asked}); its columns: "
+                            f"{', '.join(columns)}; set {key} to the column holding the {what}")
+        return asked
+    return next((c for c in candidates if c in columns), None)
+
+
+def _image_column(source: Source, columns: list[str]) -> str:
+    key = f"{source.key}.image_column"
+    found = _column(source, columns, source.image_column, IMAGE_COLUMNS, "images", key)
+    if found is None:
+        raise DataError(f"{source.label}: {source.path} has none of the columns {', '.join(IMAGE_COLUMNS)} for the "
+                        f"images; its columns: {', '.join(columns)}; set {key}")
+    return found
+
+
+def _table(source: Source) -> list[Item]:
+    """A metadata.jsonl, CSV or parquet file: one row per image, the image a path (relative to the file's folder) or
+    its bytes (a parquet column of {bytes, path}, as Hugging Face writes images), the caption a column."""
+    path = Path(source.path)
+    if not path.is_file():
+        raise DataError(f"{source.label}: {path} is not a file; point it at the .jsonl, .csv or .parquet file")
+    rows, columns = _rows(path)
+    image_col = _image_column(source, columns)
+    caption_col = _column(source, columns, source.caption_column, CAPTION_COLUMNS, "captions",
+                          f"{source.key}.caption_column")
+    st = path.stat()
+    out = []
+    for n, row in enumerate(rows):
+        value = row.get(image_col)
+        caption = "" if caption_col is None or row.get(caption_col) is None else str(row[caption_col]).strip()
+        if isinstance(value, dict) and value.get("bytes"):
+            data = bytes(value["bytes"])
+            out.append(Item(source.index, f"{source.name}/{n:08d}", caption, (len(data), st.st_mtime_ns),
+                            _bytes_reader(data)))
+            continue
+        rel = value.get("path") if isinstance(value, dict) else value
+        if not rel:
+            continue
+        image = Path(str(rel)) if Path(str(rel)).is_absolute() else path.parent / str(rel)
+        size = image.stat().st_size if image.exists() else 0
+        out.append(Item(source.index, f"{source.name}/{rel}", caption, (size, st.st_mtime_ns), _file_reader(image)))
+    return out
+
+
+def _rows(path: Path) -> tuple[list[dict[str, Any]], list[str]]:
+    suffix = path.suffix.lower()
+    if suffix == ".jsonl":
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        return rows, sorted({k for row in rows for k in row})
+    if suffix == ".csv":
+        with path.open(newline="") as f:
+            reader = csv.DictReader(f)
+            return list(reader), list(reader.fieldnames or [])
+    if suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        table = pq.read_table(path)
+        return table.to_pylist(), list(table.column_names)
+    raise DataError(f"data.sources: {path} is not a .jsonl, .csv or .parquet file")
+
+
+def _webdataset(source: Source) -> list[Item]:
+    """Tar shards as webdataset writes them: the members of a sample share a key (the name up to its first dot), the
+    image is the member with an image extension, the caption the one with `.txt` (or `.<caption_ext>`). Only the
+    headers are read here; an image is read from its offset when it is used."""
+    from webdataset.tariterators import base_plus_ext
+
+    out = []
+    for shard in shards(source.path):
+        path = Path(shard)
+        if not path.is_file():
+            raise DataError(f"{source.label}: shard {shard} does not exist; check the path or the brace pattern "
+                            f"(shards/{{000..009}}.tar)")
+        samples: dict[str, dict[str, tarfile.TarInfo]] = {}
+        with tarfile.open(path) as tar:
+            for member in tar:
+                if member.isfile():
+                    prefix, suffix = base_plus_ext(member.name)
+                    if prefix is not None:
+                        samples.setdefault(prefix, {})[suffix.lower()] = member
+            st = path.stat()
+            for key, members in samples.items():
+                image = next((members[e] for e in ("jpg", "jpeg", "png", "webp") if e in members), None)
+                if image is None:
+                    continue
+                text = members.get(source.caption_ext) or members.get("txt") or members.get("caption")
+                caption = tar.extractfile(text).read().decode().strip() if text is not None else ""  # type: ignore[union-attr]
+                out.append(Item(source.index, f"{source.name}/{path.name}/{key}", caption,
+                                (image.size, st.st_mtime_ns), _member_reader(path, image.offset_data, image.size)))
+    return out
+
+
+def _member_reader(path: Path, offset: int, size: int) -> Callable[[], BinaryIO]:
+    def read() -> BinaryIO:
+        with path.open("rb") as f:
+            f.seek(offset)
+            return io.BytesIO(f.read(size))
+
+    return read
+
+
+def _hf(source: Source) -> list[Item]:
+    """A Hugging Face dataset saved with `save_to_disk` (a DatasetDict: its `split`), memory-mapped: its image column
+    (an Image feature, or paths) read row by row."""
+    import datasets
+
+    try:
+        loaded = datasets.load_from_disk(source.path)
+    except (FileNotFoundError, ValueError) as exc:
+        raise DataError(f"{source.label}: {source.path} is not a dataset saved with save_to_disk ({exc})") from None
+    if isinstance(loaded, datasets.DatasetDict):
+        if source.split not in loaded:
+            raise DataError(f"{source.label}: {source.path} has no split {source.split!r} (its splits: "
+                            f"{', '.join(loaded)}); set {source.key}.split")
+        loaded = loaded[source.split]
+    columns = list(loaded.column_names)
+    image_col = _image_column(source, columns)
+    caption_col = _column(source, columns, source.caption_column, CAPTION_COLUMNS, "captions",
+                          f"{source.key}.caption_column")
+    if isinstance(loaded.features[image_col], datasets.Image):
+        loaded = loaded.cast_column(image_col, datasets.Image(decode=False))
+    captions = loaded[caption_col] if caption_col is not None else [""] * len(loaded)
+    mtime = max(p.stat().st_mtime_ns for p in Path(source.path).rglob("*.arrow")) if Path(source.path).is_dir() else 0
+    return [Item(source.index, f"{source.name}/{n:08d}", str(captions[n] or "").strip(), (n, mtime),
+                 _row_reader(loaded, image_col, n, Path(source.path))) for n in range(len(loaded))]
+
+
+def _row_reader(table: Any, column: str, row: int, root: Path) -> Callable[[], BinaryIO]:
+    def read() -> BinaryIO:
+        value = table[row][column]
+        if isinstance(value, dict) and value.get("bytes"):
+            return io.BytesIO(value["bytes"])
+        rel = value.get("path") if isinstance(value, dict) else value
+        path = Path(str(rel))
+        return (path if path.is_absolute() else root / path).open("rb")
+
+    return read

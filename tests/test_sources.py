@@ -1,0 +1,204 @@
+"""Datasets as people keep them (issue 47): several sources of every kind (a folder, metadata.jsonl, CSV, parquet of
+image bytes, webdataset tar shards, a saved Hugging Face dataset) weighed by repeats, caption dropout drawn from the
+seed and the sample's position, each source reported, bad sources refused on one screen."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import tarfile
+from pathlib import Path
+
+import pytest
+from helpers import sources as src
+from helpers.cfg import make_cfg
+from helpers.cli import run_cli, run_dirs
+from helpers.ranks import torchrun
+
+from ds_trainer.config import checks
+from ds_trainer.errors import DataError
+
+torch = pytest.importorskip("torch")
+
+
+def _all_kinds(root: Path, n: int = 3, repeats: dict[str, int] | None = None) -> list[dict[str, object]]:
+    return [{"path": src.make(kind, root / kind, n=n, first=10 * i), **({"repeats": repeats[kind]}
+                                                                      if repeats and kind in repeats else {})}
+            for i, kind in enumerate(src.KINDS)]
+
+
+def _dataset(root: Path, entries: list[dict[str, object]], *overrides: str):  # noqa: ANN202 - SourceImages
+    from ds_trainer.train import data
+
+    report = checks.check(make_cfg("data=sources", src.override(entries), f"paths.outputs={root / 'out'}", *overrides))
+    assert report.ok, report.render()
+    return report.cfg, data.dataset(report.cfg)
+
+
+def test_every_kind_of_source_is_read_with_its_captions_and_repeats(tmp_path: Path) -> None:
+    entries = _all_kinds(tmp_path, repeats={"folder": 2, "hf": 3})
+    # A damaged image in the folder and in a shard: skipped, counted under their source with the reason.
+    (tmp_path / "folder" / "broken.png").write_bytes(src.png(99)[:60])
+    with tarfile.open(tmp_path / "webdataset" / "shard-001.tar", "a") as tar:
+        info = tarfile.TarInfo("sample9999.png")
+        info.size = 0
+        tar.addfile(info)
+    _, data = _dataset(tmp_path, entries)
+    assert data.unique == 3 * len(src.KINDS) and len(data) == 3 * (len(src.KINDS) - 2) + 3 * 2 + 3 * 3
+    by_source: dict[str, set[str]] = {}
+    for index, key in enumerate(data.names()):
+        source = data.sources[data.source_of(index)]
+        by_source.setdefault(source.kind, set()).add(data.caption(index))
+        assert key.startswith(f"{source.name}/")
+    kinds = {"folder": "folder", "table": None, "webdataset": "webdataset", "hf": "hf"}
+    assert by_source["folder"] == {src.caption("folder", i) for i in range(3)}
+    assert by_source["webdataset"] == {src.caption("webdataset", i) for i in range(3)}
+    assert by_source["hf"] == {src.caption("hf", i) for i in range(3)}
+    assert by_source["table"] == {src.caption(k, i) for k in ("jsonl", "csv", "parquet") for i in range(3)}
+    assert set(kinds) == set(by_source)
+    assert data.skipped_by_source == {(0, "truncated or corrupt image"): 1, (4, "empty file"): 1}
+    assert [s.name for s in data.sources] == list(src.KINDS)  # a file or shards named by their folder
+    pixels = {tuple(data[i].pixels[:, 0, 0].tolist()) for i in range(len(data))}
+    assert len(pixels) == data.unique  # every image distinct, each read from its own bytes
+
+
+def test_two_sources_with_repeats_1_and_3_are_seen_1_to_3_and_captions_drop_at_their_rate(tmp_path: Path) -> None:
+    from ds_trainer.train.data import loader
+
+    entries = [{"path": src.make("folder", tmp_path / "a", n=8), "name": "one"},
+               {"path": src.make("parquet", tmp_path / "b", n=8, first=50), "name": "three", "repeats": 3,
+                "caption_dropout": 0.5}]
+    cfg, data = _dataset(tmp_path, entries, "data.caption_dropout=0.2", "train.micro_batch_size=2")
+    dropout = loader.dropout_of(cfg, data)
+    one, three = loader.seen(data, 0, 8000, dropout)
+    assert one["samples_seen"] + three["samples_seen"] == 8000
+    assert abs(three["samples_seen"] / one["samples_seen"] - 3.0) < 0.1, (one, three)
+    assert abs(one["captions_dropped"] / one["samples_seen"] - 0.2) < 0.02
+    assert abs(three["captions_dropped"] / three["samples_seen"] - 0.5) < 0.02
+    # Every epoch (32 samples: 8 + 3 x 8) sees each image of `one` once and of `three` three times.
+    one, three = loader.seen(data, 0, 32 * 5, dropout)
+    assert (one["samples_seen"], three["samples_seen"]) == (8 * 5, 24 * 5)
+
+
+@pytest.mark.parametrize(("change", "expected"), [
+    ({"path": "/nowhere/images"}, ["data.sources[1].path=/nowhere/images", "does not exist"]),
+    ({"path": "SHARDS/shard-{000..002}.tar"}, ["shard-002.tar", "does not exist"]),
+    ({"repeats": 0}, ["data.sources[1].repeats=0", "at least 1"]),
+    ({"caption_dropout": 1.5}, ["data.sources[1].caption_dropout=1.5", "probability"]),
+])
+def test_a_bad_source_is_refused_before_anything_loads(tmp_path: Path, change: dict[str, object],
+                                                       expected: list[str]) -> None:
+    shards = src.make("webdataset", tmp_path / "w", n=4)
+    entry = {"path": shards, **{k: str(v).replace("SHARDS", str(tmp_path / "w")) if k == "path" else v
+                                for k, v in change.items()}}
+    report = checks.check(make_cfg("data=sources", src.override([{"path": src.make("folder", tmp_path / "f")}, entry])))
+    text = report.render()
+    assert not report.ok and all(e in text for e in expected), text
+
+
+def test_a_source_whose_contents_do_not_fit_is_one_screen_naming_it(tmp_path: Path) -> None:
+    table = Path(src.make("csv", tmp_path / "c"))
+    for entry, expected in (
+            ({"path": str(table), "caption_column": "prompt"},
+             ["caption_column=prompt", "its columns: file_name, text"]),
+            ({"path": str(table), "image_column": "picture"}, ["image_column=picture"]),
+            ({"path": src.make("hf", tmp_path / "h"), "split": "validation"}, ["no split 'validation'", "train"]),
+            ({"path": str((tmp_path / "empty").mkdir() or tmp_path / "empty")},
+             ["data.sources[0] (empty)=", "no jpg/png/webp files; nothing to train on"])):
+        with pytest.raises(DataError) as error:
+            _dataset(tmp_path, [entry])
+        assert all(e in str(error.value) for e in expected), str(error.value)
+    # As a user runs it: exit 2, the source named, no traceback.
+    done = run_cli("data=sources", src.override([{"path": str(table), "caption_column": "prompt"}]), "logger=none",
+                   cwd=tmp_path)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert "data.sources[0] (c)" in done.stderr and "caption_column=prompt" in done.stderr
+    wrong = checks.check(make_cfg("data=folder", f"data.path={tmp_path}", src.override([{"path": str(table)}])))
+    assert "is read with data=sources only" in wrong.render()
+
+
+@pytest.fixture(scope="module")
+def sourced(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Two runs from every kind of source: 6 steps on one rank with a checkpoint at step 3, and the same run resumed
+    from that checkpoint on two ranks under ZeRO-2 (micro batch 1 instead of 2: the same global batch)."""
+    root = tmp_path_factory.mktemp("sources")
+    entries = _all_kinds(root, repeats={"folder": 3})
+    args = ["data=sources", src.override(entries), "data.caption_dropout=0.3", "logger=none", "train.max_steps=6",
+            "train.checkpoint_every=3", "scheduler=constant", "train.micro_batch_size=2"]
+    (root / "one").mkdir()
+    done = run_cli(*args, "zero=ddp", cwd=root / "one", timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (first,) = run_dirs(root / "one")
+    (root / "two").mkdir()
+    resumed = subprocess.run(
+        [*torchrun(2), "-m", "ds_trainer", *args, "zero=stage2", "train.micro_batch_size=1",
+         "train.gradient_accumulation_steps=1", f"resume={first / 'checkpoints' / 'step_00000003'}",
+         f"data.cache_dir={root / 'one' / 'outputs' / 'cache'}"],
+        cwd=root / "two", capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    (second,) = run_dirs(root / "two")
+    return {"root": root, "one": first, "two": second}
+
+
+def test_a_run_trains_from_every_kind_and_reports_each_source(sourced: dict[str, Path]) -> None:
+    summary = json.loads((sourced["one"] / "summary.json").read_text())
+    assert summary["status"] == "ok" and summary["steps"] == 6
+    rows = [json.loads(line) for line in (sourced["one"] / "metrics.jsonl").read_text().splitlines()]
+    assert all(0 < row["loss"] < 10 for row in rows if "loss" in row)
+    reported = {s["name"]: s for s in summary["sources"]}
+    assert list(reported) == list(src.KINDS)
+    assert reported["folder"]["repeats"] == 3 and reported["folder"]["images"] == 3
+    assert {s["kind"] for s in summary["sources"]} == {"folder", "table", "webdataset", "hf"}
+    assert sum(s["samples_seen"] for s in summary["sources"]) == 6 * 2  # 6 steps of a global batch of 2
+    assert 0 < sum(s["captions_dropped"] for s in summary["sources"]) < 12
+    assert summary["images"] == 3 * len(src.KINDS) + 2 * 3  # the folder's images three times an epoch
+    card = (sourced["one"] / "README.md").read_text()
+    assert "`webdataset` (webdataset): 3 images x 1 an epoch" in card
+    log = (sourced["one"] / "ds_trainer.log").read_text()
+    assert "data.sources[4] (webdataset)=" in log and "3 image(s), repeated 1 time(s) an epoch" in log
+    assert "cached latents and embeddings of 24 samples (18 images)" in log  # a repeated image is cached once
+
+
+def test_a_resume_on_two_ranks_continues_the_same_samples_and_dropped_captions(sourced: dict[str, Path]) -> None:
+    one = json.loads((sourced["one"] / "summary.json").read_text())
+    two = json.loads((sourced["two"] / "summary.json").read_text())
+    assert two["status"] == "ok" and two["world_size"] == 2 and two["steps"] == 6
+    assert two["sources"] == one["sources"]  # samples seen and captions dropped per source, resume included
+    # Steps 4-6 trained the same samples with the same captions dropped: the losses agree across the layouts.
+    losses = [{row["step"]: row["loss"] for row in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+               if "loss" in row} for run in (sourced["one"], sourced["two"])]
+    for step in (4, 5, 6):
+        assert abs(losses[0][step] - losses[1][step]) < 1e-3 * max(1.0, losses[0][step]), (step, losses)
+    log = (sourced["two"] / "ds_trainer.log").read_text()
+    assert "cached latents" not in log  # the one-rank run's cache serves the two ranks
+
+
+def test_a_dropped_caption_trains_with_the_empty_prompts_cached_encoding(sourced: dict[str, Path]) -> None:
+    from ds_trainer.train import data, families
+
+    root = sourced["root"]
+    cfg = checks.check(make_cfg("data=sources", src.override(_entries_of(sourced["one"])),
+                                f"data.cache_dir={root / 'one' / 'outputs' / 'cache'}")).cfg
+    dataset = data.dataset(cfg)
+    family = families.of(cfg)
+    cache = data.LatentCache(cfg, dataset, family, "cpu")
+    assert cache.complete  # the run's own cache: same key, every image there
+    batch = cache.load([0, 1], [True, False])
+    alone = cache.load([0, 1])
+    frozen = family.load_frozen(cfg, contextlib.nullcontext)
+    with torch.no_grad():
+        empty = family.text_inputs(frozen, [""], torch.device("cpu"))
+        own = family.text_inputs(frozen, [dataset.caption(0)], torch.device("cpu"))
+    for key in empty:
+        assert torch.allclose(batch[key][0], empty[key][0].float(), atol=1e-5), key
+        assert torch.equal(batch[key][1], alone[key][1]) and torch.allclose(alone[key][0], own[key][0], atol=1e-5)
+    assert torch.equal(batch["latents"], alone["latents"])  # the image is the same; only its caption is dropped
+
+
+def _entries_of(run_dir: Path) -> list[dict[str, object]]:
+    import yaml
+
+    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    return [{"path": s["path"], "repeats": s["repeats"]} for s in config["data"]["sources"]]
