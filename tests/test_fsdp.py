@@ -225,3 +225,17 @@ def test_bf16_pure_keeps_bf16_shards_and_a_run_moves_into_it_and_out_with_the_ro
     (out_run,) = run_dirs(out_dir)
     assert sorted(_metrics(out_run)) == [4]
     assert _metrics(out_run)[4]["loss"] == pytest.approx(_metrics(pure)[4]["loss"], rel=1e-2)
+
+
+def test_an_optimizer_that_builds_its_state_at_construction_checkpoints_and_resumes(tmp_path: Path) -> None:
+    """torch's Adagrad creates `sum` and `step` for each parameter when it is built, before `fully_shard` replaces the
+    parameters with DTensors: the first save failed with a KeyError in `state_dict` (found by the matrix's trainable
+    array, with CPU offload and a LoRA of Flux). The state is made again on the DTensors; the run saves, and resumes."""
+    args = ["zero=fsdp_full_shard", "optimizer=adagrad", "precision=fp32", "logger=none", "data.num_samples=4",
+            "train.max_steps=2", "train.checkpoint_every=1", "train.export=false"]
+    done = run_cli(*args, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (run_dir,) = run_dirs(tmp_path)
+    again = run_cli(*args, "train.max_steps=3", f"resume={run_dir / 'checkpoints' / 'step_00000002'}", cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert json.loads((run_dirs(tmp_path)[-1] / "summary.json").read_text())["steps"] == 3

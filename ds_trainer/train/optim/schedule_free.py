@@ -96,7 +96,7 @@ def moved(module: torch.nn.Module, base: Any, engine: Any) -> Iterator[None]:
     with torch.no_grad():
         for p, master, z, write in _places(module, base, masters):
             params.append(p)
-            if master is None or write is None:
+            if master is None or write is None or z is None:  # no part here, or not stepped yet (x is y)
                 continue
             saved.append((write, master.detach().to("cpu", copy=True)))
             write(torch.lerp(master, z.to(master.device), weight))
