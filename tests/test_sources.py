@@ -125,7 +125,9 @@ def sourced(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     from that checkpoint on two ranks under ZeRO-2 (micro batch 1 instead of 2: the same global batch)."""
     root = tmp_path_factory.mktemp("sources")
     entries = _all_kinds(root, repeats={"folder": 3})
-    args = ["data=sources", src.override(entries), "data.caption_dropout=0.3", "logger=none", "train.max_steps=6",
+    entries[-1].update(regularization=True, loss_weight=0.5)  # the saved dataset: regularisation images
+    args = ["data=sources", src.override(entries), "data.caption_dropout=0.3", "data.masked_loss=true",
+            "data.unmasked_weight=0.25", "logger=none", "train.max_steps=6",
             "train.checkpoint_every=3", "scheduler=constant", "train.micro_batch_size=2"]
     (root / "one").mkdir()
     done = run_cli(*args, "zero=ddp", cwd=root / "one", timeout=900)
@@ -175,15 +177,21 @@ def test_a_resume_on_two_ranks_continues_the_same_samples_and_dropped_captions(s
     assert "cached latents" not in log  # the one-rank run's cache serves the two ranks
 
 
-def test_a_dropped_caption_trains_with_the_empty_prompts_cached_encoding(sourced: dict[str, Path]) -> None:
+def _cache(sourced: dict[str, Path], *overrides: str) -> tuple[object, object, object, object]:
+    """The first run's configuration, data, family and latent cache, as that run built them."""
     from ds_trainer.train import data, families
 
     root = sourced["root"]
-    cfg = checks.check(make_cfg("data=sources", src.override(_entries_of(sourced["one"])),
-                                f"data.cache_dir={root / 'one' / 'outputs' / 'cache'}")).cfg
+    cfg = checks.check(make_cfg("data=sources", src.override(_entries_of(sourced["one"])), "data.masked_loss=true",
+                                "train.micro_batch_size=2", f"data.cache_dir={root / 'one' / 'outputs' / 'cache'}",
+                                *overrides)).cfg
     dataset = data.dataset(cfg)
     family = families.of(cfg)
-    cache = data.LatentCache(cfg, dataset, family, "cpu")
+    return cfg, dataset, family, data.LatentCache(cfg, dataset, family, "cpu")
+
+
+def test_a_dropped_caption_trains_with_the_empty_prompts_cached_encoding(sourced: dict[str, Path]) -> None:
+    cfg, dataset, family, cache = _cache(sourced)
     assert cache.complete  # the run's own cache: same key, every image there
     batch = cache.load([0, 1], [True, False])
     alone = cache.load([0, 1])
@@ -197,8 +205,85 @@ def test_a_dropped_caption_trains_with_the_empty_prompts_cached_encoding(sourced
     assert torch.equal(batch["latents"], alone["latents"])  # the image is the same; only its caption is dropped
 
 
+def test_a_masked_loss_is_the_mean_of_the_errors_weighed_by_the_mask(sourced: dict[str, Path]) -> None:
+    from ds_trainer.train import data
+
+    cfg, dataset, family, cache = _cache(sourced)
+    names = dataset.names()
+    alpha, file, none = (names.index(f"folder/img00{i}.png") for i in range(3))
+    batch = cache.load([alpha, file, none])
+    mask = batch["mask"][:, 0]
+    assert mask.shape[-2:] == batch["latents"].shape[-2:]  # at the latents' resolution
+    assert mask[0, :, 0].min() > 0.99 and mask[0, :, -1].max() < 0.01  # the alpha channel's left half
+    assert mask[1, 0, :].min() > 0.99 and mask[1, -1, :].max() < 0.01  # the .mask.png's top half
+    assert mask[2].min() == 1.0  # no mask: all of it
+    model, schedule = family.load_trained(cfg).eval(), family.schedule(cfg)
+    generator = torch.Generator().manual_seed(3)
+    noise = torch.randn(batch["latents"].shape, generator=generator)
+    t = torch.tensor([10, 500, 900])
+    weight = 0.25 + 0.75 * batch["mask"]
+    with torch.no_grad():
+        got = family.losses(model, schedule, {**batch, "weight_map": weight}, noise, t, torch.device("cpu"),
+                            torch.float32)
+        plain = family.losses(model, schedule, batch, noise, t, torch.device("cpu"), torch.float32)
+        noisy = schedule.add_noise(batch["latents"], noise, t)
+        pred = model(noisy, t, batch["prompt_embeds"], added_cond_kwargs={"text_embeds": batch["pooled"],
+                                                                          "time_ids": batch["time_ids"]}).sample
+    assert schedule.config.prediction_type == "epsilon"
+    expected = ((pred - noise) ** 2 * weight).mean(dim=(1, 2, 3))
+    assert torch.allclose(got, expected, rtol=1e-5, atol=1e-7), (got, expected)
+    assert torch.allclose(got[2], plain[2]) and (got[:2] < plain[:2]).all()  # no mask: the plain loss
+    # The validation loss stays unmasked: the held-out images carry no mask.
+    held = data.validation_set(checks.check(make_cfg(
+        "data=sources", src.override(_entries_of(sourced["one"])), "data.masked_loss=true", "validation=on",
+        "validation.split=2", f"paths.outputs={sourced['root'] / 'held'}")).cfg)
+    assert all(held[i].mask is None for i in range(len(held)))
+
+
 def _entries_of(run_dir: Path) -> list[dict[str, object]]:
     import yaml
 
     config = yaml.safe_load((run_dir / "config.yaml").read_text())
-    return [{"path": s["path"], "repeats": s["repeats"]} for s in config["data"]["sources"]]
+    return [{"path": s["path"], "repeats": s["repeats"], "regularization": s["regularization"],
+             "loss_weight": s["loss_weight"]} for s in config["data"]["sources"]]
+
+
+def test_regularisation_images_weigh_their_loss_and_are_reported_apart(sourced: dict[str, Path]) -> None:
+    _, dataset, _, _ = _cache(sourced)
+    rows = [json.loads(line) for line in (sourced["one"] / "metrics.jsonl").read_text().splitlines()]
+    steps = {row["step"]: row for row in rows if "loss" in row}
+    kinds = set()
+    for step, row in steps.items():
+        drawn = dataset.plan.samples(2 * (step - 1), 2)  # the step's two samples
+        regular = [dataset.sources[dataset.source_of(i)].regularization for i in drawn]
+        kinds.add(sum(regular))
+        if not any(regular):  # no regularisation image in the step: nothing reported apart
+            assert "loss_regularization" not in row and "loss_images" not in row
+        elif all(regular):  # only regularisation images: the loss is theirs at loss_weight 0.5
+            assert abs(row["loss"] - 0.5 * row["loss_regularization"]) < 1e-5 * row["loss"], row
+        else:  # one of each: the mean of the image's loss and half the regularisation image's
+            expected = (row["loss_images"] + 0.5 * row["loss_regularization"]) / 2
+            assert abs(row["loss"] - expected) < 1e-5 * row["loss"], row
+    assert kinds - {0}, "no step drew a regularisation image: the check saw nothing"
+    summary = json.loads((sourced["one"] / "summary.json").read_text())
+    reported = {s["name"]: s for s in summary["sources"]}
+    assert reported["hf"]["regularization"] is True and reported["hf"]["loss_weight"] == 0.5
+    assert "regularization" not in reported["folder"]
+
+
+def test_the_sweep_report_says_what_each_source_gave_a_cell(sourced: dict[str, Path], tmp_path: Path) -> None:
+    import shutil
+
+    from ds_trainer.launch import report
+
+    for n, run in enumerate((sourced["one"], sourced["two"])):  # two cells of a sweep, as Hydra lays them out
+        (tmp_path / str(n)).mkdir()
+        for name in ("summary.json", "config.yaml"):
+            shutil.copy(run / name, tmp_path / str(n) / name)
+    table = report.rows(tmp_path)
+    summary = json.loads((sourced["one"] / "summary.json").read_text())
+    seen = {s["name"]: s for s in summary["sources"]}
+    text = report.markdown(table)
+    assert "samples per source" in text and "hf (regularisation)" in text
+    assert f"folder {seen['folder']['samples_seen']}" in table[0]["sources"]
+    assert table[0]["sources"] == table[1]["sources"]  # the resumed cell trained the same samples

@@ -313,6 +313,10 @@ class SourceConfig:
     image_column: str | None = None  # table, hf: the column of image paths or bytes (default image, file_name, path)
     caption_column: str | None = None  # table, hf: the captions' column (default text, caption, prompt)
     split: str = "train"  # hf: the split of a saved DatasetDict
+    # Regularisation (prior-preservation) images: their loss is logged apart (loss_regularization beside
+    # loss_images); loss_weight weighs any source's samples in the training loss (DreamBooth's prior_loss_weight).
+    regularization: bool = False
+    loss_weight: float = 1.0
 
 
 @dataclass
@@ -325,6 +329,11 @@ class DataConfig:
     # The probability that a sample's caption is dropped (an empty prompt, so classifier-free guidance keeps working):
     # drawn from the seed and the sample's position in the run, so a resume under any layout drops the same ones.
     caption_dropout: float = 0.0
+    # Masked loss: each image's mask (its alpha channel, else a <name>.mask.png beside it; none: the whole image)
+    # weighs the training loss, cached at the latents' resolution; outside the mask the loss counts unmasked_weight
+    # times (0: not at all). The validation loss stays unmasked.
+    masked_loss: bool = False
+    unmasked_weight: float = 0.0
     num_samples: int = 64
     caption_ext: str = "txt"
     center_crop: bool = True

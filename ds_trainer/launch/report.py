@@ -23,12 +23,13 @@ from ds_trainer.config.ds_config import option_name
 COLUMNS = ("cell", "zero", "offload", "resolution", "micro_batch_size", "world_size", "precision", "optimizer",
            "status", "gpu_mem_peak_allocated_mib", "gpu_mem_peak_reserved_mib", "host_rss_peak_mib", "median_s_per_it",
            "images_per_s", "val_loss", "val_loss_ema", "gradient_accumulation_steps", "gradient_checkpointing",
-           "model", "trained", "trained_params", "message")
+           "model", "trained", "trained_params", "sources", "message")
 HEADERS = {"micro_batch_size": "micro batch", "gradient_accumulation_steps": "accum", "gradient_checkpointing": "ckpt",
            "world_size": "world", "gpu_mem_peak_allocated_mib": "peak VRAM MiB",
            "gpu_mem_peak_reserved_mib": "reserved MiB", "host_rss_peak_mib": "host RSS MiB",
            "median_s_per_it": "median s/it", "images_per_s": "images/s", "val_loss": "val loss",
-           "val_loss_ema": "val loss EMA", "trained_params": "trained parameters"}
+           "val_loss_ema": "val loss EMA", "trained_params": "trained parameters",
+           "sources": "samples per source (captions dropped, files skipped)"}
 # Quality is compared between cells that finished: a cell that failed or is still running shows no value (its last
 # validation scored weights that did not train to the end), never a zero.
 QUALITY = ("val_loss", "val_loss_ema")
@@ -63,11 +64,23 @@ def _row(cell: Path, root: Path) -> dict[str, Any]:
     counts = row.get("trained_parameters")
     if isinstance(counts, dict):
         row["trained_params"] = " + ".join(f"{name} {_count(n)}" for name, n in counts.items())
+    found = row.pop("sources", None)
+    if isinstance(found, list) and [s.get("kind") for s in found] != ["synthetic"]:  # images the user keeps
+        row["sources"] = "; ".join(_source(s) for s in found)
     row["cell"] = str(cell.relative_to(root))
     if row.get("status") != "ok":
         for key in QUALITY:
             row.pop(key, None)
     return row
+
+
+def _source(entry: dict[str, Any]) -> str:
+    """One source of a cell: its samples seen, captions dropped and files skipped (summary.json's `sources`)."""
+    extra = [f"{entry['captions_dropped']} dropped"] if entry.get("captions_dropped") else []
+    skipped = sum((entry.get("skipped") or {}).values())
+    extra += [f"{skipped} skipped"] if skipped else []
+    reg = " (regularisation)" if entry.get("regularization") else ""
+    return f"{entry.get('name')}{reg} {entry.get('samples_seen', 0)}" + (f" ({', '.join(extra)})" if extra else "")
 
 
 def trained(cfg: dict[str, Any]) -> str:
@@ -111,7 +124,7 @@ def fmt(value: Any) -> str:
 
 # Columns shown only when some cell has a value: the quality ones when a cell was validated (`validation=on`), what
 # trained (and the model) when the cells' folders say (runs before it was recorded, or summaries alone, do not).
-OPTIONAL = (*QUALITY, "model", "trained", "trained_params")
+OPTIONAL = (*QUALITY, "model", "trained", "trained_params", "sources")
 
 
 def columns(table: list[dict[str, Any]]) -> tuple[str, ...]:

@@ -53,12 +53,15 @@ class TrainStep:
         self.clip = float(self.cfg.train.gradient_clipping)
         # Reused every step: the stop and save flags travel with the loss in one all-reduce.
         self._flags = torch.zeros(2, device=self.device)
+        # So do the sums and counts of the regularisation images' losses and the others' (data.sources).
+        self._parts = torch.zeros(4, device=self.device)
         self._norm: Any = None  # measured where the backend clips before its optimizer step
 
     def __call__(self, step: int) -> Outcome:
         start, data_wait = time.perf_counter(), 0.0
         logging = step % self.log_every == 0 or step == self.max_steps
         loss_sum = None
+        self._parts.zero_()
         for m in range(self.accum):
             b = (step - 1) * self.accum + m
             fetch = time.perf_counter()
@@ -77,11 +80,11 @@ class TrainStep:
         self._flags[0] = float(self.stop.requested)
         self._flags[1] = float(self.rank == 0 and self.save_due())
         self.stop.announce(self.progress)
-        values = torch.cat([(loss_sum.detach().float() / self.accum).reshape(1), self._flags])
-        mean_loss, stopping, due = self.accelerator.reduce(values, reduction="mean").tolist()
+        values = torch.cat([(loss_sum.detach().float() / self.accum).reshape(1), self._flags, self._parts])
+        mean_loss, stopping, due, *parts = self.accelerator.reduce(values, reduction="mean").tolist()
         elapsed = time.perf_counter() - start
         if logging:
-            self._log(step, mean_loss, grad_norm, elapsed, data_wait)
+            self._log(step, mean_loss, grad_norm, elapsed, data_wait, parts)
         if self.progress is not None:
             self.progress.update(1)
         return Outcome(stop=stopping > 0, save=due > 0)
@@ -89,8 +92,9 @@ class TrainStep:
     def _micro_step(self, batch: dict[str, torch.Tensor], logging: bool) -> torch.Tensor:
         gens = [torch.Generator().manual_seed(self.seed * 1_000_003 + int(i)) for i in batch["position"]]
         with self.accelerator.accumulate(self.model), self.accelerator.autocast():
-            loss = self.family.training_loss(self.cfg, self.model, self.noise_sched, batch, gens, self.device,
-                                             self.dtype)
+            losses = self.family.training_loss(self.cfg, self.model, self.noise_sched, batch, gens, self.device,
+                                               self.dtype)
+            loss = losses.mean()
             self.accelerator.backward(loss)
             if self.accelerator.sync_gradients and (self.clip > 0 or logging):
                 # The backend clips here or inside its optimizer step (DeepSpeed); an infinite limit only measures.
@@ -98,10 +102,15 @@ class TrainStep:
                 self._norm = self.backend.clip(self.accelerator, self.model, limit)
             self.optimizer.step()
             self.optimizer.zero_grad()
+        if "regularization" in batch:
+            self._parts += _parts(losses.detach().float(), batch)
         return loss
 
-    def _log(self, step: int, mean_loss: float, grad_norm: float | None, elapsed: float, data_wait: float) -> None:
+    def _log(self, step: int, mean_loss: float, grad_norm: float | None, elapsed: float, data_wait: float,
+             parts: list[float]) -> None:
         values: dict[str, Any] = {"loss": mean_loss, "lr": learning_rate(self.optimizer, self.scheduler),
+                                  **({"loss_regularization": parts[0] / parts[1]} if parts[1] else {}),
+                                  **({"loss_images": parts[2] / parts[3]} if parts[1] and parts[3] else {}),
                                   **({"lr_text_encoders": learning_rate(self.optimizer, self.scheduler, group=1)}
                                      if len(self.optimizer.param_groups) > 1 else {}),
                                   "s_per_it": elapsed, "data_wait_s": data_wait,
@@ -113,6 +122,15 @@ class TrainStep:
         if self.progress is not None:
             self.progress.set_postfix(loss=f"{mean_loss:.4f}", s_it=f"{elapsed:.2f}", mem=_mem_text(values),
                                       **self.tracker.postfix, refresh=False)
+
+
+def _parts(losses: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """[sum, count] of the regularisation images' losses, then of the others', each before its source's loss_weight
+    (what a sample's loss is, whatever weighs it in training)."""
+    weight = batch["loss_weight"].to(losses.device, losses.dtype)
+    raw = torch.where(weight > 0, losses / weight.clamp_min(1e-12), torch.zeros_like(losses))
+    reg = batch["regularization"].to(losses.device)
+    return torch.stack([raw[reg].sum(), reg.sum(), raw[~reg].sum(), (~reg).sum()]).float()
 
 
 def learning_rate(optimizer: Any, scheduler: Any, group: int = 0) -> float:

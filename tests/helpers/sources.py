@@ -23,6 +23,23 @@ def png(seed: int, size: tuple[int, int] = (48, 40)) -> bytes:
     return out.getvalue()
 
 
+def masked(root: Path) -> None:
+    """Masks for a folder's first two images: img000's alpha channel keeps its left half, img001.mask.png its top
+    half (the others have none: the whole image counts)."""
+    from PIL import Image
+
+    with Image.open(root / "img000.png") as image:
+        rgba = image.convert("RGBA")
+    alpha = Image.new("L", rgba.size, 0)
+    alpha.paste(255, (0, 0, rgba.width // 2, rgba.height))
+    rgba.putalpha(alpha)
+    rgba.save(root / "img000.png")
+    with Image.open(root / "img001.png") as image:
+        mask = Image.new("L", image.size, 0)
+    mask.paste(255, (0, 0, mask.width, mask.height // 2))
+    mask.save(root / "img001.mask.png")
+
+
 def caption(kind: str, n: int) -> str:
     return f"a {kind} picture number {n}"
 
@@ -35,6 +52,7 @@ def make(kind: str, root: Path, n: int = 4, first: int = 0) -> str:
         for i, seed in enumerate(seeds):
             (root / f"img{i:03d}.png").write_bytes(png(seed))
             (root / f"img{i:03d}.txt").write_text(caption(kind, i))
+        masked(root)
         return str(root)
     if kind in ("jsonl", "csv"):
         (root / "images").mkdir(exist_ok=True)

@@ -45,6 +45,12 @@ def _sources(cfg: DictConfig) -> list[Problem]:
     if not 0.0 <= float(cfg.data.caption_dropout) <= 1.0:
         out.append(Problem("data.caption_dropout", cfg.data.caption_dropout, "is a probability (of an empty caption)",
                            "data.caption_dropout=0.1"))
+    if not 0.0 <= float(cfg.data.unmasked_weight) <= 1.0:
+        out.append(Problem("data.unmasked_weight", cfg.data.unmasked_weight, "is the loss's weight outside the mask, "
+                           "between 0 (not trained) and 1 (as inside)", "data.unmasked_weight=0.1"))
+    if cfg.data.masked_loss and cfg.data.source.value == "synthetic":
+        out.append(Problem("data.masked_loss", True, "synthetic images have no masks (masks come from an image's alpha "
+                           "channel or a <name>.mask.png beside it)", "data=folder or data=sources with masked images"))
     if cfg.data.source.value != "sources":
         if not OmegaConf.is_missing(cfg.data, "sources") and len(cfg.data.sources):
             return [Problem("data.sources", f"[{len(cfg.data.sources)} source(s)]",
@@ -62,6 +68,9 @@ def _sources(cfg: DictConfig) -> list[Problem]:
         if int(source.repeats) < 1:
             out.append(Problem(f"{key}.repeats", source.repeats, "must be at least 1 (the times an epoch each of its "
                                "images is seen)", f"{key}.repeats=1, or remove the source"))
+        if float(source.loss_weight) < 0:
+            out.append(Problem(f"{key}.loss_weight", source.loss_weight, "weighs its samples' loss: 0 or more",
+                               f"{key}.loss_weight=1.0"))
         dropout = source.caption_dropout
         if dropout is not None and not 0.0 <= float(dropout) <= 1.0:
             out.append(Problem(f"{key}.caption_dropout", dropout, "is a probability", f"{key}.caption_dropout=0.1"))

@@ -92,7 +92,7 @@ class LatentCache:
                 for j, index in enumerate(part):
                     item = {"latents": latents[j].to("cpu", torch.float32).clone(),
                             **{key: _on_cpu(value[j], family.storage_dtype(key)) for key, value in text.items()},
-                            "time_ids": chunk[j].time_ids.clone()}
+                            "time_ids": chunk[j].time_ids.clone(), **_mask(chunk[j], latents[j])}
                     _save_atomic(item, self.path(index))
         return len(todo)
 
@@ -145,9 +145,20 @@ def encode_batch(data: SyntheticImages | SourceImages, frozen: Any, indices: lis
                               device)
     # On the CPU in float32, as the cache holds them: the step draws its noise on the CPU, and on a GPU the
     # encoders' CUDA tensors would meet it there (diffusers' add_noise moves only the schedule's tensors).
+    masks = [_mask(e, latents[j]) for j, e in enumerate(examples)]
     return {"latents": latents.to("cpu", torch.float32),
             **{key: _on_cpu(value, family.storage_dtype(key)) for key, value in text.items()},
-            "time_ids": torch.stack([e.time_ids for e in examples])}
+            "time_ids": torch.stack([e.time_ids for e in examples]),
+            **({"mask": torch.stack([m["mask"] for m in masks])} if masks[0] else {})}
+
+
+def _mask(example: Any, latents: torch.Tensor) -> dict[str, torch.Tensor]:
+    """{"mask": the image's mask at the latents' resolution (each latent pixel the mean of the pixels it covers)},
+    or nothing without a mask (data.masked_loss=false)."""
+    if example.mask is None:
+        return {}
+    mask = torch.nn.functional.interpolate(example.mask[None].float(), size=tuple(latents.shape[-2:]), mode="area")
+    return {"mask": mask[0].clone()}
 
 
 def _save_atomic(item: dict[str, torch.Tensor], path: Path) -> None:

@@ -37,6 +37,7 @@ class Example:
     pixels: torch.Tensor  # 3 x H x W in [-1, 1]
     caption: str
     time_ids: torch.Tensor  # original (h, w), crop top-left (y, x), target (h, w)
+    mask: torch.Tensor | None = None  # 1 x H x W in [0, 1] (data.masked_loss): where the loss counts
 
 
 def _to_rgb(image: Image.Image) -> Image.Image:
@@ -121,6 +122,7 @@ class SourceImages:
         self.sources = [sources.for_validation(cfg)] if self.scoring else sources.of(cfg)
         self.width, self.height = int(cfg.resolution.width), int(cfg.resolution.height)
         self.center, self.flip, self.seed = bool(cfg.data.center_crop), bool(cfg.data.random_flip), int(cfg.train.seed)
+        self.masked = bool(cfg.data.masked_loss) and part != "validation" and not self.scoring  # validation: unmasked
         found = {item.key: item for source in self.sources for item in sources.items(source)}
         checks, checked_now = _check_items(found, _record(cfg, self.sources), accelerator)
         usable = [found[key] for key, (_, _, problem) in sorted(checks.items()) if problem is None]
@@ -130,6 +132,11 @@ class SourceImages:
                                          if problem is not None)
         if part in ("all", "train"):  # the held-out part says nothing new about the sources
             self._log_found(checks, checked_now)
+            if self.masked:
+                files = sum(1 for item in found.values() if item.mask is not None)
+                log.info("masked loss: %d image(s) with a %s file, and any image's alpha channel; elsewhere the "
+                         "whole image (outside a mask the loss counts data.unmasked_weight=%s)", files,
+                         sources.MASK_SUFFIX, cfg.data.unmasked_weight)
         for source in self.sources:
             if not any(item.source == source.index for item in usable):
                 n = self.found[source.index]
@@ -217,16 +224,36 @@ class SourceImages:
                 size = sizes[item.key] = sizes.get(item.key) or buckets.source_size(item.read)
             crop = buckets.crop_of(size, target, self.center, self.flip, rng)
             identity = f"{item.key}|{item.stat}|{size}|{item.caption}"
+            if self.masked:  # the mask is cached with the latents: its own cache file
+                identity += f"|mask {item.mask_stat}"
             names.append(buckets.cache_name(target, identity, crop))
         return names
 
     def __getitem__(self, index: int) -> Example:
         item = self.items[index]
         with item.read() as f, Image.open(f) as raw:
-            image = _to_rgb(raw)
+            upright = ImageOps.exif_transpose(raw)
+            mask = _mask_of(upright, item) if self.masked else None
+            image = _to_rgb(upright)
         (width, height), rng = self._target(index)
         image, time_ids = _fit(image, width, height, self.center, self.flip, rng)
-        return Example(_pixels(image), item.caption, torch.tensor(time_ids))
+        if mask is None:
+            return Example(_pixels(image), item.caption, torch.tensor(time_ids))
+        mask, _ = _fit(mask, width, height, self.center, self.flip, self._target(index)[1])  # the image's crop
+        weights = torch.frombuffer(bytearray(mask.tobytes()), dtype=torch.uint8).view(1, height, width)
+        return Example(_pixels(image), item.caption, torch.tensor(time_ids), weights.float() / 255.0)
+
+
+def _mask_of(image: Image.Image, item: sources.Item) -> Image.Image:
+    """An image's mask as an 8-bit image of its size: its alpha channel, else its <name>.mask.png (resized to it),
+    else all of it."""
+    if image.mode in ("RGBA", "LA", "PA") or (image.mode == "P" and "transparency" in image.info):
+        return image.convert("RGBA").getchannel("A")
+    if item.mask is not None:
+        with item.mask() as f, Image.open(f) as raw:
+            mask = ImageOps.exif_transpose(raw).convert("L")
+        return mask if mask.size == image.size else mask.resize(image.size, Image.Resampling.BILINEAR)
+    return Image.new("L", image.size, 255)
 
 
 def _problem(item: sources.Item) -> str | None:

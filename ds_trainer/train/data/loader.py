@@ -40,6 +40,9 @@ class Loader:
         self.micro, self.seed = int(cfg.train.micro_batch_size), int(cfg.train.seed)
         self.plan = data.plan if isinstance(data, SourceImages) else None
         self.dropout = dropout_of(cfg, data)
+        self.unmasked = float(cfg.data.unmasked_weight)
+        self.weighed = isinstance(data, SourceImages) and any(
+            s.regularization or s.loss_weight != 1.0 for s in data.sources)
         step, self.offset = start or (0, 0)
         self.accumulation = int(cfg.train.gradient_accumulation_steps)
         self.first = step * self.accumulation
@@ -83,6 +86,12 @@ class Loader:
         batch = self.cache.load(indices, drop) if self.cache is not None else \
             encode_batch(self.data, self.frozen, indices, self.device, self.family, drop)
         batch["position"] = torch.arange(position, position + self.micro)
+        if self.weighed:  # data.sources: each sample's loss weight, and which are regularisation images
+            sources = [self.data.sources[self.data.source_of(i)] for i in indices]  # type: ignore[union-attr]
+            batch["loss_weight"] = torch.tensor([s.loss_weight for s in sources])
+            batch["regularization"] = torch.tensor([s.regularization for s in sources])
+        if "mask" in batch:  # data.masked_loss: the loss's weight, unmasked_weight outside the mask
+            batch["weight_map"] = self.unmasked + (1.0 - self.unmasked) * batch["mask"]
         return batch
 
 
@@ -103,7 +112,9 @@ def describe(data: SyntheticImages | SourceImages) -> list[dict[str, Any]]:
     return [{"name": source.name, "kind": source.kind, "path": source.path,
              "images": data.found[source.index],
              "skipped": {why: n for (index, why), n in sorted(data.skipped_by_source.items()) if index == source.index},
-             "repeats": source.repeats, "caption_dropout": source.caption_dropout, "samples_seen": 0,
+             "repeats": source.repeats, "caption_dropout": source.caption_dropout,
+             **({"regularization": True} if source.regularization else {}),
+             **({"loss_weight": source.loss_weight} if source.loss_weight != 1.0 else {}), "samples_seen": 0,
              "captions_dropped": 0} for source in data.sources]
 
 

@@ -22,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from ds_trainer.errors import DataError
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp")
+MASK_SUFFIX = ".mask.png"  # `photo.jpg`'s mask is `photo.mask.png` beside it (data.masked_loss)
 TABLE_SUFFIXES = (".jsonl", ".csv", ".parquet")
 IMAGE_COLUMNS = ("image", "file_name", "path", "jpg", "png")
 CAPTION_COLUMNS = ("text", "caption", "prompt", "txt")
@@ -37,6 +38,8 @@ class Item:
     caption: str
     stat: tuple[int, int]
     read: Callable[[], BinaryIO] = field(compare=False, repr=False)
+    mask: Callable[[], BinaryIO] | None = field(default=None, compare=False, repr=False)  # a <name>.mask.png
+    mask_stat: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,8 @@ class Source:
     split: str = "train"
     key: str = ""  # the setting a message names: data.sources[i], data.path, validation.path
     keyed: bool = True
+    regularization: bool = False
+    loss_weight: float = 1.0
 
     @property
     def label(self) -> str:
@@ -78,7 +83,9 @@ def of(cfg: DictConfig) -> list[Source]:
         out.append(Source(index, name, path, kind_of(path, str(getattr(spec["kind"], "value", spec["kind"]))),
                           int(spec["repeats"]), default_dropout if dropout is None else float(dropout),
                           str(spec.get("caption_ext") or "txt"), spec.get("image_column"), spec.get("caption_column"),
-                          str(spec.get("split") or "train"), f"data.sources[{index}]"))
+                          str(spec.get("split") or "train"), f"data.sources[{index}]",
+                          regularization=bool(spec.get("regularization")),
+                          loss_weight=float(spec.get("loss_weight", 1.0))))
     return out
 
 
@@ -148,11 +155,14 @@ def _folder(source: Source) -> list[Item]:
     prefix = f"{source.name}/" if source.keyed else ""
     out = []
     for path in sorted(root.rglob("*")):
-        if path.suffix.lower() in IMAGE_EXTENSIONS and path.is_file():
+        if path.suffix.lower() in IMAGE_EXTENSIONS and path.is_file() and not path.name.lower().endswith(MASK_SUFFIX):
             rel = str(path.relative_to(root))
             st = path.stat()
+            mask = path.with_name(path.stem + MASK_SUFFIX)
+            found = mask.is_file()
             out.append(Item(source.index, prefix + rel, _folder_caption(path, rel, source.caption_ext, metadata),
-                            (st.st_size, st.st_mtime_ns), _file_reader(path)))
+                            (st.st_size, st.st_mtime_ns), _file_reader(path), _file_reader(mask) if found else None,
+                            (mask.stat().st_size, mask.stat().st_mtime_ns) if found else None))
     return out
 
 

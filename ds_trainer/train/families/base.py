@@ -45,7 +45,8 @@ class Family(Protocol):
 
     def training_loss(self, cfg: DictConfig, model: Any, schedule: Any, batch: dict[str, torch.Tensor],
                       gens: list[torch.Generator], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-        """The loss of one micro-batch; `gens` holds one generator per sample, which draws its noise and timestep."""
+        """Each sample's loss in one micro-batch, its weights applied (the micro-batch's loss is their mean); `gens`
+        holds one generator per sample, which draws its noise and timestep."""
 
     def losses(self, model: Any, schedule: Any, batch: dict[str, torch.Tensor], noise: torch.Tensor,
                t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:

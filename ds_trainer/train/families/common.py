@@ -75,3 +75,18 @@ def cast_frozen(module: torch.nn.Module, dtype: torch.dtype) -> None:
 def token_ids(tokenizer: Any, prompts: list[str]) -> torch.Tensor:
     return tokenizer(prompts, padding="max_length", max_length=tokenizer.model_max_length, truncation=True,
                      return_tensors="pt").input_ids
+
+
+def per_sample_mse(pred: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+    """Each sample's mean squared error, in fp32; with `weight` (the masked loss's map, broadcast over the error's
+    shape) the mean of the weighted errors over the whole latent, as kohya's masked loss takes it."""
+    error = torch.nn.functional.mse_loss(pred.float(), target.to(pred.device).float(), reduction="none")
+    if weight is not None:
+        error = error * weight.to(error.device, error.dtype)
+    return error.mean(dim=list(range(1, error.ndim)))
+
+
+def source_weights(batch: dict[str, torch.Tensor], losses: torch.Tensor) -> torch.Tensor:
+    """`losses` (one per sample) times each sample's source's loss_weight (data.sources), where the batch has them."""
+    weights = batch.get("loss_weight")
+    return losses if weights is None else losses * weights.to(losses.device, losses.dtype)

@@ -10,7 +10,7 @@ from typing import Any, ClassVar
 import torch
 from omegaconf import DictConfig
 
-from ds_trainer.train.families import flow
+from ds_trainer.train.families import common, flow
 
 
 class FrozenParts:
@@ -59,10 +59,4 @@ class FlowFamily:
         t = schedule.draw(gens)
         per_sample = self.losses(model, schedule, batch, noise, t, device, dtype)
         sigma = schedule.sigma(t, self.image_tokens(latents))
-        return (per_sample * schedule.weights(sigma).to(device)).mean()
-
-
-def per_sample_mse(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Each sample's mean squared error, in fp32."""
-    error = torch.nn.functional.mse_loss(pred.float(), target.to(pred.device).float(), reduction="none")
-    return error.mean(dim=list(range(1, error.ndim)))
+        return common.source_weights(batch, per_sample * schedule.weights(sigma).to(device))

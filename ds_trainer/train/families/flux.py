@@ -19,7 +19,8 @@ from omegaconf import DictConfig
 from ds_trainer import console
 from ds_trainer.train.families import common, flow
 from ds_trainer.train.families.base import Whole
-from ds_trainer.train.families.flow_family import FlowFamily, FrozenParts, per_sample_mse
+from ds_trainer.train.families.common import per_sample_mse
+from ds_trainer.train.families.flow_family import FlowFamily, FrozenParts
 
 
 @dataclass
@@ -119,7 +120,9 @@ class Flux(FlowFamily):
                      guidance=guidance, pooled_projections=batch["pooled"].to(device, dtype),
                      encoder_hidden_states=text.to(device, dtype), txt_ids=torch.zeros(text.shape[1], 3, device=device),
                      img_ids=image_ids(height, width).to(device)).sample
-        return per_sample_mse(pred, pack(flow.target(latents, noise)))
+        weight = batch.get("weight_map")  # the mask packed as the latents are: one weight per packed value
+        return per_sample_mse(pred, pack(flow.target(latents, noise)),
+                              None if weight is None else pack(weight.expand_as(latents)))
 
     def pipeline(self, cfg: DictConfig, frozen: Frozen, trained: dict[str, Any]) -> Any:
         from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline

@@ -20,7 +20,8 @@ from omegaconf import DictConfig
 from ds_trainer import console
 from ds_trainer.train.families import common, flow
 from ds_trainer.train.families.base import Whole
-from ds_trainer.train.families.flow_family import FlowFamily, FrozenParts, per_sample_mse
+from ds_trainer.train.families.common import per_sample_mse
+from ds_trainer.train.families.flow_family import FlowFamily, FrozenParts
 
 ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")
 
@@ -115,7 +116,7 @@ class SD3(FlowFamily):
         pred = model(hidden_states=noisy.to(device, dtype), timestep=(sigma * schedule.num_train_timesteps).to(device),
                      encoder_hidden_states=batch["prompt_embeds"].to(device, dtype),
                      pooled_projections=batch["pooled"].to(device, dtype)).sample
-        return per_sample_mse(pred, flow.target(latents, noise))
+        return per_sample_mse(pred, flow.target(latents, noise), batch.get("weight_map"))
 
     def pipeline(self, cfg: DictConfig, frozen: Frozen, trained: dict[str, Any]) -> Any:
         from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline

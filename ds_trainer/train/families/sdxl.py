@@ -53,7 +53,7 @@ class SDXL:
 
     def training_loss(self, cfg: DictConfig, model: Any, schedule: Any, batch: dict[str, torch.Tensor],
                       gens: list[torch.Generator], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-        """The denoising loss (epsilon or v-prediction, optional min-SNR weighting)."""
+        """Each sample's denoising loss (epsilon or v-prediction, optional min-SNR weighting, its source's weight)."""
         latents = batch["latents"]
         noise = torch.stack([torch.randn(latents.shape[1:], generator=g) for g in gens])
         if cfg.train.noise_offset:
@@ -69,7 +69,7 @@ class SDXL:
             clipped = snr.clamp(max=float(cfg.train.min_snr_gamma))
             prediction_type = schedule.config.prediction_type
             per_sample = per_sample * (clipped / snr if prediction_type == "epsilon" else clipped / (snr + 1))
-        return per_sample.mean()
+        return common.source_weights(batch, per_sample)
 
     def losses(self, model: Any, schedule: Any, batch: dict[str, torch.Tensor], noise: torch.Tensor,
                t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
@@ -87,8 +87,7 @@ class SDXL:
             text = {key: value.to(device, dtype) if value.is_floating_point() else value.to(device)
                     for key, value in batch.items() if key in text_encoders.TEXT_KEYS}
             pred = model(noisy.to(device, dtype), t.to(device), text, batch["time_ids"].to(device, dtype)).sample
-        per_sample = torch.nn.functional.mse_loss(pred.float(), target.to(device).float(), reduction="none")
-        return per_sample.mean(dim=list(range(1, per_sample.ndim)))
+        return common.per_sample_mse(pred, target, batch.get("weight_map"))
 
     def pipeline(self, cfg: DictConfig, frozen: Any, trained: dict[str, Any]) -> Any:
         from diffusers import StableDiffusionXLPipeline
