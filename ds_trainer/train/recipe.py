@@ -29,6 +29,7 @@ from ds_trainer.errors import TrainingError
 from ds_trainer.train import backends, data, export, families, outcome
 from ds_trainer.train.adapters import adapter
 from ds_trainer.train.backends import accelerator as accel
+from ds_trainer.train.backends import inner
 from ds_trainer.train.export import card
 from ds_trainer.train.families import common, text_encoders
 from ds_trainer.train.observe import metrics, startup, validate
@@ -131,6 +132,7 @@ def setup(run: Run, resume: Resume) -> Started:
         text_encoders.describe(cfg, model)
         run.tracker.add_facts({"trained_parameters": text_encoders.counts(model)})  # summary, W&B, sweep report
     run.model, run.optimizer, run.scheduler = run.backend.prepare(accelerator, model, optimizer, scheduler)
+    build.drop_unreachable_state(inner.optimizer(accelerator, run.optimizer))
     if run.scheduler is None:
         run.scheduler = build.group_schedules(cfg, run.optimizer)
     startup.mark(run.backend.init_label)

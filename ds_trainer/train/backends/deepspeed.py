@@ -190,6 +190,8 @@ def restore_optimizer_clocks(engine: Any, optimizer_step: int | None = None) -> 
     if engine.lr_scheduler is not None:
         engine.lr_scheduler.step(engine.lr_scheduler.last_batch_iteration)
     base = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    if not isinstance(base, DeepSpeedCPUAdam | FusedAdam):
+        return  # no running products outside the state (a client optimizer: Adagrad, Lion, Prodigy, ...)
     steps = {int(s["step"]) for s in base.state.values() if isinstance(s, dict) and "step" in s}
     if not steps and optimizer_step:
         steps = {optimizer_step}

@@ -80,10 +80,7 @@ class FSDP:
             model.to(torch.bfloat16)  # FSDP2 shards the parameters as they are: bf16 masters, gradients, Adam state
 
     def prepare(self, accelerator: Any, model: Any, optimizer: Any, scheduler: Any) -> tuple[Any, Any, Any]:
-        before = [p for group in optimizer.param_groups for p in group["params"]]
-        prepared = accel.prepare(accelerator, model, optimizer, scheduler)
-        carry_initial_state(getattr(prepared[1], "optimizer", prepared[1]), before)
-        return prepared
+        return accel.prepare(accelerator, model, optimizer, scheduler)
 
     def masters_from_cast(self, resuming: bool) -> bool:  # noqa: ARG002
         return False  # the sharded fp32 parameters are the masters
@@ -111,28 +108,6 @@ class FSDP:
 
     def load(self, accelerator: Any, path: Path, partial: bool) -> None:
         accelerator.load_state(str(path), **({"strict": False} if partial else {}))
-
-
-def carry_initial_state(optimizer: Any, before: list[Any]) -> None:
-    """An optimizer that creates its state at construction (torch's Adagrad: `sum` and `step`) keeps it under the
-    parameters it was built with; `fully_shard` replaces them with DTensors, and the first save then fails (a
-    KeyError in `state_dict`). Before the first step that state is its initial value: each parameter's is made again
-    on its DTensor (sharded, and where the offload puts it)."""
-    import torch
-
-    after = [p for group in optimizer.param_groups for p in group["params"]]
-    if len(after) != len(before):
-        return
-    for old, new in zip(before, after, strict=True):
-        if old is new or old not in optimizer.state or new in optimizer.state:
-            continue
-        state = optimizer.state.pop(old)
-        for key, value in list(state.items()):
-            if hasattr(value, "shape") and tuple(value.shape) == tuple(old.shape) and value.numel() > 1:
-                if bool(value.min() != value.max()):
-                    raise RuntimeError(f"optimizer state {key!r} changed before the first step: cannot carry it")
-                state[key] = torch.full_like(new, float(value.reshape(-1)[0]), dtype=value.dtype)
-        optimizer.state[new] = state
 
 
 def plugin(cfg: DictConfig, platform_kind: str) -> Any:

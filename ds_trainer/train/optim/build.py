@@ -116,3 +116,14 @@ def check(cfg: DictConfig, accelerator: Any, optimizer: Any) -> None:
             how = " (a DeepSpeed client optimizer: " + ("ZeRO hands it each rank's flat partition)"
                                                         if int(cfg.zero.stage) > 0 else "per parameter)")
         log.info("optimizer %s.%s steps%s", module, cls, how)
+
+
+def drop_unreachable_state(optimizer: Any) -> None:
+    """An optimizer that makes its state at construction (torch's Adagrad: `sum` and `step`) keeps it under the
+    parameters it was built with; the backend's prepare then gives it others (FSDP2's DTensors, DeepSpeed's fp32
+    masters or flat partitions), and the first checkpoint failed with a KeyError in `state_dict()`. Before the first
+    step that state is unreachable (no group holds its key) and the optimizer makes it again for the parameters it
+    steps: it is dropped."""
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for key in [key for key in optimizer.state if id(key) not in held]:
+        del optimizer.state[key]
