@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -34,11 +36,19 @@ SAMPLES = ["samples=on", "samples.every=4", "samples.steps=2", "samples.ema=true
 
 
 def _two_ranks(cwd: Path, *overrides: str) -> tuple[Path, str]:
-    cwd.mkdir(parents=True, exist_ok=True)
-    result = subprocess.run([*torchrun(2), "-m", "ds_trainer", *COMMON, *overrides], cwd=cwd,
-                            env={**os.environ, **ONE_THREAD}, capture_output=True, text=True, timeout=900)
+    """Two ranks under FSDP2 on gloo. A rank killed by SIGSEGV is run once more, said as a warning: gloo's own
+    `pt_gloo_runloop` thread segfaulted in two CI runs (dmesg: in libc, called from torch's gloo; once in stop 40's
+    bf16_pure run, once in this fixture), never twice in a row; any other failure, or a second one, fails."""
+    for attempt in (cwd, cwd / "after_a_gloo_segfault"):
+        attempt.mkdir(parents=True, exist_ok=True)
+        result = subprocess.run([*torchrun(2), "-m", "ds_trainer", *COMMON, *overrides], cwd=attempt,
+                                env={**os.environ, **ONE_THREAD}, capture_output=True, text=True, timeout=900)
+        if result.returncode == 0 or not re.search(r"exitcode\s*:\s*-11\b", result.stderr) or attempt != cwd:
+            break
+        warnings.warn(f"a rank died of SIGSEGV (gloo's runloop thread, torch's): running again\n"
+                      f"{result.stderr[-1500:]}", stacklevel=2)
     assert result.returncode == 0, result.stderr[-3000:]
-    (run_dir,) = run_dirs(cwd)
+    (run_dir,) = run_dirs(attempt)
     return run_dir, result.stderr
 
 
@@ -227,7 +237,8 @@ def test_bf16_pure_keeps_bf16_shards_and_a_run_moves_into_it_and_out_with_the_ro
     assert _metrics(out_run)[4]["loss"] == pytest.approx(_metrics(pure)[4]["loss"], rel=1e-2)
 
 
-@pytest.mark.parametrize("layout", [["zero=fsdp_full_shard", "precision=fp32"], ["zero=stage0", "precision=bf16"]],
+@pytest.mark.parametrize("layout", [["zero=fsdp_full_shard", "precision=fp32"],
+                                    pytest.param(["zero=stage0", "precision=bf16"], marks=pytest.mark.long)],
                          ids=["fsdp2", "zero0-bf16"])
 def test_an_optimizer_that_builds_its_state_at_construction_checkpoints_and_resumes(tmp_path: Path,
                                                                                    layout: list[str]) -> None:
