@@ -58,6 +58,11 @@ class LatentCache:
             self.manifest = self.dir / f"manifest-{hashlib.sha256('|'.join(self.names).encode()).hexdigest()[:16]}.json"
         self.n = len(data)
         self.family = family
+        # Each file and the first sample it holds (a repeated image's samples share one): fixed by the names.
+        self._files: dict[Path, int] = {}
+        for i in range(self.n):
+            self._files.setdefault(self.path(i), i)
+        self._empty: dict[str, torch.Tensor] | None = None  # the empty prompt's tensors, read once when first dropped
 
     @property
     def complete(self) -> bool:
@@ -78,8 +83,7 @@ class LatentCache:
             safetensors.torch.save_file({key: _on_cpu(value[0], family.storage_dtype(key)).contiguous()
                                          for key, value in empty.items()}, str(tmp))
             tmp.replace(self.dir / captions.EMPTY)
-        files = self._files()
-        todo = sorted((i for i in list(files.values())[rank::world] if not self.path(i).exists()),
+        todo = sorted((i for i in list(self._files.values())[rank::world] if not self.path(i).exists()),
                       key=lambda i: (self.path(i).parent.name, i))
         chunks = [list(group) for _, group in itertools.groupby(todo, key=lambda i: self.path(i).parent)]
         for group in chunks:
@@ -96,24 +100,17 @@ class LatentCache:
                     _save_atomic(item, self.path(index))
         return len(todo)
 
-    def _files(self) -> dict[Path, int]:
-        """Each file of the cache and the first sample it holds (a repeated image's samples share one)."""
-        files: dict[Path, int] = {}
-        for i in range(self.n):
-            files.setdefault(self.path(i), i)
-        return files
-
     def files(self) -> int:
         """How many files the samples take (a repeated image's samples share one)."""
-        return len(self._files())
+        return len(self._files)
 
     def disk_bytes(self) -> int:
         """What the cached samples take on disk."""
-        return sum(path.stat().st_size for path in self._files() if path.exists())
+        return sum(path.stat().st_size for path in self._files if path.exists())
 
     def finish(self) -> None:
         """Mark the cache complete (rank 0, after every rank built its share)."""
-        missing = [path for path in self._files() if not path.exists()]
+        missing = [path for path in self._files if not path.exists()]
         if missing:
             raise RuntimeError(f"latent cache {self.dir} lacks {len(missing)} samples after building")
         tmp = self.dir / f".manifest.tmp{os.getpid()}"
@@ -124,8 +121,9 @@ class LatentCache:
         """The samples' tensors; those `drop` marks with the empty prompt's text tensors."""
         items = [torch.load(self.path(i), map_location="cpu", weights_only=True) for i in indices]
         if drop and any(drop):
-            empty = safetensors.torch.load_file(str(self.dir / captions.EMPTY))
-            items = [{**item, **empty} if gone else item for item, gone in zip(items, drop, strict=True)]
+            if self._empty is None:
+                self._empty = safetensors.torch.load_file(str(self.dir / captions.EMPTY))
+            items = [{**item, **self._empty} if gone else item for item, gone in zip(items, drop, strict=True)]
         return {key: torch.stack([item[key] for item in items]) for key in items[0]}
 
 

@@ -127,7 +127,6 @@ class SourceImages:
         checks, checked_now = _check_items(found, _record(cfg, self.sources), accelerator)
         usable = [found[key] for key, (_, _, problem) in sorted(checks.items()) if problem is None]
         self.found = Counter(found[key].source for key in checks)
-        self.skipped = Counter(problem for _, _, problem in checks.values() if problem is not None)
         self.skipped_by_source = Counter((found[key].source, problem) for key, (_, _, problem) in checks.items()
                                          if problem is not None)
         if part in ("all", "train"):  # the held-out part says nothing new about the sources
@@ -163,6 +162,14 @@ class SourceImages:
             if accelerator is None or accelerator.is_main_process:
                 for line in self.plan.report():
                     log.info("bucket %s", line)
+
+    @property
+    def skipped(self) -> Counter[str]:
+        """Files skipped, by reason, over every source."""
+        out: Counter[str] = Counter()
+        for (_, reason), count in self.skipped_by_source.items():
+            out[reason] += count
+        return out
 
     def _repeats(self, item: sources.Item) -> int:
         return self.sources[item.source].repeats
