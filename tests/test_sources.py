@@ -71,14 +71,15 @@ def test_two_sources_with_repeats_1_and_3_are_seen_1_to_3_and_captions_drop_at_t
                {"path": src.make("parquet", tmp_path / "b", n=8, first=50), "name": "three", "repeats": 3,
                 "caption_dropout": 0.5}]
     cfg, data = _dataset(tmp_path, entries, "data.caption_dropout=0.2", "train.micro_batch_size=2")
-    dropout = loader.dropout_of(cfg, data)
-    one, three = loader.seen(data, 0, 8000, dropout)
+    policy = loader.policy_of(cfg, data)
+    one, three = loader.seen(data, 0, 8000, policy, {"clip_g": 0.3})
     assert one["samples_seen"] + three["samples_seen"] == 8000
     assert abs(three["samples_seen"] / one["samples_seen"] - 3.0) < 0.1, (one, three)
     assert abs(one["captions_dropped"] / one["samples_seen"] - 0.2) < 0.02
     assert abs(three["captions_dropped"] / three["samples_seen"] - 0.5) < 0.02
+    assert abs((one["encoders_dropped"]["clip_g"] + three["encoders_dropped"]["clip_g"]) / 8000 - 0.3) < 0.02
     # Every epoch (32 samples: 8 + 3 x 8) sees each image of `one` once and of `three` three times.
-    one, three = loader.seen(data, 0, 32 * 5, dropout)
+    one, three = loader.seen(data, 0, 32 * 5, policy)
     assert (one["samples_seen"], three["samples_seen"]) == (8 * 5, 24 * 5)
 
 
@@ -126,7 +127,9 @@ def sourced(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("sources")
     entries = _all_kinds(root, repeats={"folder": 3})
     entries[-1].update(regularization=True, loss_weight=0.5)  # the saved dataset: regularisation images
+    entries[0].update(tag_shuffle=True, keep_tokens=1, tag_dropout=0.3)  # the folder's tag captions
     args = ["data=sources", src.override(entries), "data.caption_dropout=0.3", "data.masked_loss=true",
+            "data.text_encoder_dropout.clip_g=0.3",
             "data.unmasked_weight=0.25", "logger=none", "train.max_steps=6",
             "train.checkpoint_every=3", "scheduler=constant", "train.micro_batch_size=2"]
     (root / "one").mkdir()
@@ -161,14 +164,21 @@ def test_a_run_trains_from_every_kind_and_reports_each_source(sourced: dict[str,
     log = (sourced["one"] / "ds_trainer.log").read_text()
     assert "data.sources[4] (webdataset)=" in log and "3 image(s), repeated 1 time(s) an epoch" in log
     assert "cached latents and embeddings of 24 samples (18 images)" in log  # a repeated image is cached once
+    assert "data.sources[0] (folder): tags shuffled at ',', the first 1 kept in place, each other dropped with 0.3" \
+        in log and "captions whose tags vary are encoded batch by batch" in log
+    assert "text encoder dropout: clip_g 0.3" in log
+    assert reported["folder"]["tags"] == {"shuffle": True, "keep_tokens": 1, "dropout": 0.3}
+    assert "tags" not in reported["csv"]  # a source without a tag policy of its own keeps data's (none)
+    assert 0 < sum(s["encoders_dropped"]["clip_g"] for s in summary["sources"]) < 12
 
 
-def test_a_resume_on_two_ranks_continues_the_same_samples_and_dropped_captions(sourced: dict[str, Path]) -> None:
+def test_a_resume_on_two_ranks_continues_the_same_samples_captions_and_tags(sourced: dict[str, Path]) -> None:
     one = json.loads((sourced["one"] / "summary.json").read_text())
     two = json.loads((sourced["two"] / "summary.json").read_text())
     assert two["status"] == "ok" and two["world_size"] == 2 and two["steps"] == 6
     assert two["sources"] == one["sources"]  # samples seen and captions dropped per source, resume included
-    # Steps 4-6 trained the same samples with the same captions dropped: the losses agree across the layouts.
+    # Steps 4-6 trained the same samples with the same captions dropped, the same tags shuffled and dropped and the same
+    # encoder parts zeroed: the losses agree across the layouts.
     losses = [{row["step"]: row["loss"] for row in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
                if "loss" in row} for run in (sourced["one"], sourced["two"])]
     for step in (4, 5, 6):
@@ -203,6 +213,88 @@ def test_a_dropped_caption_trains_with_the_empty_prompts_cached_encoding(sourced
         assert torch.allclose(batch[key][0], empty[key][0].float(), atol=1e-5), key
         assert torch.equal(batch[key][1], alone[key][1]) and torch.allclose(alone[key][0], own[key][0], atol=1e-5)
     assert torch.equal(batch["latents"], alone["latents"])  # the image is the same; only its caption is dropped
+
+
+def test_tags_shuffle_behind_the_kept_ones_and_drop_at_their_rate_the_same_way_every_time() -> None:
+    from ds_trainer.train.data import captions
+
+    caption = "sks dog, red collar, grass, sunny, park, 35mm"
+    tags = [t.strip() for t in caption.split(",")]
+    policy = captions.Policy(shuffle=True, keep_tokens=1, tag_dropout=0.25)
+    drawn = [captions.text(caption, policy, 7, position) for position in range(2000)]
+    assert drawn == [captions.text(caption, policy, 7, position) for position in range(2000)]  # a function of both
+    assert all(text.split(", ")[0] == "sks dog" for text in drawn)  # the trigger word stays first
+    assert all(set(text.split(", ")) <= set(tags) for text in drawn)
+    kept = sum(len(text.split(", ")) - 1 for text in drawn) / (len(drawn) * (len(tags) - 1))
+    assert abs(kept - 0.75) < 0.02, kept
+    whole = [t for t in drawn if len(t.split(", ")) == len(tags)]
+    assert len({tuple(t.split(", ")[1:]) for t in whole}) > 20  # shuffled: many orders of the same tags
+    assert captions.text(caption, captions.Policy(), 7, 3) == caption  # no policy: the caption as written
+
+
+def test_varying_captions_are_encoded_per_batch_and_an_encoders_part_is_zeroed(sourced: dict[str, Path]) -> None:
+    import types
+
+    from ds_trainer.train import data
+
+    cfg, dataset, family, cache = _cache(sourced, "data.text_encoder_dropout.clip_g=0.5")
+    frozen = family.load_frozen(cfg, contextlib.nullcontext)
+    device = torch.device("cpu")
+    ranks = types.SimpleNamespace(process_index=0, num_processes=1, device=device, is_main_process=True)
+    run = types.SimpleNamespace(cfg=cfg, accelerator=ranks, frozen=frozen, family=family)
+    loader = data.Loader(run, dataset, cache)  # type: ignore[arg-type]
+    width = frozen.text_encoder.config.hidden_size
+    shuffled = zeroed = 0
+    try:
+        for b in range(12):
+            batch, position = loader(b), loader.position(b)
+            indices = dataset.plan.samples(position, 2)
+            cached = cache.load(indices)
+            for j, index in enumerate(indices):
+                source = dataset.sources[dataset.source_of(index)]
+                dropped = data.captions.dropped(cfg.train.seed, position + j, source.caption_dropout)
+                text = "" if dropped else data.captions.text(dataset.caption(index), source.captions, cfg.train.seed,
+                                                              position + j)
+                with torch.no_grad():
+                    own = family.text_inputs(frozen, [text], device)
+                gone = data.captions.dropped(cfg.train.seed, position + j, 0.5, "clip_g")
+                embeds = batch["prompt_embeds"][j]
+                assert torch.allclose(embeds[:, :width], own["prompt_embeds"][0, :, :width], atol=1e-5)  # CLIP-L's
+                if gone:  # bigG's part (and its pooled projection) zeros, as a pipeline without it
+                    assert not embeds[:, width:].any() and not batch["pooled"][j].any()
+                else:
+                    assert torch.allclose(embeds[:, width:], own["prompt_embeds"][0, :, width:], atol=1e-5)
+                zeroed += gone
+                if source.captions.varies and not dropped and text != dataset.caption(index):
+                    shuffled += 1  # trained with other tags than the cache holds
+                    assert not torch.allclose(cached["prompt_embeds"][j, :, :width], embeds[:, :width])
+    finally:
+        loader.close()
+    assert shuffled and 0 < zeroed < 24, (shuffled, zeroed)
+
+
+def test_sd3s_text_parts_are_where_each_encoder_writes() -> None:
+    from ds_trainer.train import families
+
+    cfg = checks.check(make_cfg("model=sd3_tiny", "data.text_encoder_dropout.t5=0.5")).cfg
+    family = families.of(cfg)
+    frozen = family.load_frozen(cfg, contextlib.nullcontext)
+    with torch.no_grad():
+        both = family.text_inputs(frozen, ["a red square", "a blue bar"], torch.device("cpu"))
+        t5 = frozen.text_encoder_3(frozen.tokenizer_3(["a red square"], padding="max_length", truncation=True,
+                                                      max_length=int(cfg.model.flow.t5_max_length),
+                                                      return_tensors="pt").input_ids)[0]
+    parts = family.text_parts(frozen)
+    assert set(parts) == {"clip_l", "clip_g", "t5"}
+    ((key, where),) = parts["t5"]
+    assert torch.allclose(both[key][0][where], t5[0].to(both[key].dtype), atol=1e-5)  # T5's sequence, whole
+    covered = torch.zeros_like(both["prompt_embeds"][0], dtype=torch.bool)
+    pooled = torch.zeros_like(both["pooled"][0], dtype=torch.bool)
+    for name in parts:
+        for key, where in parts[name]:
+            (covered if key == "prompt_embeds" else pooled)[where] = True
+    assert pooled.all()  # every pooled feature is some encoder's
+    assert covered.any(dim=-1).all()  # every token row is some encoder's
 
 
 def test_a_masked_loss_is_the_mean_of_the_errors_weighed_by_the_mask(sourced: dict[str, Path]) -> None:
@@ -244,8 +336,8 @@ def _entries_of(run_dir: Path) -> list[dict[str, object]]:
     import yaml
 
     config = yaml.safe_load((run_dir / "config.yaml").read_text())
-    return [{"path": s["path"], "repeats": s["repeats"], "regularization": s["regularization"],
-             "loss_weight": s["loss_weight"]} for s in config["data"]["sources"]]
+    keys = ("path", "repeats", "regularization", "loss_weight", "tag_shuffle", "keep_tokens", "tag_dropout")
+    return [{key: s[key] for key in keys if s[key] is not None} for s in config["data"]["sources"]]
 
 
 def test_regularisation_images_weigh_their_loss_and_are_reported_apart(sourced: dict[str, Path]) -> None:

@@ -300,6 +300,19 @@ class ModelConfig:
     blocks: list[str] = field(default_factory=lambda: ["BasicTransformerBlock", "ResnetBlock2D"])
 
 
+# Each family's text encoders, as data.text_encoder_dropout names them (families' text_parts say where each sits).
+TEXT_ENCODER_NAMES = {"sdxl": ("clip_l", "clip_g"), "sd3": ("clip_l", "clip_g", "t5"), "flux": ("clip_l", "t5")}
+
+
+@dataclass
+class EncoderDropout:
+    """data.text_encoder_dropout: per text encoder, the probability that its output is dropped (zeros) for a sample."""
+
+    clip_l: float = 0.0
+    clip_g: float = 0.0
+    t5: float = 0.0
+
+
 @dataclass
 class SourceConfig:
     """One entry of `data.sources` (data=sources)."""
@@ -309,6 +322,10 @@ class SourceConfig:
     name: str | None = None  # its name in the log, summary.json and the sweep report (default: the path's last part)
     repeats: int = 1  # times each of its images is seen an epoch (3 beside another source's 1: three times as often)
     caption_dropout: float | None = None  # this source's probability of an empty caption (default data.caption_dropout)
+    # This source's tag policy (default: data.tag_shuffle, data.keep_tokens, data.tag_dropout).
+    tag_shuffle: bool | None = None
+    keep_tokens: int | None = None
+    tag_dropout: float | None = None
     caption_ext: str = "txt"  # folder: the caption files' extension; webdataset: the caption member's
     image_column: str | None = None  # table, hf: the column of image paths or bytes (default image, file_name, path)
     caption_column: str | None = None  # table, hf: the captions' column (default text, caption, prompt)
@@ -329,6 +346,17 @@ class DataConfig:
     # The probability that a sample's caption is dropped (an empty prompt, so classifier-free guidance keeps working):
     # drawn from the seed and the sample's position in the run, so a resume under any layout drops the same ones.
     caption_dropout: float = 0.0
+    # Tag captions ("name, red hair, smiling"): split at tag_separator, the first keep_tokens tags kept in place, the
+    # others shuffled (tag_shuffle) and each dropped with tag_dropout; drawn per sample like caption_dropout. Captions
+    # that vary are encoded each step (the latents stay cached; the frozen text encoders stay on the device).
+    tag_shuffle: bool = False
+    keep_tokens: int = 0
+    tag_dropout: float = 0.0
+    tag_separator: str = ","
+    # Per text encoder, the probability that its part of a sample's conditioning is zeros, as a pipeline runs without
+    # that encoder (SD3's without T5): data.text_encoder_dropout.t5=0.1. Drawn apart from caption_dropout and from
+    # each other; an encoder the model lacks is refused (TEXT_ENCODER_NAMES).
+    text_encoder_dropout: EncoderDropout = field(default_factory=lambda: EncoderDropout())
     # Masked loss: each image's mask (its alpha channel, else a <name>.mask.png beside it; none: the whole image)
     # weighs the training loss, cached at the latents' resolution; outside the mask the loss counts unmasked_weight
     # times (0: not at all). The validation loss stays unmasked.

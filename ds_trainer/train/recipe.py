@@ -117,8 +117,10 @@ def setup(run: Run, resume: Resume) -> Started:
     vset = _validation_set(run)
     startup.mark("data, frozen encoders, cache check")
     if cache is not None and run.kind == "cuda":  # training reads the cache: the encoders need no GPU memory now
+        varies = data.captions_vary(dataset)  # unless captions whose tags vary are encoded batch by batch
         for part in run.frozen.modules():
-            part.to("cpu")
+            if not (varies and any(part is encoder for encoder in run.frozen.encoders())):
+                part.to("cpu")
         torch.cuda.empty_cache()
     # --- what trains (adapter=lora: injected, the base frozen and cast), its optimizer, the backend's prepare
     run.trained = adapter.build(cfg, run.family.load_trained(cfg), encoders)

@@ -41,7 +41,8 @@ def masked(root: Path) -> None:
 
 
 def caption(kind: str, n: int) -> str:
-    return f"a {kind} picture number {n}"
+    """A sentence, or for the folder tags as kohya's users write them (the trigger word first)."""
+    return f"{kind}, picture number {n}, small, bright, square" if kind == "folder" else f"a {kind} picture number {n}"
 
 
 def make(kind: str, root: Path, n: int = 4, first: int = 0) -> str:

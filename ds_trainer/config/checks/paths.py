@@ -9,7 +9,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from ds_trainer.config import weights_file
+from ds_trainer.config import schema, weights_file
 from ds_trainer.config.problems import Problem
 
 
@@ -22,7 +22,7 @@ def problems(cfg: DictConfig) -> list[Problem]:
                                "data.path=/path/to/images"))
         elif not Path(cfg.data.path).is_dir():
             out.append(Problem("data.path", cfg.data.path, "is not a folder", "data.path=/path/to/images"))
-    out += _sources(cfg)
+    out += _sources(cfg) + _captions(cfg)
     pretrained = cfg.model.pretrained
     if weights_file.is_single_file(pretrained) and not Path(pretrained).exists():
         out.append(Problem("model.pretrained", pretrained, "no such checkpoint file",
@@ -71,13 +71,51 @@ def _sources(cfg: DictConfig) -> list[Problem]:
         if float(source.loss_weight) < 0:
             out.append(Problem(f"{key}.loss_weight", source.loss_weight, "weighs its samples' loss: 0 or more",
                                f"{key}.loss_weight=1.0"))
-        dropout = source.caption_dropout
-        if dropout is not None and not 0.0 <= float(dropout) <= 1.0:
-            out.append(Problem(f"{key}.caption_dropout", dropout, "is a probability", f"{key}.caption_dropout=0.1"))
+        for name in ("caption_dropout", "tag_dropout"):
+            value = source[name]
+            if value is not None and not 0.0 <= float(value) <= 1.0:
+                out.append(Problem(f"{key}.{name}", value, "is a probability", f"{key}.{name}=0.1"))
+        if source.keep_tokens is not None and int(source.keep_tokens) < 0:
+            out.append(Problem(f"{key}.keep_tokens", source.keep_tokens, "is a count of leading tags kept in place",
+                               f"{key}.keep_tokens=1"))
     names = [str(s.name) for s in cfg.data.sources if s.name is not None]
     if len(set(names)) != len(names):
         out.append(Problem("data.sources", ", ".join(names), "two sources have the same name: the log, summary.json "
                            "and the cache tell sources apart by it", "give each source a name of its own"))
+    return out
+
+
+def _captions(cfg: DictConfig) -> list[Problem]:
+    """The tag policy's values, and data.text_encoder_dropout's names: the model's text encoders, all frozen."""
+    data, out = cfg.data, []
+    if not 0.0 <= float(data.tag_dropout) <= 1.0:
+        out.append(Problem("data.tag_dropout", data.tag_dropout, "is a probability (of each tag's dropping)",
+                           "data.tag_dropout=0.1"))
+    if int(data.keep_tokens) < 0:
+        out.append(Problem("data.keep_tokens", data.keep_tokens, "is a count of leading tags kept in place",
+                           "data.keep_tokens=1"))
+    if not str(data.tag_separator):
+        out.append(Problem("data.tag_separator", "''", "splits a caption into tags", "data.tag_separator=','"))
+    varies = bool(data.tag_shuffle) or float(data.tag_dropout) > 0 or (data.source.value == "sources" and any(
+        s.tag_shuffle or float(s.tag_dropout or 0) > 0 for s in data.sources))
+    if varies and data.source.value == "synthetic":
+        out.append(Problem("data.tag_shuffle" if data.tag_shuffle else "data.tag_dropout",
+                           data.tag_shuffle or data.tag_dropout, "synthetic captions are sentences, not tags",
+                           "data=folder or data=sources with tag captions"))
+    family = str(getattr(cfg.model, "family", "sdxl")).split(".")[-1]
+    names = schema.TEXT_ENCODER_NAMES.get(family, ())
+    asked = {name: value for name, value in data.text_encoder_dropout.items() if float(value) != 0.0}
+    for name, value in asked.items():
+        key = f"data.text_encoder_dropout.{name}"
+        if name not in names:
+            out.append(Problem(key, value, f"{cfg.model.name} has no {name} text encoder ({family}'s: "
+                               f"{', '.join(names)})", f"{key}=0, or data.text_encoder_dropout.{names[-1]}={value}"))
+        elif not 0.0 <= float(value) <= 1.0:
+            out.append(Problem(key, value, "is a probability", f"{key}=0.1"))
+    if asked and schema.trains_text_encoders(cfg):
+        out.append(Problem(f"data.text_encoder_dropout.{next(iter(asked))}", next(iter(asked.values())),
+                           "zeroes a frozen encoder's cached output; with text_encoders trained a batch carries token "
+                           "ids instead", "text_encoders=frozen, or data.caption_dropout (drops whole captions)"))
     return out
 
 

@@ -80,7 +80,7 @@ class LatentCache:
         if not (self.dir / captions.EMPTY).exists():  # what a dropped caption trains with (data.caption_dropout)
             empty = family.text_inputs(frozen, [""], device)
             tmp = self.dir / f".{captions.EMPTY}.tmp{os.getpid()}"
-            safetensors.torch.save_file({key: _on_cpu(value[0], family.storage_dtype(key)).contiguous()
+            safetensors.torch.save_file({key: on_cpu(value[0], family.storage_dtype(key)).contiguous()
                                          for key, value in empty.items()}, str(tmp))
             tmp.replace(self.dir / captions.EMPTY)
         todo = sorted((i for i in list(self._files.values())[rank::world] if not self.path(i).exists()),
@@ -95,7 +95,7 @@ class LatentCache:
                 text = family.text_inputs(frozen, [e.caption for e in chunk], device)
                 for j, index in enumerate(part):
                     item = {"latents": latents[j].to("cpu", torch.float32).clone(),
-                            **{key: _on_cpu(value[j], family.storage_dtype(key)) for key, value in text.items()},
+                            **{key: on_cpu(value[j], family.storage_dtype(key)) for key, value in text.items()},
                             "time_ids": chunk[j].time_ids.clone(), **_mask(chunk[j], latents[j])}
                     _save_atomic(item, self.path(index))
         return len(todo)
@@ -129,9 +129,9 @@ class LatentCache:
 
 def encode_batch(data: SyntheticImages | SourceImages, frozen: Any, indices: list[int],
                  device: torch.device, family: Family | None = None,
-                 drop: list[bool] | None = None) -> dict[str, torch.Tensor]:
+                 drop: list[bool] | None = None, texts: list[str] | None = None) -> dict[str, torch.Tensor]:
     """The same tensors as LatentCache.load, computed now (data.cache=false), as `family` encodes them (SDXL's
-    when not given); the samples `drop` marks with an empty caption."""
+    when not given); the samples `drop` marks with an empty caption, or each with its caption in `texts`."""
     if family is None:
         from ds_trainer.train.families.sdxl import SDXL
 
@@ -139,13 +139,14 @@ def encode_batch(data: SyntheticImages | SourceImages, frozen: Any, indices: lis
     examples = [data[i] for i in indices]
     drop = drop or [False] * len(examples)
     latents = family.encode_images(frozen, torch.stack([e.pixels for e in examples]))
-    text = family.text_inputs(frozen, ["" if gone else e.caption for e, gone in zip(examples, drop, strict=True)],
-                              device)
+    if texts is None:
+        texts = ["" if gone else e.caption for e, gone in zip(examples, drop, strict=True)]
+    text = family.text_inputs(frozen, texts, device)
     # On the CPU in float32, as the cache holds them: the step draws its noise on the CPU, and on a GPU the
     # encoders' CUDA tensors would meet it there (diffusers' add_noise moves only the schedule's tensors).
     masks = [_mask(e, latents[j]) for j, e in enumerate(examples)]
     return {"latents": latents.to("cpu", torch.float32),
-            **{key: _on_cpu(value, family.storage_dtype(key)) for key, value in text.items()},
+            **{key: on_cpu(value, family.storage_dtype(key)) for key, value in text.items()},
             "time_ids": torch.stack([e.time_ids for e in examples]),
             **({"mask": torch.stack([m["mask"] for m in masks])} if masks[0] else {})}
 
@@ -165,7 +166,7 @@ def _save_atomic(item: dict[str, torch.Tensor], path: Path) -> None:
     tmp.replace(path)
 
 
-def _on_cpu(value: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+def on_cpu(value: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """A tensor as the cache holds it: on the CPU, float32 if floating (or the family's `dtype` for it: SD3's long
     text sequence in bf16), token ids as integers, not a view."""
     floating = dtype or torch.float32

@@ -11,7 +11,7 @@ import torch
 from omegaconf import DictConfig
 
 from ds_trainer.train.data import captions
-from ds_trainer.train.data.cache import LatentCache, encode_batch
+from ds_trainer.train.data.cache import LatentCache, encode_batch, on_cpu
 from ds_trainer.train.data.images import SourceImages, SyntheticImages
 from ds_trainer.train.data.order import sample_indices
 
@@ -39,7 +39,13 @@ class Loader:
         self.rank, self.world = accelerator.process_index, accelerator.num_processes
         self.micro, self.seed = int(cfg.train.micro_batch_size), int(cfg.train.seed)
         self.plan = data.plan if isinstance(data, SourceImages) else None
-        self.dropout = dropout_of(cfg, data)
+        self.policy = policy_of(cfg, data)
+        # Tags shuffled or dropped: each batch's captions are encoded when it is read (the cached text cannot serve).
+        self.varies = captions_vary(data)
+        self.encoder_dropout = {str(k): float(v) for k, v in cfg.data.text_encoder_dropout.items() if float(v) > 0}
+        self.parts = run.family.text_parts(run.frozen) if self.encoder_dropout else {}
+        if accelerator.is_main_process:
+            self._say(data)
         self.unmasked = float(cfg.data.unmasked_weight)
         self.weighed = isinstance(data, SourceImages) and any(
             s.regularization or s.loss_weight != 1.0 for s in data.sources)
@@ -50,41 +56,88 @@ class Loader:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="ds_trainer-prefetch") if cache is not None else None
         self._next: tuple[int, Future[dict[str, torch.Tensor]]] | None = None
 
+    def _say(self, data: SyntheticImages | SourceImages) -> None:
+        for source in data.sources if isinstance(data, SourceImages) and self.varies else []:
+            policy = source.captions
+            if policy.varies:
+                log.info("%s: tags %s at %r, the first %d kept in place, each other dropped with %s", source.label,
+                         "shuffled" if policy.shuffle else "in order", policy.separator, policy.keep_tokens,
+                         policy.tag_dropout)
+        if self.varies:
+            log.info("captions whose tags vary are encoded batch by batch (%s); the latents %s",
+                     "the frozen text encoders stay on the device", "stay cached" if self.cache else "too")
+        if self.encoder_dropout:
+            log.info("text encoder dropout: %s (that encoder's part of the conditioning is zeros for the sample, as "
+                     "a pipeline without it feeds the model)", ", ".join(f"{k} {v}" for k, v in
+                                                                       self.encoder_dropout.items()))
+
     def position(self, b: int) -> int:
         """The first sample position of this rank's part of micro-batch `b`."""
         return self.offset + ((b - self.first) * self.world + self.rank) * self.micro
 
     def __call__(self, b: int) -> dict[str, torch.Tensor]:
         if self._pool is None:
-            return self._load(b)
-        ahead = self._next
-        if ahead is not None and ahead[0] == b:
-            batch = ahead[1].result()
-        else:  # not the batch read ahead (the first call): one reader at a time
-            if ahead is not None:
-                wait([ahead[1]])
             batch = self._load(b)
-        self._next = (b + 1, self._pool.submit(self._load, b + 1))
+        else:
+            ahead = self._next
+            if ahead is not None and ahead[0] == b:
+                batch = ahead[1].result()
+            else:  # not the batch read ahead (the first call): one reader at a time
+                if ahead is not None:
+                    wait([ahead[1]])
+                batch = self._load(b)
+            self._next = (b + 1, self._pool.submit(self._load, b + 1))
+        position = self.position(b)
+        if self.varies and self.cache is not None:  # on this thread: the text encoders may be on the GPU
+            indices, drop = self._samples(position)
+            text = self.family.text_inputs(self.frozen, self._texts(position, indices, drop), self.device)
+            batch.update({key: on_cpu(value, self.family.storage_dtype(key)) for key, value in text.items()})
+        if self.encoder_dropout:
+            self._drop_encoders(batch, position)
         return batch
 
     def seen(self, step: int) -> list[dict[str, Any]]:
         """Per source, what the run has trained on by the end of `step` (every rank, resumes included)."""
         total = self.offset + (step * self.accumulation - self.first) * self.world * self.micro
-        return seen(self.data, self.seed, total, self.dropout)
+        return seen(self.data, self.seed, total, self.policy, self.encoder_dropout)
 
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
 
-    def _load(self, b: int) -> dict[str, torch.Tensor]:
-        position = self.position(b)
+    def _samples(self, position: int) -> tuple[list[int], list[bool]]:
+        """The dataset indices of the samples from `position` on, and which of them train with an empty caption."""
         if self.plan is not None:  # one bucket per global batch: every rank gets the same shape
             indices = self.plan.samples(position, self.micro)
         else:
             indices = sample_indices(position, self.micro, len(self.data), self.seed)
-        drop = [captions.dropped(self.seed, position + j, self.dropout(index)) for j, index in enumerate(indices)]
-        batch = self.cache.load(indices, drop) if self.cache is not None else \
-            encode_batch(self.data, self.frozen, indices, self.device, self.family, drop)
+        return indices, [captions.dropped(self.seed, position + j, self.policy(index).dropout)
+                         for j, index in enumerate(indices)]
+
+    def _texts(self, position: int, indices: list[int], drop: list[bool]) -> list[str]:
+        """The captions the samples train with: empty where dropped, their tags shuffled and dropped by policy."""
+        data = self.data
+        assert isinstance(data, SourceImages)
+        return ["" if gone else captions.text(data.caption(index), self.policy(index), self.seed, position + j)
+                for j, (index, gone) in enumerate(zip(indices, drop, strict=True))]
+
+    def _drop_encoders(self, batch: dict[str, torch.Tensor], position: int) -> None:
+        """data.text_encoder_dropout: zeros in place of an encoder's part of a sample's conditioning, as a pipeline
+        without that encoder feeds the model."""
+        for j in range(self.micro):
+            for name, probability in self.encoder_dropout.items():
+                if captions.dropped(self.seed, position + j, probability, name):
+                    for key, where in self.parts[name]:
+                        batch[key][j][where] = 0
+
+    def _load(self, b: int) -> dict[str, torch.Tensor]:
+        position = self.position(b)
+        indices, drop = self._samples(position)
+        if self.cache is not None:
+            batch = self.cache.load(indices, drop)
+        else:
+            texts = self._texts(position, indices, drop) if self.varies else None
+            batch = encode_batch(self.data, self.frozen, indices, self.device, self.family, drop, texts)
         batch["position"] = torch.arange(position, position + self.micro)
         if self.weighed:  # data.sources: each sample's loss weight, and which are regularisation images
             sources = [self.data.sources[self.data.source_of(i)] for i in indices]  # type: ignore[union-attr]
@@ -95,17 +148,23 @@ class Loader:
         return batch
 
 
-def dropout_of(cfg: DictConfig, data: SyntheticImages | SourceImages) -> Callable[[int], float]:
-    """A sample's caption dropout: its source's (data.sources[i].caption_dropout), else data.caption_dropout."""
-    default = float(cfg.data.caption_dropout)
+def captions_vary(data: SyntheticImages | SourceImages) -> bool:
+    """Whether a source shuffles or drops tags: its captions are encoded batch by batch (the latents stay cached)."""
+    return isinstance(data, SourceImages) and any(source.captions.varies for source in data.sources)
+
+
+def policy_of(cfg: DictConfig, data: SyntheticImages | SourceImages) -> Callable[[int], captions.Policy]:
+    """A sample's caption policy: its source's (data.sources[i]), else data's (caption_dropout alone for synthetic
+    images, whose captions are not tags)."""
     if not isinstance(data, SourceImages):
+        default = captions.Policy(float(cfg.data.caption_dropout))
         return lambda _index: default
-    by_source = [source.caption_dropout for source in data.sources]
+    by_source = [source.captions for source in data.sources]
     return lambda index: by_source[data.source_of(index)]
 
 
 def describe(data: SyntheticImages | SourceImages) -> list[dict[str, Any]]:
-    """Per source: its name, kind, path, images found, files skipped (by reason), repeats and caption dropout."""
+    """Per source: its name, kind, path, images found, files skipped (by reason), repeats and caption policy."""
     if not isinstance(data, SourceImages):
         return [{"name": "synthetic", "kind": "synthetic", "images": len(data), "skipped": {}, "repeats": 1,
                  "samples_seen": 0, "captions_dropped": 0}]
@@ -113,22 +172,28 @@ def describe(data: SyntheticImages | SourceImages) -> list[dict[str, Any]]:
              "images": data.found[source.index],
              "skipped": {why: n for (index, why), n in sorted(data.skipped_by_source.items()) if index == source.index},
              "repeats": source.repeats, "caption_dropout": source.caption_dropout,
+             **({"tags": {"shuffle": source.captions.shuffle, "keep_tokens": source.captions.keep_tokens,
+                          "dropout": source.captions.tag_dropout}} if source.captions.varies else {}),
              **({"regularization": True} if source.regularization else {}),
              **({"loss_weight": source.loss_weight} if source.loss_weight != 1.0 else {}), "samples_seen": 0,
              "captions_dropped": 0} for source in data.sources]
 
 
-def seen(data: SyntheticImages | SourceImages, seed: int, total: int,
-         dropout: Callable[[int], float]) -> list[dict[str, Any]]:
+def seen(data: SyntheticImages | SourceImages, seed: int, total: int, policy: Callable[[int], captions.Policy],
+         encoder_dropout: dict[str, float] | None = None) -> list[dict[str, Any]]:
     """Per source, the first `total` samples of the run's sample sequence: its images, skipped files, repeats, samples
-    seen and captions dropped (summary.json's `sources`)."""
+    seen, captions dropped, and each text encoder's part dropped (summary.json's `sources`)."""
     plan = data.plan if isinstance(data, SourceImages) else None
     sources = describe(data)
+    for entry in sources if encoder_dropout else []:
+        entry["encoders_dropped"] = dict.fromkeys(encoder_dropout or {}, 0)
     for start in range(0, total, 4096):
         count = min(4096, total - start)
         indices = plan.samples(start, count) if plan is not None else sample_indices(start, count, len(data), seed)
         for j, index in enumerate(indices):
             entry = sources[data.source_of(index) if isinstance(data, SourceImages) else 0]
             entry["samples_seen"] += 1
-            entry["captions_dropped"] += captions.dropped(seed, start + j, dropout(index))
+            entry["captions_dropped"] += captions.dropped(seed, start + j, policy(index).dropout)
+            for name, probability in (encoder_dropout or {}).items():
+                entry["encoders_dropped"][name] += captions.dropped(seed, start + j, probability, name)
     return sources

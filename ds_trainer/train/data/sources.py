@@ -20,6 +20,7 @@ from typing import Any, BinaryIO
 from omegaconf import DictConfig, OmegaConf
 
 from ds_trainer.errors import DataError
+from ds_trainer.train.data.captions import Policy
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp")
 MASK_SUFFIX = ".mask.png"  # `photo.jpg`'s mask is `photo.mask.png` beside it (data.masked_loss)
@@ -52,7 +53,7 @@ class Source:
     path: str
     kind: str
     repeats: int
-    caption_dropout: float
+    captions: Policy
     caption_ext: str = "txt"
     image_column: str | None = None
     caption_column: str | None = None
@@ -63,35 +64,47 @@ class Source:
     loss_weight: float = 1.0
 
     @property
+    def caption_dropout(self) -> float:
+        return self.captions.dropout
+
+    @property
     def label(self) -> str:
         return f"{self.key} ({self.name})" if self.keyed else self.key
 
 
 def of(cfg: DictConfig) -> list[Source]:
     """The run's sources: `data.sources`, or for `data=folder` the one folder of data.path."""
-    default_dropout = float(cfg.data.caption_dropout)
     if cfg.data.source.value == "folder":
         return [Source(0, Path(str(cfg.data.path)).name or str(cfg.data.path), str(cfg.data.path), "folder", 1,
-                       default_dropout, str(cfg.data.caption_ext), key="data.path", keyed=False)]
+                       policy(cfg.data, {}), str(cfg.data.caption_ext), key="data.path", keyed=False)]
     out, names = [], [_name_of(str(entry.path)) for entry in cfg.data.sources]
     for index, entry in enumerate(cfg.data.sources):
         spec: dict[str, Any] = OmegaConf.to_container(entry, resolve=True)  # type: ignore[assignment]
         path = str(spec["path"])
-        dropout = spec.get("caption_dropout")
         # Named by the path's last part; two alike (a/images, b/images) by their place in the list too.
         name = spec.get("name") or (names[index] if names.count(names[index]) == 1 else f"{names[index]}-{index}")
         out.append(Source(index, name, path, kind_of(path, str(getattr(spec["kind"], "value", spec["kind"]))),
-                          int(spec["repeats"]), default_dropout if dropout is None else float(dropout),
-                          str(spec.get("caption_ext") or "txt"), spec.get("image_column"), spec.get("caption_column"),
-                          str(spec.get("split") or "train"), f"data.sources[{index}]",
-                          regularization=bool(spec.get("regularization")),
+                          int(spec["repeats"]), policy(cfg.data, spec), str(spec.get("caption_ext") or "txt"),
+                          spec.get("image_column"), spec.get("caption_column"), str(spec.get("split") or "train"),
+                          f"data.sources[{index}]", regularization=bool(spec.get("regularization")),
                           loss_weight=float(spec.get("loss_weight", 1.0))))
     return out
 
 
+def policy(data: DictConfig, spec: dict[str, Any]) -> Policy:
+    """A source's caption policy: its own caption_dropout, tag_shuffle, keep_tokens and tag_dropout where set, else
+    data's."""
+    def own(key: str) -> Any:
+        value = spec.get(key)
+        return data[key] if value is None else value
+
+    return Policy(float(own("caption_dropout")), bool(own("tag_shuffle")), int(own("keep_tokens")),
+                  float(own("tag_dropout")), str(data.tag_separator))
+
+
 def for_validation(cfg: DictConfig) -> Source:
     """validation.path: a folder of other images the validation loss scores."""
-    return Source(0, "validation", str(cfg.validation.path), "folder", 1, 0.0, str(cfg.data.caption_ext),
+    return Source(0, "validation", str(cfg.validation.path), "folder", 1, Policy(), str(cfg.data.caption_ext),
                   key="validation.path", keyed=False)
 
 

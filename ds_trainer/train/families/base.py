@@ -11,6 +11,8 @@ from omegaconf import DictConfig
 
 # Where a family builds its frozen parts: the backend's `whole()` (outside ZeRO-3's partitioning).
 Whole = Callable[[], AbstractContextManager[Any]]
+# Per text encoder (schema.TEXT_ENCODER_NAMES), the parts of one sample's text tensors it made: (key, index).
+TextParts = dict[str, list[tuple[str, tuple[slice, ...]]]]
 
 
 class Family(Protocol):
@@ -30,6 +32,9 @@ class Family(Protocol):
 
     def text_inputs(self, frozen: Any, prompts: list[str], device: torch.device) -> dict[str, torch.Tensor]:
         """What a batch carries for its captions (cached on disk with the latents)."""
+
+    def text_parts(self, frozen: Any) -> TextParts:
+        """Where each text encoder's output sits in one sample's text tensors (data.text_encoder_dropout zeroes it)."""
 
     def encode_images(self, frozen: Any, pixels: torch.Tensor) -> torch.Tensor:
         """Images in [-1, 1] to the latents the trained module sees (the VAE's mean, scaled and shifted)."""

@@ -18,7 +18,7 @@ from omegaconf import DictConfig
 
 from ds_trainer import console
 from ds_trainer.train.families import common, flow
-from ds_trainer.train.families.base import Whole
+from ds_trainer.train.families.base import TextParts, Whole
 from ds_trainer.train.families.common import per_sample_mse
 from ds_trainer.train.families.flow_family import FlowFamily, FrozenParts
 
@@ -103,6 +103,10 @@ class Flux(FlowFamily):
         ids = frozen.tokenizer_2(prompts, padding="max_length", max_length=self._t5_length, truncation=True,
                                  return_tensors="pt").input_ids
         return {"prompt_embeds": frozen.text_encoder_2(ids.to(device))[0], "pooled": pooled}
+
+    def text_parts(self, frozen: Frozen) -> TextParts:  # noqa: ARG002 - the Family protocol's signature
+        """CLIP-L makes `pooled`, T5 the `prompt_embeds` sequence."""
+        return {"clip_l": [("pooled", (slice(None),))], "t5": [("prompt_embeds", (slice(None), slice(None)))]}
 
     def image_tokens(self, latents: torch.Tensor) -> int:
         """The packed tokens of the latents (2 x 2 patches): what Flux's noise levels shift with."""

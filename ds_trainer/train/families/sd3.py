@@ -19,7 +19,7 @@ from omegaconf import DictConfig
 
 from ds_trainer import console
 from ds_trainer.train.families import common, flow
-from ds_trainer.train.families.base import Whole
+from ds_trainer.train.families.base import TextParts, Whole
 from ds_trainer.train.families.common import per_sample_mse
 from ds_trainer.train.families.flow_family import FlowFamily, FrozenParts
 
@@ -107,6 +107,18 @@ class SD3(FlowFamily):
         t5 = frozen.text_encoder_3(ids.to(device))[0]
         clip = torch.nn.functional.pad(clip, (0, t5.shape[-1] - clip.shape[-1]))
         return {"prompt_embeds": torch.cat([clip, t5.to(clip.dtype)], dim=-2), "pooled": torch.cat(pooled, dim=-1)}
+
+    def text_parts(self, frozen: Frozen) -> TextParts:
+        """`prompt_embeds`: the CLIP tokens (CLIP-L's width, then CLIP-G's), then T5's; `pooled`: CLIP-L's projection,
+        then CLIP-G's. Zeros for T5's part are what StableDiffusion3Pipeline feeds without T5."""
+        tokens = int(frozen.tokenizer.model_max_length)
+        width = int(frozen.text_encoder.config.hidden_size)
+        widths = width + int(frozen.text_encoder_2.config.hidden_size)
+        projected = int(frozen.text_encoder.config.projection_dim)
+        return {"clip_l": [("prompt_embeds", (slice(0, tokens), slice(0, width))), ("pooled", (slice(0, projected),))],
+                "clip_g": [("prompt_embeds", (slice(0, tokens), slice(width, widths))),
+                           ("pooled", (slice(projected, None),))],
+                "t5": [("prompt_embeds", (slice(tokens, None), slice(None)))]}
 
     def losses(self, model: Any, schedule: flow.Schedule, batch: dict[str, torch.Tensor], noise: torch.Tensor,
                t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:

@@ -18,7 +18,7 @@ from omegaconf import DictConfig
 from ds_trainer import console
 from ds_trainer.config import weights_file
 from ds_trainer.train.families import common, text_encoders
-from ds_trainer.train.families.base import Whole
+from ds_trainer.train.families.base import TextParts, Whole
 
 
 class SDXL:
@@ -38,6 +38,13 @@ class SDXL:
 
     def text_inputs(self, frozen: Any, prompts: list[str], device: torch.device) -> dict[str, torch.Tensor]:
         return text_inputs(frozen, prompts, device)
+
+    def text_parts(self, frozen: Any) -> TextParts:
+        """CLIP-L's and OpenCLIP-bigG's widths of `prompt_embeds`, and bigG's `pooled` (both encoders frozen:
+        data.text_encoder_dropout is refused with text-encoder training)."""
+        width = int(frozen.text_encoder.config.hidden_size)
+        return {"clip_l": [("prompt_embeds", (slice(None), slice(0, width)))],
+                "clip_g": [("prompt_embeds", (slice(None), slice(width, None))), ("pooled", (slice(None),))]}
 
     def encode_images(self, frozen: Any, pixels: torch.Tensor) -> torch.Tensor:
         return encode_images(frozen, pixels)
