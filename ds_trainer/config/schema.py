@@ -630,6 +630,9 @@ class Config:
     world_size: int | None = None
     platform: Platform = Platform.auto
     dry_run: bool = False
+    # Build the latent cache (and the validation set's) and stop: `python -m ds_trainer.cache <overrides>`, under any
+    # launcher, so that training later starts from a complete cache. Resumable: what is encoded stays.
+    cache_only: bool = False
     # None, "latest", or a checkpoint folder.
     resume: str | None = None
     # What a resume under another optimizer type or architecture carries: `reset` takes the weights only.

@@ -75,9 +75,12 @@ def _run(cfg: DictConfig, backend: backends.Backend, ds: dict[str, Any] | None, 
         resume = Resume.find(cfg, run_dir, accelerator)
         tracker = metrics.Tracker(accelerator, cfg, run_dir, ds, name, resume.wandb_id, resume.step)
         the_run = Run(cfg, accelerator, backend, families.of(cfg), run_dir, tracker, kind)
-        _plan_memory(the_run, info, memory_plan)
-        loop(the_run, setup(the_run, resume))
-        finish(the_run)
+        if cfg.cache_only:
+            cache_only(the_run)
+        else:
+            _plan_memory(the_run, info, memory_plan)
+            loop(the_run, setup(the_run, resume))
+            finish(the_run)
     except ConfigError:
         raise  # a refused resume: the configuration's one-screen message, before anything ran
     except (Exception, KeyboardInterrupt) as exc:  # every failure is recorded in summary.json first
@@ -240,6 +243,26 @@ def _load_frozen(run: Run) -> tuple[Any, dict[str, torch.nn.Module]]:
     frozen.vae.to(accelerator.device,
                   torch.float32 if frozen.vae.config.force_upcast or run.kind == "cpu" else dtype)
     return frozen, encoders
+
+
+def cache_only(run: Run) -> None:
+    """`cache_only=true` (`python -m ds_trainer.cache`): the checks of the images, the latent cache and the validation
+    set's, each rank encoding its share; nothing trains. summary.json's `cache` says what the cache holds."""
+    cfg, accelerator = run.cfg, run.accelerator
+    dataset = data.dataset(cfg, accelerator)
+    run.tracker.add_facts({"images": len(dataset)})
+    run.frozen, _ = _load_frozen(run)
+    cache = _build_cache(run, dataset)
+    _validation_set(run)
+    if cache is not None and accelerator.is_main_process:
+        import resource  # the process's peak resident memory: what a cache build of this size needs of the host
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        run.tracker.add_facts({"cache": {"dir": str(cache.dir), "samples": len(dataset), "files": cache.files(),
+                                         "bytes": cache.disk_bytes(), "complete": cache.complete},
+                               "host_rss_peak_mib": round(peak, 1)})
+        log.info("cache_only: the latent cache of %d samples is complete in %s; a run with the same data and model "
+                 "reads it (data.cache_dir=%s)", len(dataset), cache.dir, cfg.data.cache_dir)
 
 
 def _build_cache(run: Run, dataset: Any) -> data.LatentCache | None:

@@ -26,7 +26,10 @@ def problems(cfg: DictConfig) -> list[Problem]:
                 if (value := OmegaConf.select(cfg, key)) is not None and not math.isfinite(value)]
     if infinite:
         return _unknown_keys(cfg) + infinite
-    return _unknown_keys(cfg) + _train(cfg) + _world_size(cfg) + _optimizer(cfg) + _scheduler(cfg)
+    cache_only = [Problem("cache_only", True, "builds the latent cache, which data.cache=false turns off",
+                          "data.cache=true (or train without cache_only)")] \
+        if cfg.cache_only and not cfg.data.cache else []
+    return _unknown_keys(cfg) + _train(cfg) + _world_size(cfg) + _optimizer(cfg) + _scheduler(cfg) + cache_only
 
 
 def _unknown_keys(cfg: DictConfig) -> list[Problem]:

@@ -44,6 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "(see tools/bench/precision.py), at each --lrs, for --steps steps")
     parser.add_argument("--lrs", type=float, nargs="+", default=[1e-4], help="the learning rates --precisions runs at")
     parser.add_argument("--samples", type=int, default=64, help="synthetic images --precisions trains on")
+    parser.add_argument("--data-scale", type=int, nargs="+", default=None,
+                        help="instead of the cells: the host memory and time of a latent cache build and a training "
+                             "run from webdataset shards of this many synthetic images (tools/bench/data_scale.py)")
+    parser.add_argument("--data-dir", default="/tmp/ds_trainer_data_scale", help="where --data-scale writes the images")
     parser.add_argument("--raw", type=Path, default=None, help=argparse.SUPPRESS)
     return parser
 
@@ -72,6 +76,10 @@ def main(argv: list[str] | None = None) -> int:
         from ds_trainer.tools.bench import precision
 
         return precision.main(args)
+    if args.data_scale:
+        from ds_trainer.tools.bench import data_scale
+
+        return data_scale.main(args)
     if args.startup_pairs:
         from ds_trainer.tools.bench import startup
 

@@ -14,7 +14,7 @@ import safetensors.torch
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from ds_trainer.train.data import captions
+from ds_trainer.train.data import captions, order
 from ds_trainer.train.data.images import SourceImages, SyntheticImages
 from ds_trainer.train.families import common, text_encoders
 from ds_trainer.train.families.base import Family
@@ -34,6 +34,7 @@ class LatentCache:
 
     def __init__(self, cfg: DictConfig, data: SyntheticImages | SourceImages, family: Family, kind: str) -> None:
         self.names = data.cache_names() if isinstance(data, SourceImages) else None
+        self.keys = data.names()  # what orders the build's shares: a source's files and shards, in order
         model: Any = OmegaConf.to_container(cfg.model, resolve=True)
         # The encoders' dtype is part of what a latent is: a cache built on a GPU in bf16 and one built on a CPU
         # in float32 must not be mixed in a shared cache_dir. `kind` is the device torch confirmed, which the
@@ -83,8 +84,9 @@ class LatentCache:
             safetensors.torch.save_file({key: on_cpu(value[0], family.storage_dtype(key)).contiguous()
                                          for key, value in empty.items()}, str(tmp))
             tmp.replace(self.dir / captions.EMPTY)
-        todo = sorted((i for i in list(self._files.values())[rank::world] if not self.path(i).exists()),
-                      key=lambda i: (self.path(i).parent.name, i))
+        # Each rank a contiguous block of the files in key order (a run of shards), then by bucket to batch them.
+        mine = order.share(sorted(self._files.values(), key=lambda i: self.keys[i]), rank, world)
+        todo = sorted((i for i in mine if not self.path(i).exists()), key=lambda i: (self.path(i).parent.name, i))
         chunks = [list(group) for _, group in itertools.groupby(todo, key=lambda i: self.path(i).parent)]
         for group in chunks:
             self.path(group[0]).parent.mkdir(parents=True, exist_ok=True)

@@ -21,7 +21,7 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 from ds_trainer.config import buckets as bucket_geometry
 from ds_trainer.config import holdout
 from ds_trainer.errors import DataError
-from ds_trainer.train.data import buckets, sources
+from ds_trainer.train.data import buckets, order, sources
 
 log = logging.getLogger(__name__)
 
@@ -314,7 +314,7 @@ def _check_items(found: dict[str, sources.Item], record: Path, accelerator: Any)
                         "node must see the same data; put it on a shared file system or the same path on each node")
     checks = {key: known[key] for key, stat in stats.items() if known.get(key, [None, None])[:2] == stat}
     todo = [key for key in stats if key not in checks]
-    mine = {key: [*stats[key], _problem(found[key])] for key in todo[rank::world]}
+    mine = {key: [*stats[key], _problem(found[key])] for key in order.share(todo, rank, world)}
     if world > 1:
         from accelerate.utils import gather_object
 

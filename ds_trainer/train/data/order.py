@@ -4,6 +4,7 @@ sees exactly what an uninterrupted one would, under any world size or micro batc
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 
@@ -24,6 +25,13 @@ def sample_indices(position: int, count: int, n: int, seed: int) -> list[int]:
         epoch, offset = divmod(p, n)
         out.append(_permutation(n, seed, epoch)[offset])
     return out
+
+
+def share(items: list[Any], rank: int, world: int) -> list[Any]:
+    """Rank `rank`'s part of `items` (in key order) for work done once per item (the images' check, the latent
+    cache's build): a contiguous block, so that each rank reads its own run of a source's files and shards rather
+    than a stride through all of them."""
+    return items[rank * len(items) // world:(rank + 1) * len(items) // world]
 
 
 _perm_cache: dict[tuple[int, int, int], list[int]] = {}

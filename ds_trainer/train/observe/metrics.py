@@ -299,6 +299,11 @@ def write_summary(run_dir: Path, summary: dict[str, Any]) -> None:
 
 def print_summary(summary: dict[str, Any], run_dir: Path) -> None:
     lines = [f"ds_trainer: {summary['status']} after {summary.get('steps', 0)} steps"]
+    if "cache" in summary:  # cache_only=true
+        cache = summary["cache"]
+        lines[0] = f"ds_trainer: {summary['status']}: the latent cache is built, nothing trained"
+        lines.append(f"  {cache['samples']} samples in {cache['files']} files, {cache['bytes'] / 2**20:.1f} MiB: "
+                     f"{cache['dir']}")
     if "median_s_per_it" in summary:
         lines.append(f"  median {summary['median_s_per_it']:.3f} s/it, {summary['images_per_s']:.2f} images/s")
     if "gpu_mem_peak_allocated_mib" in summary:
