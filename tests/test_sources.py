@@ -133,6 +133,16 @@ def sourced(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             "data.unmasked_weight=0.25", "logger=none", "train.max_steps=6",
             "train.checkpoint_every=3", "scheduler=constant", "train.micro_batch_size=2"]
     (root / "one").mkdir()
+    # The cache built ahead on two ranks (`python -m ds_trainer.cache`), then three of its files lost as a kill in
+    # the middle of a build leaves it: the training run encodes those three alone.
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    ahead = subprocess.run([*torchrun(2), "-m", "ds_trainer.cache", *args, "zero=ddp",
+                            f"hydra.run.dir={root / 'cache-run'}"],
+                           cwd=root / "one", capture_output=True, text=True, timeout=900, env=env)
+    assert ahead.returncode == 0, ahead.stderr[-3000:]
+    (folder,) = (root / "one" / "outputs" / "cache").glob("sdxl_tiny-buckets-*")
+    for lost in [*sorted(folder.rglob("*.pt"))[:3], *folder.glob("manifest-*.json")]:
+        lost.unlink()
     done = run_cli(*args, "zero=ddp", cwd=root / "one", timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     (first,) = run_dirs(root / "one")
@@ -141,10 +151,10 @@ def sourced(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         [*torchrun(2), "-m", "ds_trainer", *args, "zero=stage2", "train.micro_batch_size=1",
          "train.gradient_accumulation_steps=1", f"resume={first / 'checkpoints' / 'step_00000003'}",
          f"data.cache_dir={root / 'one' / 'outputs' / 'cache'}"],
-        cwd=root / "two", capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        cwd=root / "two", capture_output=True, text=True, timeout=900, env=env)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     (second,) = run_dirs(root / "two")
-    return {"root": root, "one": first, "two": second}
+    return {"root": root, "one": first, "two": second, "cache": root / "cache-run"}
 
 
 def test_a_run_trains_from_every_kind_and_reports_each_source(sourced: dict[str, Path]) -> None:
@@ -164,12 +174,23 @@ def test_a_run_trains_from_every_kind_and_reports_each_source(sourced: dict[str,
     log = (sourced["one"] / "ds_trainer.log").read_text()
     assert "data.sources[4] (webdataset)=" in log and "3 image(s), repeated 1 time(s) an epoch" in log
     assert "cached latents and embeddings of 24 samples (18 images)" in log  # a repeated image is cached once
+    assert "3 image(s) encoded now on 1 rank(s), 15 there from an earlier build" in log  # the build's kill cost 3
     assert "data.sources[0] (folder): tags shuffled at ',', the first 1 kept in place, each other dropped with 0.3" \
         in log and "captions whose tags vary are encoded batch by batch" in log
     assert "text encoder dropout: clip_g 0.3" in log
     assert reported["folder"]["tags"] == {"shuffle": True, "keep_tokens": 1, "dropout": 0.3}
     assert "tags" not in reported["csv"]  # a source without a tag policy of its own keeps data's (none)
     assert 0 < sum(s["encoders_dropped"]["clip_g"] for s in summary["sources"]) < 12
+
+
+def test_the_cache_built_ahead_on_two_ranks_is_the_one_training_reads(sourced: dict[str, Path]) -> None:
+    summary = json.loads((sourced["cache"] / "summary.json").read_text())
+    assert summary["status"] == "ok" and summary["steps"] == 0 and summary["world_size"] == 2
+    assert summary["cache"]["samples"] == 24 and summary["cache"]["files"] == 18 and summary["host_rss_peak_mib"] > 0
+    log = (sourced["cache"] / "ds_trainer.log").read_text()
+    assert "18 image(s) encoded now on 2 rank(s), 0 there from an earlier build" in log
+    assert "cache_only: the latent cache of 24 samples is complete" in log
+    assert not (sourced["cache"] / "checkpoints").exists()  # nothing trained
 
 
 def test_a_resume_on_two_ranks_continues_the_same_samples_captions_and_tags(sourced: dict[str, Path]) -> None:

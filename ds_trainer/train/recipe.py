@@ -278,7 +278,12 @@ def _build_cache(run: Run, dataset: Any) -> data.LatentCache | None:
     cache = data.LatentCache(cfg, dataset, run.family, run.kind)
     start = time.time()
     with outcome.writing(run.run_dir, "building the latent cache", cache.dir):
-        cache.build(dataset, run.frozen, accelerator.process_index, accelerator.num_processes, accelerator.device)
+        encoded = cache.build(dataset, run.frozen, accelerator.process_index, accelerator.num_processes,
+                              accelerator.device)
+    if accelerator.num_processes > 1:  # what every rank encoded (an interrupted build left the others)
+        from accelerate.utils import gather_object
+
+        encoded = sum(gather_object([encoded]))
     accelerator.wait_for_everyone()
     if accelerator.is_main_process and not cache.complete:
         cache.finish()
@@ -286,8 +291,9 @@ def _build_cache(run: Run, dataset: Any) -> data.LatentCache | None:
         t5 = "; T5's sequence in bf16" if run.family.storage_dtype("prompt_embeds") else ""
         files = cache.files()
         log.info("cached latents and embeddings of %d samples (%d images) in %.1fs: %s MiB on disk "
-                 "(%s KiB an image%s), %s", len(dataset), files, time.time() - start, f"{size / 2**20:.1f}",
-                 f"{size / max(files, 1) / 2**10:.0f}", t5, cache.dir)
+                 "(%s KiB an image%s), %s; %d image(s) encoded now on %d rank(s), %d there from an earlier build",
+                 len(dataset), files, time.time() - start, f"{size / 2**20:.1f}", f"{size / max(files, 1) / 2**10:.0f}",
+                 t5, cache.dir, encoded, accelerator.num_processes, files - encoded)
     accelerator.wait_for_everyone()
     return cache
 
