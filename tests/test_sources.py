@@ -83,6 +83,37 @@ def test_two_sources_with_repeats_1_and_3_are_seen_1_to_3_and_captions_drop_at_t
     assert (one["samples_seen"], three["samples_seen"]) == (8 * 5, 24 * 5)
 
 
+def test_a_parquet_files_images_are_read_when_used_not_held_in_memory(tmp_path: Path) -> None:
+    import random
+    import tracemalloc
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from ds_trainer.train.data import sources
+
+    noisy = [random.Random(i).randbytes(40_000) for i in range(48)]  # 1.9 MB of image bytes, 6 row groups
+    pngs = [src.png(i) + blob for i, blob in enumerate(noisy)]  # trailing bytes: still a PNG to PIL, and large
+    table = tmp_path / "big.parquet"
+    pq.write_table(pa.table({"image": [{"bytes": b, "path": f"{i}.png"} for i, b in enumerate(pngs)],
+                             "caption": [f"image {i}" for i in range(48)]}), table, row_group_size=8)
+    (source,) = sources.of(make_cfg("data=sources", f"data.sources=[{{path: '{table}'}}]"))
+    before = pa.total_allocated_bytes()
+    tracemalloc.start()
+    try:
+        items = sources.items(source)
+        held = tracemalloc.get_traced_memory()[0]  # Python's objects the listing keeps (bytes, rows)
+    finally:
+        tracemalloc.stop()
+    total = sum(map(len, pngs))
+    assert held < total / 4 and pa.total_allocated_bytes() - before < total / 4  # listed without keeping the bytes
+    assert [item.caption for item in items] == [f"image {i}" for i in range(48)]
+    for i in (0, 7, 8, 47, 3):  # across row groups, and back
+        with items[i].read() as f:
+            assert f.read() == pngs[i], i
+    assert items[5].stat[0] == len(pngs[5])
+
+
 @pytest.mark.parametrize(("change", "expected"), [
     ({"path": "/nowhere/images"}, ["data.sources[1].path=/nowhere/images", "does not exist"]),
     ({"path": "SHARDS/shard-{000..002}.tar"}, ["shard-002.tar", "does not exist"]),

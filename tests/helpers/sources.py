@@ -76,7 +76,7 @@ def make(kind: str, root: Path, n: int = 4, first: int = 0) -> str:
 
         images = [{"bytes": png(seed), "path": f"{i:03d}.png"} for i, seed in enumerate(seeds)]
         pq.write_table(pa.table({"image": images, "text": [caption(kind, i) for i in range(n)]}),
-                       root / "train.parquet")
+                       root / "train.parquet", row_group_size=2)  # several row groups, as large files have
         return str(root / "train.parquet")
     if kind == "webdataset":
         import webdataset as wds

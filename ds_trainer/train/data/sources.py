@@ -154,10 +154,6 @@ def _file_reader(path: Path) -> Callable[[], BinaryIO]:
     return lambda: path.open("rb")
 
 
-def _bytes_reader(data: bytes) -> Callable[[], BinaryIO]:
-    return lambda: io.BytesIO(data)
-
-
 def _folder(source: Source) -> list[Item]:
     """Images under a folder (recursively); captions from same-name .<caption_ext> files (`.caption` too), else a
     metadata.jsonl beside them (file_name, text or caption)."""
@@ -220,23 +216,24 @@ def _image_column(source: Source, columns: list[str]) -> str:
 
 def _table(source: Source) -> list[Item]:
     """A metadata.jsonl, CSV or parquet file: one row per image, the image a path (relative to the file's folder) or
-    its bytes (a parquet column of {bytes, path}, as Hugging Face writes images), the caption a column."""
+    its bytes (a parquet column of {bytes, path}, as Hugging Face writes images), the caption a column. A parquet
+    file's image bytes are read a batch of rows at a time to list them, then each image again from its row group
+    when it is used: the file is never held in memory whole."""
     path = Path(source.path)
     if not path.is_file():
         raise DataError(f"{source.label}: {path} is not a file; point it at the .jsonl, .csv or .parquet file")
-    rows, columns = _rows(path)
+    rows, columns = _rows(path) if path.suffix.lower() != ".parquet" else _parquet_rows(path)
     image_col = _image_column(source, columns)
     caption_col = _column(source, columns, source.caption_column, CAPTION_COLUMNS, "captions",
                           f"{source.key}.caption_column")
     st = path.stat()
     out = []
-    for n, row in enumerate(rows):
+    for n, row in rows(image_col, caption_col):
         value = row.get(image_col)
         caption = "" if caption_col is None or row.get(caption_col) is None else str(row[caption_col]).strip()
-        if isinstance(value, dict) and value.get("bytes"):
-            data = bytes(value["bytes"])
-            out.append(Item(source.index, f"{source.name}/{n:08d}", caption, (len(data), st.st_mtime_ns),
-                            _bytes_reader(data)))
+        if isinstance(value, dict) and "read" in value:  # a parquet image's bytes, read when it is used
+            out.append(Item(source.index, f"{source.name}/{n:08d}", caption, (value["size"], st.st_mtime_ns),
+                            value["read"]))
             continue
         rel = value.get("path") if isinstance(value, dict) else value
         if not rel:
@@ -247,21 +244,67 @@ def _table(source: Source) -> list[Item]:
     return out
 
 
-def _rows(path: Path) -> tuple[list[dict[str, Any]], list[str]]:
+Rows = Callable[[str, str | None], Any]  # (image column, caption column) -> (row number, row) pairs
+
+
+def _rows(path: Path) -> tuple[Rows, list[str]]:
     suffix = path.suffix.lower()
     if suffix == ".jsonl":
         rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        return rows, sorted({k for row in rows for k in row})
+        return lambda *_: enumerate(rows), sorted({k for row in rows for k in row})
     if suffix == ".csv":
         with path.open(newline="") as f:
             reader = csv.DictReader(f)
-            return list(reader), list(reader.fieldnames or [])
-    if suffix == ".parquet":
+            table = list(reader)
+            return lambda *_: enumerate(table), list(reader.fieldnames or [])
+    raise DataError(f"data.sources: {path} is not a .jsonl, .csv or .parquet file")
+
+
+def _parquet_rows(path: Path) -> tuple[Rows, list[str]]:
+    """A parquet file's rows, read a batch at a time, the image column's bytes replaced by their size and a reader of
+    their row group (one group kept at a time: the cache build and the check read in row order)."""
+    import pyarrow.parquet as pq
+
+    columns = list(pq.ParquetFile(path).schema_arrow.names)
+    group = _RowGroups(path)
+
+    def rows(image_col: str, caption_col: str | None) -> Any:
+        wanted = [image_col, *([caption_col] if caption_col else [])]
+        n = 0
+        for index in range(group.file.num_row_groups):
+            table = group.file.read_row_group(index, columns=wanted)
+            for offset, row in enumerate(table.to_pylist()):
+                value = row.get(image_col)
+                if isinstance(value, dict) and value.get("bytes"):
+                    row[image_col] = {"size": len(value["bytes"]), "read": group.reader(index, offset, image_col)}
+                yield n, row
+                n += 1
+            del table
+
+    return rows, columns
+
+
+class _RowGroups:
+    """A parquet file's row groups read on demand, the last one kept (a lock: the prefetch thread reads too)."""
+
+    def __init__(self, path: Path) -> None:
+        import threading
+
         import pyarrow.parquet as pq
 
-        table = pq.read_table(path)
-        return table.to_pylist(), list(table.column_names)
-    raise DataError(f"data.sources: {path} is not a .jsonl, .csv or .parquet file")
+        self.file = pq.ParquetFile(path, pre_buffer=False)  # pre-buffering keeps a read group's pages alive
+        self._lock = threading.Lock()
+        self._kept: tuple[tuple[int, str], Any] | None = None
+
+    def reader(self, index: int, offset: int, column: str) -> Callable[[], BinaryIO]:
+        def read() -> BinaryIO:
+            with self._lock:
+                if self._kept is None or self._kept[0] != (index, column):
+                    self._kept = ((index, column), self.file.read_row_group(index, columns=[column]).column(0))
+                value = self._kept[1][offset].as_py()
+            return io.BytesIO(value["bytes"])
+
+        return read
 
 
 def _webdataset(source: Source) -> list[Item]:
