@@ -114,11 +114,25 @@ def test_a_parquet_files_images_are_read_when_used_not_held_in_memory(tmp_path: 
     assert items[5].stat[0] == len(pngs[5])
 
 
+def test_a_fractional_repeat_weighs_a_source_down_over_an_epoch_of_whole_passes(tmp_path: Path) -> None:
+    from ds_trainer.train.data import loader
+
+    entries = [{"path": src.make("folder", tmp_path / "a", n=8), "name": "whole"},
+               {"path": src.make("parquet", tmp_path / "b", n=8, first=50), "name": "half", "repeats": 0.5}]
+    cfg, data = _dataset(tmp_path, entries, "train.micro_batch_size=2")
+    assert data.passes == 2 and len(data) == 8 * 2 + 8  # an epoch: two passes, the half source's images once
+    whole, half = loader.seen(data, 0, 24 * 5, loader.policy_of(cfg, data))
+    assert (whole["samples_seen"], half["samples_seen"]) == (80, 40) and half["repeats"] == 0.5
+
+
 @pytest.mark.parametrize(("change", "expected"), [
     ({"path": "/nowhere/images"}, ["data.sources[1].path=/nowhere/images", "does not exist"]),
     ({"path": "SHARDS/shard-{000..002}.tar"}, ["shard-002.tar", "does not exist"]),
-    ({"repeats": 0}, ["data.sources[1].repeats=0", "at least 1"]),
+    ({"repeats": 0}, ["data.sources[1].repeats=0", "above 0"]),
+    ({"repeats": 0.0101}, ["repeats 0.0101", "passes", "simpler fractions"]),
     ({"caption_dropout": 1.5}, ["data.sources[1].caption_dropout=1.5", "probability"]),
+    ({"tag_dropout": -0.1}, ["data.sources[1].tag_dropout=-0.1", "probability"]),
+    ({"resolution": 20}, ["data.sources[1].resolution=20", "no bucket of about 20x20"]),
 ])
 def test_a_bad_source_is_refused_before_anything_loads(tmp_path: Path, change: dict[str, object],
                                                        expected: list[str]) -> None:
@@ -128,6 +142,21 @@ def test_a_bad_source_is_refused_before_anything_loads(tmp_path: Path, change: d
     report = checks.check(make_cfg("data=sources", src.override([{"path": src.make("folder", tmp_path / "f")}, entry])))
     text = report.render()
     assert not report.ok and all(e in text for e in expected), text
+
+
+def test_a_sources_own_resolution_needs_buckets_and_sets_its_buckets_area(tmp_path: Path) -> None:
+    entries = [{"path": src.make("folder", tmp_path / "big", n=3)},
+               {"path": src.make("csv", tmp_path / "small", n=3), "resolution": 64}]
+    refused = checks.check(make_cfg("data=sources", src.override(entries), "data.buckets=false"))
+    assert "data.sources[1].resolution=64" in refused.render() and "data.buckets=true" in refused.render()
+    cfg, dataset = _dataset(tmp_path, entries)
+    areas = {dataset.sources[dataset.source_of(i)].name: dataset.layout.bucket(i) for i in range(len(dataset))}
+    assert areas == {"big": (128, 128), "small": (64, 64)}
+    from ds_trainer.config import buckets as geometry
+
+    width, height = geometry.largest(checks.check(make_cfg("data=sources", src.override(
+        [entries[0], {**entries[1], "resolution": 256}]))).cfg)
+    assert width * height == 256 * 256  # a source larger than the run's resolution bounds memory (the planner's)
 
 
 def test_a_source_whose_contents_do_not_fit_is_one_screen_naming_it(tmp_path: Path) -> None:
@@ -159,6 +188,7 @@ def sourced(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     entries = _all_kinds(root, repeats={"folder": 3})
     entries[-1].update(regularization=True, loss_weight=0.5)  # the saved dataset: regularisation images
     entries[0].update(tag_shuffle=True, keep_tokens=1, tag_dropout=0.3)  # the folder's tag captions
+    entries[2].update(resolution=64)  # the CSV's images at 64x64 beside the others' 128x128
     args = ["data=sources", src.override(entries), "data.caption_dropout=0.3", "data.masked_loss=true",
             "data.text_encoder_dropout.clip_g=0.3",
             "data.unmasked_weight=0.25", "logger=none", "train.max_steps=6",
@@ -210,6 +240,8 @@ def test_a_run_trains_from_every_kind_and_reports_each_source(sourced: dict[str,
         in log and "captions whose tags vary are encoded batch by batch" in log
     assert "text encoder dropout: clip_g 0.3" in log
     assert reported["folder"]["tags"] == {"shuffle": True, "keep_tokens": 1, "dropout": 0.3}
+    assert reported["csv"]["resolution"] == 64 and "resolution" not in reported["folder"]
+    assert "in buckets of about 64x64 pixels" in log and summary["buckets"]["64x64"] == 3  # the CSV's three alone
     assert "tags" not in reported["csv"]  # a source without a tag policy of its own keeps data's (none)
     assert 0 < sum(s["encoders_dropped"]["clip_g"] for s in summary["sources"]) < 12
 
@@ -388,7 +420,8 @@ def _entries_of(run_dir: Path) -> list[dict[str, object]]:
     import yaml
 
     config = yaml.safe_load((run_dir / "config.yaml").read_text())
-    keys = ("path", "repeats", "regularization", "loss_weight", "tag_shuffle", "keep_tokens", "tag_dropout")
+    keys = ("path", "repeats", "regularization", "loss_weight", "tag_shuffle", "keep_tokens", "tag_dropout",
+            "resolution")
     return [{key: s[key] for key in keys if s[key] is not None} for s in config["data"]["sources"]]
 
 

@@ -330,6 +330,9 @@ class SourceConfig:
     image_column: str | None = None  # table, hf: the column of image paths or bytes (default image, file_name, path)
     caption_column: str | None = None  # table, hf: the captions' column (default text, caption, prompt)
     split: str = "train"  # hf: the split of a saved DatasetDict
+    # The side of its buckets' area (512: about 512x512 pixels, in buckets of that area), default the run's resolution:
+    # a source of small images beside large ones trains at its own size (every global batch still one bucket).
+    resolution: int | None = None
     # Regularisation (prior-preservation) images: their loss is logged apart (loss_regularization beside
     # loss_images); loss_weight weighs any source's samples in the training loss (DreamBooth's prior_loss_weight).
     regularization: bool = False

@@ -91,12 +91,14 @@ class Layout:
         return out
 
 
-def layout(cfg: DictConfig, items: list[Item]) -> tuple[Layout, list[Item]]:
-    """Assign every image to its bucket (a repeated image's header is read once); images more elongated than the max
-    aspect ratio fit none and are left out (with their sizes in the log); no image left is a DataError naming the
-    sizes."""
+def layout(cfg: DictConfig, items: list[Item], sides: list[int | None] | None = None) -> tuple[Layout, list[Item]]:
+    """Assign every image to its bucket (a repeated image's header is read once), among the buckets of its source's
+    resolution (`sides[item.source]`, None: the run's); images more elongated than the max aspect ratio fit none and
+    are left out (with their sizes in the log); no image left is a DataError naming the sizes."""
     s = geometry.spec(cfg)
-    found = geometry.generate(s)
+    found = geometry.generate_all(cfg)
+    sides = sides or [None]
+    own = {side: [found.index(b) for b in geometry.generate(geometry.spec(cfg, side))] for side in set(sides)}
     kept, sizes, skipped, known = [], [], [], {}
     for item in items:
         if item.key not in known:
@@ -116,7 +118,11 @@ def layout(cfg: DictConfig, items: list[Item]) -> tuple[Layout, list[Item]]:
                         f"elongated than data.bucket_max_aspect_ratio={s.max_ratio} (buckets "
                         f"{geometry.name(found[0])} to {geometry.name(found[-1])}); raise "
                         f"data.bucket_max_aspect_ratio or train at one size with data.buckets=false")
-    return Layout(found, [nearest(size, found) for size in sizes], sizes), kept
+    of = []
+    for item, size in zip(kept, sizes, strict=True):
+        choices = own[sides[item.source]]
+        of.append(choices[nearest(size, [found[k] for k in choices])])
+    return Layout(found, of, sizes), kept
 
 
 def cache_name(bucket: Bucket, identity: str, crop: Crop) -> str:

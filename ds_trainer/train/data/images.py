@@ -153,7 +153,7 @@ class SourceImages:
         self.layout: buckets.Layout | None = None
         self.plan: buckets.Plan | None = None
         if bucket_geometry.enabled(cfg):
-            self.layout, self.items = buckets.layout(cfg, self.items)
+            self.layout, self.items = buckets.layout(cfg, self.items, [s.resolution for s in self.sources])
             if part == "validation" or self.scoring:
                 return  # scored image by image at its bucket's size: no epochs to plan
             world = accelerator.num_processes if accelerator else 1
@@ -176,8 +176,10 @@ class SourceImages:
 
     def _log_found(self, checks: dict[str, list[Any]], checked_now: int) -> None:
         for source in self.sources:
-            log.info("%s=%s: %d image(s), repeated %d time(s) an epoch", source.label, source.path,
-                     self.found[source.index], source.repeats)
+            log.info("%s=%s: %d image(s), repeated %d time(s) an epoch%s", source.label, source.path,
+                     self.found[source.index], source.repeats,
+                     "" if source.resolution is None else f", in buckets of about {source.resolution}x"
+                                                          f"{source.resolution} pixels")
         for (index, reason), count in sorted(self.skipped_by_source.items()):
             source = self.sources[index]
             log.warning("%s=%s: skipped %d file(s): %s", source.label, source.path, count, reason)

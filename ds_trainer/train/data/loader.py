@@ -174,6 +174,7 @@ def describe(data: SyntheticImages | SourceImages) -> list[dict[str, Any]]:
              "repeats": source.repeats, "caption_dropout": source.caption_dropout,
              **({"tags": {"shuffle": source.captions.shuffle, "keep_tokens": source.captions.keep_tokens,
                           "dropout": source.captions.tag_dropout}} if source.captions.varies else {}),
+             **({"resolution": source.resolution} if source.resolution is not None else {}),
              **({"regularization": True} if source.regularization else {}),
              **({"loss_weight": source.loss_weight} if source.loss_weight != 1.0 else {}), "samples_seen": 0,
              "captions_dropped": 0} for source in data.sources]

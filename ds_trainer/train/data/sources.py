@@ -62,6 +62,7 @@ class Source:
     keyed: bool = True
     regularization: bool = False
     loss_weight: float = 1.0
+    resolution: int | None = None  # its buckets' side (None: the run's resolution)
 
     @property
     def caption_dropout(self) -> float:
@@ -87,7 +88,7 @@ def of(cfg: DictConfig) -> list[Source]:
                           int(spec["repeats"]), policy(cfg.data, spec), str(spec.get("caption_ext") or "txt"),
                           spec.get("image_column"), spec.get("caption_column"), str(spec.get("split") or "train"),
                           f"data.sources[{index}]", regularization=bool(spec.get("regularization")),
-                          loss_weight=float(spec.get("loss_weight", 1.0))))
+                          loss_weight=float(spec.get("loss_weight", 1.0)), resolution=spec.get("resolution")))
     return out
 
 
