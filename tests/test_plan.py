@@ -107,6 +107,11 @@ def test_the_planner_counts_what_a_gpu_run_holds_beyond_the_model_states(base: p
     uncached = plan.estimate(make_cfg(*cell, "data.cache=false"), "stage2", "none", 4)
     frozen = plan_samples.frozen_bytes(str(make_cfg(*cell).model.architecture), "cuda", "bf16")
     assert uncached.params - plain.params == frozen and 1.5 * 2**30 < frozen < 2 * 2**30  # bf16 encoders, fp32 VAE
+    # Tags shuffled: the latents stay cached, the text encoders stay to encode each batch's captions (not the VAE)
+    tags = plan.estimate(make_cfg(*cell, "data=folder", "data.path=/data/photos", "data.tag_shuffle=true"), "stage2",
+                         "none", 4)
+    encoders = plan_samples.frozen_bytes(str(make_cfg(*cell).model.architecture), "cuda", "bf16", vae=False)
+    assert tags.params - plain.params == encoders and 0.7 * frozen < encoders < frozen
     # ZeRO-3 with NVMe: a LoRA swaps Adam's state for its adapters, its frozen base the 16-bit weights only
     full, adapted = (plan.estimate(make_cfg("model=sdxl_base", "zero=stage3", "offload=nvme", *extra), "stage3",
                                    "nvme", 1) for extra in ([], ["adapter=lora"]))

@@ -129,7 +129,7 @@ def test_a_fractional_repeat_weighs_a_source_down_over_an_epoch_of_whole_passes(
     ({"path": "/nowhere/images"}, ["data.sources[1].path=/nowhere/images", "does not exist"]),
     ({"path": "SHARDS/shard-{000..002}.tar"}, ["shard-002.tar", "does not exist"]),
     ({"repeats": 0}, ["data.sources[1].repeats=0", "above 0"]),
-    ({"repeats": 0.0101}, ["repeats 0.0101", "passes", "simpler fractions"]),
+    ({"repeats": 0.37}, ["data.sources[1].repeats=0.37", "denominator up to 20", "repeats=0.368"]),
     ({"caption_dropout": 1.5}, ["data.sources[1].caption_dropout=1.5", "probability"]),
     ({"tag_dropout": -0.1}, ["data.sources[1].tag_dropout=-0.1", "probability"]),
     ({"resolution": 20}, ["data.sources[1].resolution=20", "no bucket of about 20x20"]),

@@ -320,7 +320,9 @@ class SourceConfig:
     path: str = MISSING
     kind: SourceKind = SourceKind.auto
     name: str | None = None  # its name in the log, summary.json and the sweep report (default: the path's last part)
-    repeats: int = 1  # times each of its images is seen an epoch (3 beside another source's 1: three times as often)
+    # Times each of its images is seen an epoch (3 beside another source's 1: three times as often). A fraction weighs a
+    # source down (0.5: each image every other epoch); the epoch is then the passes that see every source whole.
+    repeats: float = 1
     caption_dropout: float | None = None  # this source's probability of an empty caption (default data.caption_dropout)
     # This source's tag policy (default: data.tag_shuffle, data.keep_tokens, data.tag_dropout).
     tag_shuffle: bool | None = None

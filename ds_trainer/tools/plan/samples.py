@@ -80,20 +80,21 @@ def _activations(architecture: str, width: int, height: int, batch: int, dtype_b
 
 
 @cache
-def frozen_bytes(architecture: str, kind: str, precision: str = "bf16") -> int:
-    """The VAE and the text encoders (SDXL's two CLIPs; SD3's two and T5; Flux's CLIP-L and T5) as training loads
-    them (in the precision's dtype on a GPU, float32 on the CPU; the VAE in float32 when its config asks)."""
+def frozen_bytes(architecture: str, kind: str, precision: str = "bf16", vae: bool = True) -> int:
+    """The VAE (unless `vae` is False) and the text encoders (SDXL's two CLIPs; SD3's two and T5; Flux's CLIP-L and
+    T5) as training loads them (in the precision's dtype on a GPU, float32 on the CPU; the VAE in float32 when its
+    config asks)."""
     import torch
     from diffusers import AutoencoderKL
 
     with torch.device("meta"):
-        vae = AutoencoderKL.from_config(AutoencoderKL.load_config(architecture, subfolder="vae"))
+        autoencoder = AutoencoderKL.from_config(AutoencoderKL.load_config(architecture, subfolder="vae"))
         encoders = [_encoder(architecture, name) for name in ("text_encoder", "text_encoder_2", "text_encoder_3")
                     if name != "text_encoder_3" or (Path(architecture) / name).is_dir()]
     half = 4 if kind == "cpu" or precision == "fp32" else 2
-    vae_bytes = 4 if vae.config.force_upcast or kind == "cpu" else half
+    vae_bytes = 4 if autoencoder.config.force_upcast or kind == "cpu" else half
     count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
-    return count(vae) * vae_bytes + sum(count(e) for e in encoders) * half
+    return (count(autoencoder) * vae_bytes if vae else 0) + sum(count(e) for e in encoders) * half
 
 
 def _encoder(architecture: str, name: str) -> Any:

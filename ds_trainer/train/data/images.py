@@ -20,6 +20,7 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 
 from ds_trainer.config import buckets as bucket_geometry
 from ds_trainer.config import holdout
+from ds_trainer.config.checks import paths
 from ds_trainer.errors import DataError
 from ds_trainer.train.data import buckets, order, sources
 
@@ -145,7 +146,13 @@ class SourceImages:
         if part != "all":
             usable = self._split(cfg, usable, part)
         self.unique = len(usable)
+        # Fractional repeats: the epoch is the passes that see every source a whole number of times.
+        self.passes = 1 if part == "validation" else paths.epoch_passes([s.repeats for s in self.sources])
         self.items = [item for item in usable for _ in range(1 if part == "validation" else self._repeats(item))]
+        if self.passes > 1 and part in ("all", "train"):
+            log.info("fractional repeats: an epoch is %d passes over the sources, in which %s", self.passes,
+                     ", ".join(f"{s.label} is seen {paths.fraction(s.repeats) * self.passes} time(s)"
+                               for s in self.sources))
         missing = sum(1 for item in usable if not item.caption)
         if missing and part != "validation":
             log.warning("%d image(s) have no caption; %s them with an empty prompt", missing,
@@ -172,11 +179,12 @@ class SourceImages:
         return out
 
     def _repeats(self, item: sources.Item) -> int:
-        return self.sources[item.source].repeats
+        """The samples of `item` in an epoch of `passes` passes."""
+        return int(paths.fraction(self.sources[item.source].repeats) * self.passes)
 
     def _log_found(self, checks: dict[str, list[Any]], checked_now: int) -> None:
         for source in self.sources:
-            log.info("%s=%s: %d image(s), repeated %d time(s) an epoch%s", source.label, source.path,
+            log.info("%s=%s: %d image(s), repeated %g time(s) an epoch%s", source.label, source.path,
                      self.found[source.index], source.repeats,
                      "" if source.resolution is None else f", in buckets of about {source.resolution}x"
                                                           f"{source.resolution} pixels")

@@ -52,7 +52,7 @@ class Source:
     name: str
     path: str
     kind: str
-    repeats: int
+    repeats: float
     captions: Policy
     caption_ext: str = "txt"
     image_column: str | None = None
@@ -85,7 +85,7 @@ def of(cfg: DictConfig) -> list[Source]:
         # Named by the path's last part; two alike (a/images, b/images) by their place in the list too.
         name = spec.get("name") or (names[index] if names.count(names[index]) == 1 else f"{names[index]}-{index}")
         out.append(Source(index, name, path, kind_of(path, str(getattr(spec["kind"], "value", spec["kind"]))),
-                          int(spec["repeats"]), policy(cfg.data, spec), str(spec.get("caption_ext") or "txt"),
+                          float(spec["repeats"]), policy(cfg.data, spec), str(spec.get("caption_ext") or "txt"),
                           spec.get("image_column"), spec.get("caption_column"), str(spec.get("split") or "train"),
                           f"data.sources[{index}]", regularization=bool(spec.get("regularization")),
                           loss_weight=float(spec.get("loss_weight", 1.0)), resolution=spec.get("resolution")))

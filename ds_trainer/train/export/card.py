@@ -98,8 +98,8 @@ def _training(cfg: DictConfig, facts: dict[str, Any]) -> list[str]:
            + f", offload {value(cfg.offload.device)}",
            f"- EMA: {'decay ' + str(cfg.train.ema_decay) if cfg.train.ema else 'off'}; seed {cfg.train.seed}"]
     for entry in facts.get("sources", []) if len(facts.get("sources", [])) > 1 or cfg.data.caption_dropout else []:
-        out.append(f"  - `{entry['name']}` ({entry['kind']}): {entry['images']} images x {entry['repeats']} an epoch, "
-                   f"{entry['samples_seen']} samples seen, {entry['captions_dropped']} with the caption dropped")
+        out.append(f"  - `{entry['name']}` ({entry['kind']}): {entry['images']} images x {entry['repeats']:g} an "
+                   f"epoch, {entry['samples_seen']} samples seen, {entry['captions_dropped']} with the caption dropped")
     return out
 
 
