@@ -291,9 +291,10 @@ def _build_cache(run: Run, dataset: Any) -> data.LatentCache | None:
         t5 = "; T5's sequence in bf16" if run.family.storage_dtype("prompt_embeds") else ""
         files = cache.files()
         log.info("cached latents and embeddings of %d samples (%d images) in %.1fs: %s MiB on disk "
-                 "(%s KiB an image%s), %s; %d image(s) encoded now on %d rank(s), %d there from an earlier build",
-                 len(dataset), files, time.time() - start, f"{size / 2**20:.1f}", f"{size / max(files, 1) / 2**10:.0f}",
-                 t5, cache.dir, encoded, accelerator.num_processes, files - encoded)
+                 "(%s KiB an image%s), %s", len(dataset), files, time.time() - start, f"{size / 2**20:.1f}",
+                 f"{size / max(files, 1) / 2**10:.0f}", t5, cache.dir)
+        log.info("latent cache: %d image(s) encoded now on %d rank(s), %d there from an earlier build", encoded,
+                 accelerator.num_processes, files - encoded)
     accelerator.wait_for_everyone()
     return cache
 
