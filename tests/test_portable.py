@@ -166,7 +166,10 @@ LONG = {"stage1_after_stage3_x2", "bf16_stage2_after_stage0", "stage3_x2", "lora
         "bf16_adamw_torch_stage0", "stage3_after_fsdp",
         # CI budget (230 s): ZeRO-3 with offload carried into (beside ZeRO-3 x2 with LoRA, ZeRO-3 with NVMe), bf16's
         # ZeRO-0 masters (beside bf16 in the matrix's cells and bf16_pure's engine tests)
-        "stage3_cpu", "bf16_stage0"}
+        "stage3_cpu", "bf16_stage0",
+        # CI budget (about 50 s): NVMe's state carried out again (beside the carry into it, and ZeRO-3's state out of
+        # another tool's checkpoint in the import test below)
+        "stage2_after_stage3_nvme"}
 
 
 @pytest.mark.slow
