@@ -17,6 +17,7 @@ from helpers.ranks import torchrun
 from ds_trainer.config import buckets as geometry
 from ds_trainer.errors import DataError
 from ds_trainer.train.data import buckets
+from ds_trainer.train.data import cache as latent_cache
 
 torch = pytest.importorskip("torch")
 
@@ -147,14 +148,17 @@ def test_two_ranks_train_over_uneven_buckets_then_a_second_run_reuses_the_cache(
     assert summary["buckets"] == {"64x256": 1, "64x192": 1, "128x128": 4, "192x64": 1, "256x64": 1}
     assert "bucket 256x64: 1 image(s), 1 batch(es) per epoch, 1 repeated" in first.stderr
     (cache,) = (tmp_path / "outputs" / "cache").glob("sdxl_tiny-buckets-*")
-    files = {p: p.stat().st_mtime_ns for p in cache.rglob("*.pt")}
-    assert len(files) == 8 and {p.parent.name for p in files} == {"64x256", "64x192", "128x128", "192x64", "256x64"}
-    item = torch.load(next(p for p in files if p.parent.name == "64x192"), weights_only=True)
+    files = {p: p.stat().st_mtime_ns for p in cache.glob("pack-*.safetensors")}
+    assert len(files) == 2  # a pack of each rank's share
+    items = latent_cache.read(cache)  # by <bucket>/<hash of the image, caption and crop>
+    assert len(items) == 8 and {name.split("/")[0] for name in items} == {"64x256", "64x192", "128x128", "192x64",
+                                                                          "256x64"}
+    item = next(value for name, value in items.items() if name.startswith("64x192/"))
     assert item["latents"].shape == (4, 24, 8)  # 192 px tall, 64 wide, through the VAE's factor 8
     second = run_cli(*[a for a in args if a != "logger=none"], cwd=tmp_path)  # one rank, W&B offline
     assert second.returncode == 0, second.stderr[-3000:]
     assert "cached latents" not in second.stderr  # same images: nothing encoded again
-    assert {p: p.stat().st_mtime_ns for p in cache.rglob("*.pt")} == files
+    assert {p: p.stat().st_mtime_ns for p in cache.glob("pack-*.safetensors")} == files
     (wandb_file,) = run_dirs(tmp_path)[1].glob("wandb/offline-run-*/run-*.wandb")
     assert wandb_log.config(wandb_file)["buckets"] == summary["buckets"]
 
@@ -236,8 +240,7 @@ def test_the_transformers_train_over_buckets_of_their_own_size_rule(tmp_path: Pa
         assert sum(summary["buckets"].values()) == len(IMAGES) and len(summary["buckets"]) >= 4
         assert set(summary["buckets"]) - sdxl, summary["buckets"]  # sizes SDXL's factor 32 does not allow
         (cache,) = (tmp_path / "outputs" / "cache").glob(f"{model}-buckets-*")
-        for path in cache.rglob("*.pt"):
-            width, height = map(int, path.parent.name.split("x"))
+        for name, item in latent_cache.read(cache).items():
+            width, height = map(int, name.split("/")[0].split("x"))
             assert width % 16 == 0 and height % 16 == 0
-            latents = torch.load(path, weights_only=True)["latents"]
-            assert latents.shape == (channels, height // 8, width // 8)
+            assert item["latents"].shape == (channels, height // 8, width // 8)

@@ -194,15 +194,18 @@ def sourced(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             "data.unmasked_weight=0.25", "logger=none", "train.max_steps=6",
             "train.checkpoint_every=3", "scheduler=constant", "train.micro_batch_size=2"]
     (root / "one").mkdir()
-    # The cache built ahead on two ranks (`python -m ds_trainer.cache`), then three of its files lost as a kill in
-    # the middle of a build leaves it: the training run encodes those three alone.
+    # The cache built ahead on two ranks (`python -m ds_trainer.cache`) in packs of 4 samples (each rank's 9 images:
+    # 4, 4 and 1), then one pack lost as a kill in the middle of a build leaves it: the training run (packs of 256)
+    # encodes those four alone.
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    ahead = subprocess.run([*torchrun(2), "-m", "ds_trainer.cache", *args, "zero=ddp",
+    ahead = subprocess.run([*torchrun(2), "-m", "ds_trainer.cache", *args, "zero=ddp", "data.cache_pack=4",
                             f"hydra.run.dir={root / 'cache-run'}"],
                            cwd=root / "one", capture_output=True, text=True, timeout=900, env=env)
     assert ahead.returncode == 0, ahead.stderr[-3000:]
     (folder,) = (root / "one" / "outputs" / "cache").glob("sdxl_tiny-buckets-*")
-    for lost in [*sorted(folder.rglob("*.pt"))[:3], *folder.glob("manifest-*.json")]:
+    packs = {path: _names_in(path) for path in folder.glob("pack-*.safetensors")}
+    assert sorted(map(len, packs.values())) == [1, 1, 4, 4, 4, 4], packs
+    for lost in [next(path for path, names in packs.items() if len(names) == 4), *folder.glob("manifest-*.json")]:
         lost.unlink()
     done = run_cli(*args, "zero=ddp", cwd=root / "one", timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -235,7 +238,8 @@ def test_a_run_trains_from_every_kind_and_reports_each_source(sourced: dict[str,
     log = (sourced["one"] / "ds_trainer.log").read_text()
     assert "data.sources[4] (webdataset)=" in log and "3 image(s), repeated 1 time(s) an epoch" in log
     assert "cached latents and embeddings of 24 samples (18 images)" in log  # a repeated image is cached once
-    assert "3 image(s) encoded now on 1 rank(s), 15 there from an earlier build" in log  # the build's kill cost 3
+    # the build's kill cost the pack in flight; the training run's four went to a pack of their own
+    assert "4 image(s) encoded now on 1 rank(s), 14 there from an earlier build; 6 pack(s)" in log
     assert "data.sources[0] (folder): tags shuffled at ',', the first 1 kept in place, each other dropped with 0.3" \
         in log and "captions whose tags vary are encoded batch by batch" in log
     assert "text encoder dropout: clip_g 0.3" in log
@@ -250,8 +254,9 @@ def test_the_cache_built_ahead_on_two_ranks_is_the_one_training_reads(sourced: d
     summary = json.loads((sourced["cache"] / "summary.json").read_text())
     assert summary["status"] == "ok" and summary["steps"] == 0 and summary["world_size"] == 2
     assert summary["cache"]["samples"] == 24 and summary["cache"]["files"] == 18 and summary["host_rss_peak_mib"] > 0
+    assert summary["cache"]["packs"] == 6  # each rank's 9 images in packs of 4 (data.cache_pack=4)
     log = (sourced["cache"] / "ds_trainer.log").read_text()
-    assert "18 image(s) encoded now on 2 rank(s), 0 there from an earlier build" in log
+    assert "18 image(s) encoded now on 2 rank(s), 0 there from an earlier build; 6 pack(s)" in log
     assert "cache_only: the latent cache of 24 samples is complete" in log
     assert not (sourced["cache"] / "checkpoints").exists()  # nothing trained
 
@@ -271,14 +276,23 @@ def test_a_resume_on_two_ranks_continues_the_same_samples_captions_and_tags(sour
     assert "cached latents" not in log  # the one-rank run's cache serves the two ranks
 
 
-def _cache(sourced: dict[str, Path], *overrides: str) -> tuple[object, object, object, object]:
-    """The first run's configuration, data, family and latent cache, as that run built them."""
+def _names_in(pack: Path) -> set[str]:
+    """The samples a cache pack holds (its tensors are keyed `<name>/<key>`)."""
+    import safetensors
+
+    with safetensors.safe_open(str(pack), framework="pt") as f:
+        return {key.rpartition("/")[0] for key in f.keys()}  # noqa: SIM118 (a safetensors handle, not a dict)
+
+
+def _cache(sourced: dict[str, Path], *overrides: str, cache_dir: Path | None = None,
+           ) -> tuple[object, object, object, object]:
+    """The first run's configuration, data, family and latent cache, as that run built them (or in `cache_dir`)."""
     from ds_trainer.train import data, families
 
     root = sourced["root"]
     cfg = checks.check(make_cfg("data=sources", src.override(_entries_of(sourced["one"])), "data.masked_loss=true",
-                                "train.micro_batch_size=2", f"data.cache_dir={root / 'one' / 'outputs' / 'cache'}",
-                                *overrides)).cfg
+                                "train.micro_batch_size=2",
+                                f"data.cache_dir={cache_dir or root / 'one' / 'outputs' / 'cache'}", *overrides)).cfg
     dataset = data.dataset(cfg)
     family = families.of(cfg)
     return cfg, dataset, family, data.LatentCache(cfg, dataset, family, "cpu")
@@ -297,6 +311,30 @@ def test_a_dropped_caption_trains_with_the_empty_prompts_cached_encoding(sourced
         assert torch.allclose(batch[key][0], empty[key][0].float(), atol=1e-5), key
         assert torch.equal(batch[key][1], alone[key][1]) and torch.allclose(alone[key][0], own[key][0], atol=1e-5)
     assert torch.equal(batch["latents"], alone["latents"])  # the image is the same; only its caption is dropped
+
+
+def test_a_cache_of_one_file_per_image_an_earlier_version_wrote_is_read_as_the_packs_are(sourced: dict[str, Path],
+                                                                                          tmp_path: Path) -> None:
+    import shutil
+
+    from ds_trainer.train.data import cache as latent_cache
+
+    _, dataset, _, cache = _cache(sourced)
+    old = tmp_path / "cache" / cache.dir.name  # type: ignore[attr-defined]
+    shutil.copytree(cache.dir, old)  # type: ignore[attr-defined]
+    items = latent_cache.read(old)
+    assert len(items) == 18  # every image once, in the packs of two runs (the build ahead and the training run's)
+    for pack in old.glob("pack-*.safetensors"):  # the layout before packs: <bucket>/<name>.pt each
+        pack.unlink()
+    for name, item in items.items():
+        (old / name).parent.mkdir(parents=True, exist_ok=True)
+        torch.save(item, old / f"{name}.pt")
+    _, _, _, earlier = _cache(sourced, cache_dir=tmp_path / "cache")
+    assert earlier.complete and earlier.files() == 18 and len(earlier.packs()) == 18  # type: ignore[attr-defined]
+    indices = list(range(len(dataset)))  # type: ignore[arg-type]
+    got, expected = earlier.load(indices, [i % 3 == 0 for i in indices]), cache.load(  # type: ignore[attr-defined]
+        indices, [i % 3 == 0 for i in indices])
+    assert got.keys() == expected.keys() and all(torch.equal(got[key], expected[key]) for key in got)
 
 
 def test_tags_shuffle_behind_the_kept_ones_and_drop_at_their_rate_the_same_way_every_time() -> None:

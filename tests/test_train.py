@@ -149,7 +149,10 @@ def test_folder_data_with_captions_and_cache_reuse(workdir: Path) -> None:
     assert second.returncode == 0 and "cached latents" not in second.stderr
     caches = list((workdir / "outputs" / "cache").glob("sdxl_tiny-*"))  # latent caches (beside scan records)
     assert len(caches) == 1
-    item = torch.load(sorted(caches[0].rglob("*.pt"))[0], weights_only=True)  # per bucket: 128x128/<key>.pt
+    from ds_trainer.train.data import cache as latent_cache
+
+    (name, item), *_ = latent_cache.read(caches[0]).items()
+    assert name.startswith("128x128/")  # by bucket, then a hash of the image, caption and crop
     assert item["latents"].shape == (4, 16, 16)  # 128 px through the VAE's factor 8
     assert item["time_ids"].tolist()[-2:] == [128, 128]
 

@@ -228,16 +228,18 @@ def test_trains_under_zero3_on_two_ranks_and_exports_a_pipeline_diffusers_loads(
     vals = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if "val_loss" in line]
     assert [v["step"] for v in vals] == [30, 60] and vals[1]["val_loss"] < vals[0]["val_loss"]
     assert f"family: {model.split('_')[0]}" in (run_dir / "config.yaml").read_text()
-    cached = sorted((run_dir.parents[2] / "cache").glob(f"{model}-*/00000000.pt"))  # training's and validation's
-    assert len(cached) == 2
-    for item in (torch.load(path, weights_only=True) for path in cached):
+    from ds_trainer.train.data import cache as latent_cache
+
+    cached = [latent_cache.read(folder) for folder in (run_dir.parents[2] / "cache").glob(f"{model}-*")]
+    assert len(cached) == 2  # training's and validation's
+    for item in (samples["00000000"] for samples in cached):
         assert {key: tuple(item[key].shape) for key in CACHED[model]} == CACHED[model]
         assert item["prompt_embeds"].dtype == torch.bfloat16
     # The run says what the cache takes on disk (T5's long sequence makes it large at full size)
     said = re.search(r"cached latents and embeddings of 2 samples \(2 images\) in [\d.]+s: ([\d.]+) MiB on disk "
                      r"\((\d+) KiB an image; T5's sequence in bf16\), (\S+)", (run_dir / "ds_trainer.log").read_text())
     assert said, (run_dir / "ds_trainer.log").read_text()[-2000:]
-    on_disk = sum(f.stat().st_size for f in Path(said.group(3)).glob("0*.pt"))  # not the empty prompt's
+    on_disk = sum(f.stat().st_size for f in Path(said.group(3)).glob("pack-*"))  # not the empty prompt's
     assert int(said.group(2)) == round(on_disk / 2 / 1024) and float(said.group(1)) == round(on_disk / 2**20, 1)
     # The planner sizes the attention by the text tokens the cache holds (SD3: CLIP's and T5's; Flux: T5's alone)
     from ds_trainer.tools.plan import unet as plan_unet

@@ -373,6 +373,9 @@ class DataConfig:
     random_flip: bool = False
     cache: bool = True
     cache_dir: str = "${paths.outputs}/cache"
+    # Samples per file of the cache (each rank writes its share as packs of this many): a build killed in the middle
+    # loses at most the pack in flight; fewer, larger files suit shared filesystems.
+    cache_pack: int = 256
     num_workers: int = 0
     # Aspect-ratio buckets (data=folder turns them on; see config/buckets.py). Sides default to half
     # and twice the resolution's side; every global batch comes from one bucket, and what is left

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from ds_trainer.config import hardware
+from ds_trainer.config import hardware, sampling
 from ds_trainer.config.problems import ConfigError
 from ds_trainer.errors import TrainingError
 from ds_trainer.train import backends, data, export, families, outcome
@@ -120,7 +120,7 @@ def setup(run: Run, resume: Resume) -> Started:
     vset = _validation_set(run)
     startup.mark("data, frozen encoders, cache check")
     if cache is not None and run.kind == "cuda":  # training reads the cache: the encoders need no GPU memory now
-        varies = data.captions_vary(dataset)  # unless captions whose tags vary are encoded batch by batch
+        varies = sampling.tags_vary(cfg)  # unless captions whose tags vary are encoded batch by batch
         for part in run.frozen.modules():
             if not (varies and any(part is encoder for encoder in run.frozen.encoders())):
                 part.to("cpu")
@@ -255,12 +255,11 @@ def cache_only(run: Run) -> None:
     cache = _build_cache(run, dataset)
     _validation_set(run)
     if cache is not None and accelerator.is_main_process:
-        import resource  # the process's peak resident memory: what a cache build of this size needs of the host
-
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        # The process's peak resident memory: what a cache build of this size needs of the host.
         run.tracker.add_facts({"cache": {"dir": str(cache.dir), "samples": len(dataset), "files": cache.files(),
-                                         "bytes": cache.disk_bytes(), "complete": cache.complete},
-                               "host_rss_peak_mib": round(peak, 1)})
+                                         "packs": len(cache.packs()), "bytes": cache.disk_bytes(),
+                                         "complete": cache.complete},
+                               "host_rss_peak_mib": round(metrics.host_rss_peak_mib(), 1)})
         log.info("cache_only: the latent cache of %d samples is complete in %s; a run with the same data and model "
                  "reads it (data.cache_dir=%s)", len(dataset), cache.dir, cfg.data.cache_dir)
 
@@ -293,8 +292,8 @@ def _build_cache(run: Run, dataset: Any) -> data.LatentCache | None:
         log.info("cached latents and embeddings of %d samples (%d images) in %.1fs: %s MiB on disk "
                  "(%s KiB an image%s), %s", len(dataset), files, time.time() - start, f"{size / 2**20:.1f}",
                  f"{size / max(files, 1) / 2**10:.0f}", t5, cache.dir)
-        log.info("latent cache: %d image(s) encoded now on %d rank(s), %d there from an earlier build", encoded,
-                 accelerator.num_processes, files - encoded)
+        log.info("latent cache: %d image(s) encoded now on %d rank(s), %d there from an earlier build; %d pack(s)",
+                 encoded, accelerator.num_processes, files - encoded, len(cache.packs()))
     accelerator.wait_for_everyone()
     return cache
 

@@ -4,14 +4,12 @@ read-only.
 
 from __future__ import annotations
 
-import math
 import re
-from fractions import Fraction
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from ds_trainer.config import schema, weights_file
+from ds_trainer.config import sampling, schema, weights_file
 from ds_trainer.config.problems import Problem
 
 
@@ -82,28 +80,21 @@ def _sources(cfg: DictConfig) -> list[Problem]:
                                f"{key}.keep_tokens=1"))
     for index, source in enumerate(cfg.data.sources):
         value = float(source.repeats)
-        if value > 0 and abs(float(fraction(value)) - value) > 0.002 * value:  # 0.333 is 1/3; 0.37 is no fraction
+        near = sampling.fraction(value)
+        if value > 0 and abs(float(near) - value) > 0.002 * value:  # 0.333 is 1/3; 0.37 is no fraction
             out.append(Problem(f"data.sources[{index}].repeats", source.repeats, "a fraction of repeats is seen over "
-                               f"an epoch of whole passes, at most {MAX_PASSES}: a fraction of denominator up to "
-                               f"{MAX_PASSES}", f"data.sources[{index}].repeats={float(fraction(value)):.3g}"))
+                               f"an epoch of whole passes, at most {sampling.MAX_PASSES}: a fraction of denominator "
+                               f"up to {sampling.MAX_PASSES}", f"data.sources[{index}].repeats={float(near):.3g}"))
     repeats = [float(s.repeats) for s in cfg.data.sources if float(s.repeats) > 0]
-    if repeats and (passes := epoch_passes(repeats)) > MAX_PASSES:
+    if repeats and (passes := sampling.epoch_passes(repeats)) > sampling.MAX_PASSES:
         out.append(Problem("data.sources", ", ".join(f"repeats {r:g}" for r in repeats), f"take {passes} passes to see "
-                           f"every source a whole number of times (an epoch); at most {MAX_PASSES}",
+                           f"every source a whole number of times (an epoch); at most {sampling.MAX_PASSES}",
                            "fractions with one denominator (0.5 and 0.25, or 1/3 as 0.333 and 2/3 as 0.667)"))
     names = [str(s.name) for s in cfg.data.sources if s.name is not None]
     if len(set(names)) != len(names):
         out.append(Problem("data.sources", ", ".join(names), "two sources have the same name: the log, summary.json "
                            "and the cache tell sources apart by it", "give each source a name of its own"))
     return out
-
-
-def tags_vary(cfg: DictConfig) -> bool:
-    """Whether a source's captions change from sample to sample (tags shuffled or dropped): they are encoded batch by
-    batch, so the frozen text encoders stay on the device (the planner counts them)."""
-    data = cfg.data
-    return bool(data.tag_shuffle) or float(data.tag_dropout) > 0 or (data.source.value == "sources" and any(
-        s.tag_shuffle or float(s.tag_dropout or 0) > 0 for s in data.sources))
 
 
 def _captions(cfg: DictConfig) -> list[Problem]:
@@ -117,7 +108,7 @@ def _captions(cfg: DictConfig) -> list[Problem]:
                            "data.keep_tokens=1"))
     if not str(data.tag_separator):
         out.append(Problem("data.tag_separator", "''", "splits a caption into tags", "data.tag_separator=','"))
-    if tags_vary(cfg) and data.source.value == "synthetic":
+    if sampling.tags_vary(cfg) and data.source.value == "synthetic":
         out.append(Problem("data.tag_shuffle" if data.tag_shuffle else "data.tag_dropout",
                            data.tag_shuffle or data.tag_dropout, "synthetic captions are sentences, not tags",
                            "data=folder or data=sources with tag captions"))
@@ -136,20 +127,6 @@ def _captions(cfg: DictConfig) -> list[Problem]:
                            "zeroes a frozen encoder's cached output; with text_encoders trained a batch carries token "
                            "ids instead", "text_encoders=frozen, or data.caption_dropout (drops whole captions)"))
     return out
-
-
-MAX_PASSES = 20  # an epoch of more passes makes the sample list (and the cache's names) that many times longer
-
-
-def fraction(repeats: float) -> Fraction:
-    """A source's repeats as the fraction the epoch is counted in: 0.5 is 1/2, 0.333 is 1/3 (denominator <= 20)."""
-    return Fraction(repeats).limit_denominator(MAX_PASSES)
-
-
-def epoch_passes(repeats: list[float]) -> int:
-    """The passes over the sources that see each a whole number of times: the least common multiple of the repeats'
-    denominators."""
-    return math.lcm(*(fraction(r).denominator for r in repeats))
 
 
 def _shards(path: str) -> list[str]:

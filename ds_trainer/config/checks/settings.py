@@ -29,6 +29,9 @@ def problems(cfg: DictConfig) -> list[Problem]:
     cache_only = [Problem("cache_only", True, "builds the latent cache, which data.cache=false turns off",
                           "data.cache=true (or train without cache_only)")] \
         if cfg.cache_only and not cfg.data.cache else []
+    if int(cfg.data.cache_pack) < 1:
+        cache_only.append(Problem("data.cache_pack", cfg.data.cache_pack, "is the number of samples in each file of "
+                                  "the latent cache", "data.cache_pack=256"))
     return _unknown_keys(cfg) + _train(cfg) + _world_size(cfg) + _optimizer(cfg) + _scheduler(cfg) + cache_only
 
 

@@ -9,7 +9,7 @@ from functools import cache
 from omegaconf import DictConfig
 
 from ds_trainer.config import buckets, nvme
-from ds_trainer.config.checks import paths
+from ds_trainer.config.sampling import tags_vary
 from ds_trainer.tools.plan import cache as disk_cache
 from ds_trainer.tools.plan import lora, samples
 from ds_trainer.tools.plan.states import architecture, model_states, moments_saved, stats, trained_module
@@ -95,7 +95,7 @@ def estimate(cfg: DictConfig, zero: str, offload: str, world_size: int, activati
         params += 4 * trained // world_size  # the fp32 shadow, a slice per rank (train/ema.py)
     if not cfg.data.cache:  # the VAE and text encoders stay on the GPU and encode every batch
         params += samples.frozen_bytes(architecture(cfg), "cuda", precision)
-    elif paths.tags_vary(cfg):  # tags shuffled or dropped: the text encoders stay to encode every batch's captions
+    elif tags_vary(cfg):  # tags shuffled or dropped: the text encoders stay to encode every batch's captions
         params += samples.frozen_bytes(architecture(cfg), "cuda", precision, vae=False)
     act_bytes = 4 if precision == "fp32" else 2
     width, height = buckets.largest(cfg)  # with aspect-ratio buckets the largest one bounds memory

@@ -10,9 +10,9 @@ from ds_trainer.train.data.images import (
            dataset,
            validation_set,
 )
-from ds_trainer.train.data.loader import Loader, captions_vary
+from ds_trainer.train.data.loader import Loader
 from ds_trainer.train.data.order import batch_indices, sample_indices
 from ds_trainer.train.data.sources import IMAGE_EXTENSIONS
 
 __all__ = ["IMAGE_EXTENSIONS", "Example", "SourceImages", "LatentCache", "Loader", "SyntheticImages", "batch_indices",
-           "captions_vary", "dataset", "encode_batch", "sample_indices", "validation_set"]
+           "dataset", "encode_batch", "sample_indices", "validation_set"]

@@ -7,6 +7,9 @@ import itertools
 import json
 import logging
 import os
+import struct
+import threading
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -22,18 +25,32 @@ from ds_trainer.train.families.base import Family
 log = logging.getLogger(__name__)
 
 
+# A pack is written when it holds data.cache_pack samples or this many bytes: what a build killed in the middle loses
+# at most, per rank (256 samples: about 13 s of an H100's SDXL encoding), and what it holds in host memory meanwhile.
+PACK_BYTES = 256 * 2**20
+PACK_GLOB = "pack-*.safetensors"
+FORMAT = "ds_trainer-latents-1"
+OPEN_PACKS = 64  # packs kept open (memory-mapped) for reading; the least recently read is closed beyond it
+
+
 class LatentCache:
-    """VAE latents and text embeddings, one file per image under `data.cache_dir/<key>`.
+    """VAE latents and text embeddings of each sample, in pack files under `data.cache_dir/<key>`.
 
     For synthetic data the key hashes the model, resolution and data, so a change to any of them makes a new cache.
-    For images of sources the key hashes the model alone and each image's file, under its size's folder, is named by
-    a hash of its image, caption and crop: a later run, or a run on a source with images added, encodes only what it
-    has not seen, and an image a source repeats is one file. A cache is complete when its manifest exists; files are
-    written atomically, so an interrupted build resumes where it stopped.
+    For images of sources the key hashes the model alone and each image is named by its size's folder and a hash of
+    its image, caption and crop: a later run, or a run on a source with images added, encodes only what it has not
+    seen, and an image a source repeats is cached once.
+
+    Each rank encodes a contiguous block of the images (a run of a source's files or shards) and writes it as packs:
+    safetensors files of up to data.cache_pack samples, each tensor keyed `<name>/<key>`, named by a hash of the names
+    they hold, written atomically. What a cache holds is read from the packs' headers, so any later layout reads
+    any earlier one's packs, a build killed in the middle resumes after its last whole pack, and images added later
+    go to new packs of their own. A cache is complete when its manifest exists. One `.pt` file per image (the layout
+    before packs) is still read where a pack lacks the image.
     """
 
     def __init__(self, cfg: DictConfig, data: SyntheticImages | SourceImages, family: Family, kind: str) -> None:
-        self.names = data.cache_names() if isinstance(data, SourceImages) else None
+        names = data.cache_names() if isinstance(data, SourceImages) else None
         self.keys = data.names()  # what orders the build's shares: a source's files and shards, in order
         model: Any = OmegaConf.to_container(cfg.model, resolve=True)
         # The encoders' dtype is part of what a latent is: a cache built on a GPU in bf16 and one built on a CPU
@@ -49,33 +66,34 @@ class LatentCache:
         if trained:
             model["trained_text_encoders"] = list(trained)
         identity = {"model": model, "resolution": [int(cfg.resolution.width), int(cfg.resolution.height)],
-                    "data": data.identity()} if self.names is None else {"model": model}
+                    "data": data.identity()} if names is None else {"model": model}
         key = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
         bucketed = getattr(data, "layout", None) is not None
         size = "buckets" if bucketed else f"{cfg.resolution.width}x{cfg.resolution.height}"
         self.dir = Path(cfg.data.cache_dir) / f"{cfg.model.name}-{size}-{key}"
         self.manifest = self.dir / "manifest.json"
-        if self.names is not None:  # one manifest per set of samples: the folder is shared by many sets
-            self.manifest = self.dir / f"manifest-{hashlib.sha256('|'.join(self.names).encode()).hexdigest()[:16]}.json"
+        if names is not None:  # one manifest per set of samples: the folder is shared by many sets
+            self.manifest = self.dir / f"manifest-{hashlib.sha256('|'.join(names).encode()).hexdigest()[:16]}.json"
         self.n = len(data)
-        self.family = family
-        # Each file and the first sample it holds (a repeated image's samples share one): fixed by the names.
-        self._files: dict[Path, int] = {}
-        for i in range(self.n):
-            self._files.setdefault(self.path(i), i)
+        self.names = names if names is not None else [f"{i:08d}" for i in range(self.n)]
+        self.family, self.pack_samples = family, int(cfg.data.cache_pack)
+        # Each cached name and the first sample it holds (a repeated image's samples share one): fixed by the names.
+        self._first: dict[str, int] = {}
+        for i, name in enumerate(self.names):
+            self._first.setdefault(name, i)
+        self._index: dict[str, tuple[Path, tuple[str, ...]]] | None = None  # name -> its pack (or file), its keys
+        self._open: OrderedDict[Path, Any] = OrderedDict()
+        self._lock = threading.Lock()  # the prefetch thread reads while the training thread may
         self._empty: dict[str, torch.Tensor] | None = None  # the empty prompt's tensors, read once when first dropped
 
     @property
     def complete(self) -> bool:
         return self.manifest.exists()
 
-    def path(self, index: int) -> Path:
-        return self.dir / (f"{self.names[index]}.pt" if self.names is not None else f"{index:08d}.pt")
-
     def build(self, data: SyntheticImages | SourceImages, frozen: Any, rank: int, world: int,
               device: torch.device, batch_size: int = 8) -> int:
-        """Encode this rank's share of the samples not cached yet; returns how many it encoded.
-        Samples are encoded in batches of one shape (one bucket folder)."""
+        """Encode this rank's share of the samples not cached yet into packs; returns how many it encoded.
+        Samples are encoded in batches of one shape (one bucket)."""
         family = self.family
         self.dir.mkdir(parents=True, exist_ok=True)
         if not (self.dir / captions.EMPTY).exists():  # what a dropped caption trains with (data.caption_dropout)
@@ -84,49 +102,158 @@ class LatentCache:
             safetensors.torch.save_file({key: on_cpu(value[0], family.storage_dtype(key)).contiguous()
                                          for key, value in empty.items()}, str(tmp))
             tmp.replace(self.dir / captions.EMPTY)
-        # Each rank a contiguous block of the files in key order (a run of shards), then by bucket to batch them.
-        mine = order.share(sorted(self._files.values(), key=lambda i: self.keys[i]), rank, world)
-        todo = sorted((i for i in mine if not self.path(i).exists()), key=lambda i: (self.path(i).parent.name, i))
-        chunks = [list(group) for _, group in itertools.groupby(todo, key=lambda i: self.path(i).parent)]
-        for group in chunks:
-            self.path(group[0]).parent.mkdir(parents=True, exist_ok=True)
+        # Each rank a contiguous block of the images in key order (a run of shards), then by bucket to batch them.
+        index = self._scan()
+        mine = order.share(sorted(self._first.values(), key=lambda i: self.keys[i]), rank, world)
+        todo = sorted((i for i in mine if self.names[i] not in index), key=lambda i: (self._folder(i), i))
+        pack = _Pack(self.dir, self.pack_samples)
+        for _, grouped in itertools.groupby(todo, key=self._folder):
+            group = list(grouped)
             for start in range(0, len(group), batch_size):
                 part = group[start:start + batch_size]
                 chunk = [data[i] for i in part]
                 latents = family.encode_images(frozen, torch.stack([e.pixels for e in chunk]))
                 text = family.text_inputs(frozen, [e.caption for e in chunk], device)
-                for j, index in enumerate(part):
-                    item = {"latents": latents[j].to("cpu", torch.float32).clone(),
-                            **{key: on_cpu(value[j], family.storage_dtype(key)) for key, value in text.items()},
-                            "time_ids": chunk[j].time_ids.clone(), **_mask(chunk[j], latents[j])}
-                    _save_atomic(item, self.path(index))
+                for j, i in enumerate(part):
+                    pack.add(self.names[i], {
+                        "latents": latents[j].to("cpu", torch.float32).clone(),
+                        **{key: on_cpu(value[j], family.storage_dtype(key)) for key, value in text.items()},
+                        "time_ids": chunk[j].time_ids.clone(), **_mask(chunk[j], latents[j])})
+                    if pack.full:
+                        pack.write()
+        pack.write()
+        self._index = None  # the other ranks' packs: read again when next asked
         return len(todo)
 
     def files(self) -> int:
-        """How many files the samples take (a repeated image's samples share one)."""
-        return len(self._files)
+        """How many images the samples are (a repeated image's samples share one cached entry)."""
+        return len(self._first)
+
+    def packs(self) -> list[Path]:
+        """The files that hold the samples."""
+        index = self._scan()
+        return sorted({index[name][0] for name in self._first if name in index})
 
     def disk_bytes(self) -> int:
-        """What the cached samples take on disk."""
-        return sum(path.stat().st_size for path in self._files if path.exists())
+        """What the files holding the samples take on disk (a pack shared with another set of samples whole)."""
+        return sum(path.stat().st_size for path in self.packs())
 
     def finish(self) -> None:
         """Mark the cache complete (rank 0, after every rank built its share)."""
-        missing = [path for path in self._files if not path.exists()]
+        self._index = None
+        index = self._scan()
+        missing = [name for name in self._first if name not in index]
         if missing:
             raise RuntimeError(f"latent cache {self.dir} lacks {len(missing)} samples after building")
         tmp = self.dir / f".manifest.tmp{os.getpid()}"
-        tmp.write_text(json.dumps({"samples": self.n}))
+        tmp.write_text(json.dumps({"samples": self.n, "images": len(self._first), "packs": len(self.packs())}))
         tmp.replace(self.manifest)
 
-    def load(self, indices: list[int], drop: list[bool] | None = None) -> dict[str, torch.Tensor]:
-        """The samples' tensors; those `drop` marks with the empty prompt's text tensors."""
-        items = [torch.load(self.path(i), map_location="cpu", weights_only=True) for i in indices]
-        if drop and any(drop):
+    def load(self, indices: list[int], drop: list[bool] | None = None, text: bool = True) -> dict[str, torch.Tensor]:
+        """The samples' tensors; those `drop` marks with the empty prompt's text tensors; without the text tensors
+        where `text` is false (captions encoded now replace them)."""
+        wanted = None if text else ("latents", "time_ids", "mask")
+        with self._lock:
+            index = self._scan()
+            items = [self._read(self.names[i], index, wanted) for i in indices]
+        if text and drop and any(drop):
             if self._empty is None:
                 self._empty = safetensors.torch.load_file(str(self.dir / captions.EMPTY))
             items = [{**item, **self._empty} if gone else item for item, gone in zip(items, drop, strict=True)]
         return {key: torch.stack([item[key] for item in items]) for key in items[0]}
+
+    def _folder(self, i: int) -> str:
+        return self.names[i].rpartition("/")[0]
+
+    def _scan(self) -> dict[str, tuple[Path, tuple[str, ...]]]:
+        """Every cached name in the folder: the packs' headers, then the one-file-per-image layout's files."""
+        if self._index is not None:
+            return self._index
+        index: dict[str, tuple[Path, tuple[str, ...]]] = {}
+        shapes: dict[tuple[str, ...], tuple[str, ...]] = {}  # one tuple of keys shared by the names that have it
+        for path in sorted(self.dir.glob(PACK_GLOB)) if self.dir.is_dir() else []:
+            try:
+                held = _header(path)
+            except (OSError, ValueError) as error:  # a pack cut short outside ds_trainer: its samples encode again
+                log.warning("latent cache: %s is unreadable (%s); its samples are encoded again", path, error)
+                continue
+            for name, keys in held.items():
+                index.setdefault(name, (path, shapes.setdefault(keys, keys)))
+        if self.dir.is_dir() and next(self.dir.glob("**/*.pt"), None) is not None:  # the layout before packs
+            for name in self._first:
+                if name not in index and (self.dir / f"{name}.pt").exists():
+                    index[name] = (self.dir / f"{name}.pt", ())
+        self._index = index
+        return index
+
+    def _read(self, name: str, index: dict[str, tuple[Path, tuple[str, ...]]],
+              wanted: tuple[str, ...] | None) -> dict[str, torch.Tensor]:
+        path, keys = index[name]
+        if path.suffix == ".pt":
+            item = torch.load(path, map_location="cpu", weights_only=True)
+            return item if wanted is None else {k: v for k, v in item.items() if k in wanted}
+        handle = self._open.get(path)
+        if handle is None:
+            handle = self._open[path] = safetensors.safe_open(str(path), framework="pt", device="cpu")
+            if len(self._open) > OPEN_PACKS:
+                self._open.popitem(last=False)
+        self._open.move_to_end(path)
+        return {key: handle.get_tensor(f"{name}/{key}") for key in keys if wanted is None or key in wanted}
+
+
+class _Pack:
+    """The samples a rank encoded and has not written yet."""
+
+    def __init__(self, folder: Path, samples: int) -> None:
+        self.folder, self.samples = folder, samples
+        self.tensors, self.names, self.bytes = dict[str, torch.Tensor](), list[str](), 0
+
+    def add(self, name: str, item: dict[str, torch.Tensor]) -> None:
+        self.names.append(name)
+        for key, value in item.items():
+            self.tensors[f"{name}/{key}"] = value.contiguous()
+            self.bytes += value.numel() * value.element_size()
+
+    @property
+    def full(self) -> bool:
+        return len(self.names) >= self.samples or self.bytes >= PACK_BYTES
+
+    def write(self) -> None:
+        """The pack, named by the samples it holds, written atomically (a kill leaves it whole or absent)."""
+        if not self.names:
+            return
+        digest = hashlib.sha256("|".join(self.names).encode()).hexdigest()[:16]
+        path = self.folder / f"pack-{digest}.safetensors"
+        tmp = self.folder / f".{path.name}.tmp{os.getpid()}"
+        safetensors.torch.save_file(self.tensors, str(tmp), metadata={"format": FORMAT})
+        tmp.replace(path)
+        self.tensors, self.names, self.bytes = {}, [], 0
+
+
+def _header(path: Path) -> dict[str, tuple[str, ...]]:
+    """The names a pack holds and each one's keys, from its safetensors header (8 bytes of length, then JSON)."""
+    with path.open("rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(length))
+    if header.get("__metadata__", {}).get("format") != FORMAT:
+        raise ValueError(f"not a {FORMAT} pack")
+    held: dict[str, list[str]] = {}
+    for key in header:
+        if key != "__metadata__":
+            name, _, tensor = key.rpartition("/")
+            held.setdefault(name, []).append(tensor)
+    return {name: tuple(sorted(keys)) for name, keys in held.items()}
+
+
+def read(folder: Path) -> dict[str, dict[str, torch.Tensor]]:
+    """Every sample a cache folder's packs hold, by name (for tests and inspection: the whole folder in memory)."""
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for path in sorted(folder.glob(PACK_GLOB)):
+        tensors = safetensors.torch.load_file(str(path))
+        for key, value in tensors.items():
+            name, _, tensor = key.rpartition("/")
+            out.setdefault(name, {})[tensor] = value
+    return out
 
 
 def encode_batch(data: SyntheticImages | SourceImages, frozen: Any, indices: list[int],
@@ -160,12 +287,6 @@ def _mask(example: Any, latents: torch.Tensor) -> dict[str, torch.Tensor]:
         return {}
     mask = torch.nn.functional.interpolate(example.mask[None].float(), size=tuple(latents.shape[-2:]), mode="area")
     return {"mask": mask[0].clone()}
-
-
-def _save_atomic(item: dict[str, torch.Tensor], path: Path) -> None:
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    torch.save(item, tmp)
-    tmp.replace(path)
 
 
 def on_cpu(value: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:

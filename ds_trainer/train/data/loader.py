@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from omegaconf import DictConfig
 
+from ds_trainer.config import sampling
 from ds_trainer.train.data import captions
 from ds_trainer.train.data.cache import LatentCache, encode_batch, on_cpu
 from ds_trainer.train.data.images import SourceImages, SyntheticImages
@@ -41,7 +42,7 @@ class Loader:
         self.plan = data.plan if isinstance(data, SourceImages) else None
         self.policy = policy_of(cfg, data)
         # Tags shuffled or dropped: each batch's captions are encoded when it is read (the cached text cannot serve).
-        self.varies = captions_vary(data)
+        self.varies = sampling.tags_vary(cfg)
         self.encoder_dropout = {str(k): float(v) for k, v in cfg.data.text_encoder_dropout.items() if float(v) > 0}
         self.parts = run.family.text_parts(run.frozen) if self.encoder_dropout else {}
         if accelerator.is_main_process:
@@ -54,7 +55,7 @@ class Loader:
         self.first = step * self.accumulation
         # The cache read of micro-batch b+1 runs in a thread while b trains (files, unpickling: no GPU work).
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="ds_trainer-prefetch") if cache is not None else None
-        self._next: tuple[int, Future[dict[str, torch.Tensor]]] | None = None
+        self._next: tuple[int, Future[tuple[dict[str, torch.Tensor], list[int], list[bool]]]] | None = None
 
     def _say(self, data: SyntheticImages | SourceImages) -> None:
         for source in data.sources if isinstance(data, SourceImages) and self.varies else []:
@@ -77,19 +78,18 @@ class Loader:
 
     def __call__(self, b: int) -> dict[str, torch.Tensor]:
         if self._pool is None:
-            batch = self._load(b)
+            batch, indices, drop = self._load(b)
         else:
             ahead = self._next
             if ahead is not None and ahead[0] == b:
-                batch = ahead[1].result()
+                batch, indices, drop = ahead[1].result()
             else:  # not the batch read ahead (the first call): one reader at a time
                 if ahead is not None:
                     wait([ahead[1]])
-                batch = self._load(b)
+                batch, indices, drop = self._load(b)
             self._next = (b + 1, self._pool.submit(self._load, b + 1))
         position = self.position(b)
         if self.varies and self.cache is not None:  # on this thread: the text encoders may be on the GPU
-            indices, drop = self._samples(position)
             text = self.family.text_inputs(self.frozen, self._texts(position, indices, drop), self.device)
             batch.update({key: on_cpu(value, self.family.storage_dtype(key)) for key, value in text.items()})
         if self.encoder_dropout:
@@ -130,11 +130,12 @@ class Loader:
                     for key, where in self.parts[name]:
                         batch[key][j][where] = 0
 
-    def _load(self, b: int) -> dict[str, torch.Tensor]:
+    def _load(self, b: int) -> tuple[dict[str, torch.Tensor], list[int], list[bool]]:
+        """Micro-batch `b`, its samples' dataset indices and which of them train with an empty caption."""
         position = self.position(b)
         indices, drop = self._samples(position)
-        if self.cache is not None:
-            batch = self.cache.load(indices, drop)
+        if self.cache is not None:  # with captions that vary, the text is encoded on the training thread
+            batch = self.cache.load(indices, drop, text=not self.varies)
         else:
             texts = self._texts(position, indices, drop) if self.varies else None
             batch = encode_batch(self.data, self.frozen, indices, self.device, self.family, drop, texts)
@@ -145,12 +146,7 @@ class Loader:
             batch["regularization"] = torch.tensor([s.regularization for s in sources])
         if "mask" in batch:  # data.masked_loss: the loss's weight, unmasked_weight outside the mask
             batch["weight_map"] = self.unmasked + (1.0 - self.unmasked) * batch["mask"]
-        return batch
-
-
-def captions_vary(data: SyntheticImages | SourceImages) -> bool:
-    """Whether a source shuffles or drops tags: its captions are encoded batch by batch (the latents stay cached)."""
-    return isinstance(data, SourceImages) and any(source.captions.varies for source in data.sources)
+        return batch, indices, drop
 
 
 def policy_of(cfg: DictConfig, data: SyntheticImages | SourceImages) -> Callable[[int], captions.Policy]:
