@@ -2,7 +2,7 @@
 
 The same command line as training, under the same launchers: `torchrun --nproc-per-node 8 -m ds_trainer.cache ...`
 splits the encoding over the ranks, `-m hydra/launcher=...` runs it as a Slurm job per node. Killed, it resumes
-where it stopped (each sample's file is written whole); a training run with the same data and model then finds the
+after its last whole pack of samples; a training run with the same data and model then finds the
 cache complete and encodes nothing.
 """
 

@@ -331,10 +331,9 @@ def test_a_cache_of_one_file_per_image_an_earlier_version_wrote_is_read_as_the_p
         torch.save(item, old / f"{name}.pt")
     _, _, _, earlier = _cache(sourced, cache_dir=tmp_path / "cache")
     assert earlier.complete and earlier.files() == 18 and len(earlier.packs()) == 18  # type: ignore[attr-defined]
-    indices = list(range(len(dataset)))  # type: ignore[arg-type]
-    got, expected = earlier.load(indices, [i % 3 == 0 for i in indices]), cache.load(  # type: ignore[attr-defined]
-        indices, [i % 3 == 0 for i in indices])
-    assert got.keys() == expected.keys() and all(torch.equal(got[key], expected[key]) for key in got)
+    for i in range(len(dataset)):  # type: ignore[arg-type]
+        got, expected = earlier.load([i], [i % 3 == 0]), cache.load([i], [i % 3 == 0])  # type: ignore[attr-defined]
+        assert got.keys() == expected.keys() and all(torch.equal(got[key], expected[key]) for key in got), i
 
 
 def test_tags_shuffle_behind_the_kept_ones_and_drop_at_their_rate_the_same_way_every_time() -> None:
@@ -502,3 +501,22 @@ def test_the_sweep_report_says_what_each_source_gave_a_cell(sourced: dict[str, P
     assert "samples per source" in text and "hf (regularisation)" in text
     assert f"folder {seen['folder']['samples_seen']}" in table[0]["sources"]
     assert table[0]["sources"] == table[1]["sources"]  # the resumed cell trained the same samples
+
+
+@pytest.mark.long  # CI budget (a Slurm job of its own): the cache command's own path runs on two ranks by default
+@pytest.mark.multiproc
+def test_the_cache_is_built_ahead_as_a_slurm_job_and_training_reads_it(tmp_path: Path,
+                                                                      slurm_cluster: dict[str, str]) -> None:
+    folder = src.make("folder", tmp_path / "images", n=6)
+    args = ["data=folder", f"data.path={folder}", "logger=none", "data.cache_pack=2"]
+    job = run_cli("-m", "hydra/launcher=slurm_localtest", *args, cwd=tmp_path, env=slurm_cluster, timeout=900,
+                  module="ds_trainer.cache")
+    assert job.returncode == 0, job.stdout[-2000:] + job.stderr[-3000:]
+    (cell,) = [p.parent for p in (tmp_path / "outputs" / "sweeps").glob("*/*/0/summary.json")]
+    summary = json.loads((cell / "summary.json").read_text())
+    assert summary["status"] == "ok" and summary["world_size"] == 2 and summary["cache"]["complete"]
+    assert summary["cache"]["files"] == 6 and summary["cache"]["packs"] == 4  # each task's 3 images: packs of 2, 1
+    assert "6 image(s) encoded now on 2 rank(s), 0 there from an earlier build" in (cell / "ds_trainer.log").read_text()
+    trained = run_cli(*args, "train.max_steps=1", cwd=tmp_path)  # one local rank, the cache the job built
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    assert "cached latents" not in trained.stderr

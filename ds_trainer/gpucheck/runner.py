@@ -41,7 +41,24 @@ def command(step: Step, out: Path) -> list[str]:
     extra = [f"hydra.run.dir={folder}", f"plan.calibration={out / 'runs' / 'uncalibrated.jsonl'}"]
     if step.resume_from is not None:
         extra.append(f"resume={last_checkpoint(out / 'runs' / step.resume_from)}")
+    if step.tagged_images:
+        extra += ["data=folder", f"data.path={out / 'data' / step.name}"]
     return [sys.executable, "-m", "ds_trainer", *step.args, *extra]
+
+
+def write_tagged_images(folder: Path, n: int) -> None:
+    """`n` images of noise at 128 px with tag captions (a trigger word, then tags), as a user's folder holds them."""
+    import numpy as np
+    from PIL import Image
+
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    tags = ["red", "blue", "cube", "sphere", "outdoors", "studio light", "close-up", "35mm"]
+    for i in range(n):
+        pixels = rng.integers(0, 256, (128, 128, 3), dtype=np.uint8)
+        Image.fromarray(pixels).save(folder / f"img{i:03d}.png")
+        chosen = [tags[(i + j) % len(tags)] for j in range(4)]
+        (folder / f"img{i:03d}.txt").write_text(", ".join(["sks thing", *chosen]))
 
 
 def last_checkpoint(run: Path) -> Path:
@@ -195,6 +212,8 @@ def run_step(step: Step, out: Path, timeout: float) -> dict[str, Any]:
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     log = logs / f"{step.name}.log"
+    if step.tagged_images:
+        write_tagged_images(out / "data" / step.name, step.tagged_images)
     row: dict[str, Any] = {"step": step.name, "group": step.group, "what": step.what,
                            "command": " ".join(cmd[1:]), "timeout_s": round(timeout, 1)}
     status, elapsed, rss_mib = execute(cmd, log, timeout)

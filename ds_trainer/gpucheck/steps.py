@@ -31,6 +31,7 @@ class Step:
     real: bool = False  # measured against the planner: MFU and a calibration record
     greedy: bool = False  # may use what is left of the budget
     overrides: dict[str, str] = field(default_factory=dict)
+    tagged_images: int = 0  # trains from a folder of this many images with tag captions, written on the machine
 
 
 BASE = {"logger": "none", "train.export": "false", "train.checkpoint_every": "0", "train.final_checkpoint": "false",
@@ -101,8 +102,14 @@ def correctness_steps(cpu: bool) -> list[Step]:
                "resumed from tiny_ddp's checkpoint (review C3: the portable state into another layout)",
                overrides={"zero": "fsdp_full_shard", "offload": "cpu", "train.max_steps": "6"},
                resume_from="tiny_ddp"),
-        _train("tiny_adamw8bit", "correctness", t(15), "SDXL tiny, zero=stage2, optimizer=adamw8bit",
-               overrides={"zero": "stage2", "optimizer": "adamw8bit"}, needs=("bitsandbytes",)),
+        # A folder of tag captions, tags shuffled and dropped: the frozen text encoders stay on the GPU after the
+        # cache build and encode every batch's captions; CLIP-bigG's part dropped apart.
+        _train("tiny_adamw8bit", "correctness", t(15), "SDXL tiny, zero=stage2, optimizer=adamw8bit, a folder of tag "
+               "captions (shuffled and dropped: the text encoders stay on the GPU), clip_g dropped at 0.3",
+               overrides={"zero": "stage2", "optimizer": "adamw8bit", "data.tag_shuffle": "true",
+                          "data.keep_tokens": "1", "data.tag_dropout": "0.3", "data.caption_dropout": "0.1",
+                          "data.text_encoder_dropout.clip_g": "0.3"},
+               needs=("bitsandbytes",), tagged_images=8),
     ]
 
 
