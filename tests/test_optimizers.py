@@ -365,9 +365,10 @@ def test_nothing_to_train_is_one_message_before_any_optimizer_is_built(optimizer
 
 @pytest.mark.slow
 @pytest.mark.multiproc
-def test_8bit_adamw_trains_lora_on_two_zero3_ranks_and_torch_adamw_lora_under_ddp(tmp_path: Path) -> None:
-    """Real runs beside the in-process engines: bitsandbytes' 8-bit AdamW on ZeRO-3 partitions of two ranks (LoRA),
-    its uint8 state in the checkpoint; torch's AdamW under zero=ddp (LoRA). Each steps as named, the loss falls."""
+def test_8bit_adamw_trains_lora_on_two_zero3_ranks(tmp_path: Path) -> None:
+    """A real run beside the in-process engines: bitsandbytes' 8-bit AdamW on ZeRO-3 partitions of two ranks (LoRA),
+    its uint8 state in the checkpoint; it steps as named, the loss falls. (torch's AdamW stepping a LoRA under DDP:
+    test_quantize's int8 run.)"""
     from test_sampling import _torchrun
 
     _package("bitsandbytes")
@@ -385,16 +386,6 @@ def test_8bit_adamw_trains_lora_on_two_zero3_ranks_and_torch_adamw_lora_under_dd
         saved = torch.load(states, map_location="cpu", weights_only=False)["optimizer_state_dict"]
         quantized = [s["__bnb_optimizer_quant_state__"] for s in saved["optimizer_state_dict"]["state"].values()]
         assert quantized and {str(q[k].dtype) for q in quantized for k in ("state1", "state2")} == {"torch.uint8"}
-    ddp = tmp_path / "ddp"
-    ddp.mkdir()
-    result = run_cli("zero=ddp", "optimizer=adamw_torch", "adapter=lora", "precision=fp32", "scheduler=constant",
-                     "optimizer.lr=1e-2", "logger=none", "data.num_samples=8", "train.max_steps=4",
-                     "train.export=false", cwd=ddp, timeout=900)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "optimizer torch.optim.AdamW steps" in result.stderr
-    (run_dir,) = run_dirs(ddp)
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert rows[-1]["loss"] < rows[0]["loss"], rows
 
 
 @pytest.mark.parametrize("name", ["adafactor", "CAME"])

@@ -81,6 +81,12 @@ class AdapterMethod(str, Enum):
     lora = "lora"
 
 
+class QuantizeKind(str, Enum):
+    none = "none"
+    int8 = "int8"
+    nf4 = "nf4"
+
+
 class TextEncoderMode(str, Enum):
     frozen = "frozen"
     lora = "lora"
@@ -489,6 +495,21 @@ class TextEncodersConfig:
     targets: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "out_proj"])
 
 
+@dataclass
+class QuantizeConfig:
+    """`quantize` group: the frozen base of a LoRA run held quantized, with bitsandbytes: `int8`
+    (LLM.int8: int8 weights with a scale per row, activation outliers above `threshold` in 16-bit) or `nf4` (4-bit
+    NormalFloat in blocks of 64, the QLoRA format, with the blocks' scales quantized again). Every `nn.Linear` of the
+    UNet or transformer is replaced before the adapters are added (convolutions, norms and embeddings stay 16-bit);
+    the LoRA file is written against the unquantized base. Samples and validation run on the quantized model."""
+
+    kind: QuantizeKind = QuantizeKind.none
+    # The frozen text encoders too (what encodes the cache, the sample prompts, and captions whose tags vary).
+    text_encoders: bool = True
+    # int8 only: activation values above this stay in 16-bit (bitsandbytes' LLM.int8 default 6.0; 0: none).
+    threshold: float = 6.0
+
+
 def trains_text_encoders(cfg: Any) -> bool:
     """Whether the text encoders train (`text_encoders=lora|full`): False when they are frozen or the group is
     absent (configs written before it existed). Takes a composed config or a plain dict of one (a config.yaml)."""
@@ -628,6 +649,7 @@ class Config:
     adapter: AdapterConfig = field(default_factory=AdapterConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
     text_encoders: TextEncodersConfig = field(default_factory=TextEncodersConfig)
+    quantize: QuantizeConfig = field(default_factory=QuantizeConfig)
     samples: SamplesConfig = field(default_factory=SamplesConfig)
     validation: ValidationConfig = field(default_factory=ValidationConfig)
     paths: PathsConfig = field(default_factory=PathsConfig)

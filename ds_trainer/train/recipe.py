@@ -27,7 +27,7 @@ from ds_trainer.config import hardware, sampling
 from ds_trainer.config.problems import ConfigError
 from ds_trainer.errors import TrainingError
 from ds_trainer.train import backends, data, export, families, outcome
-from ds_trainer.train.adapters import adapter
+from ds_trainer.train.adapters import adapter, quantize
 from ds_trainer.train.backends import accelerator as accel
 from ds_trainer.train.backends import inner
 from ds_trainer.train.export import card
@@ -126,7 +126,7 @@ def setup(run: Run, resume: Resume) -> Started:
                 part.to("cpu")
         torch.cuda.empty_cache()
     # --- what trains (adapter=lora: injected, the base frozen and cast), its optimizer, the backend's prepare
-    run.trained = adapter.build(cfg, run.family.load_trained(cfg), encoders)
+    run.trained = adapter.build(cfg, run.family.load_trained(cfg), encoders, accelerator.device)
     model = run.trained.module
     resume.before_prepare(model, run.backend)
     run.backend.before_prepare(model)
@@ -240,6 +240,13 @@ def _load_frozen(run: Run) -> tuple[Any, dict[str, torch.nn.Module]]:
     dtype = getattr(torch, common.frozen_dtype_name(cfg, run.kind))
     for encoder in frozen.encoders():
         encoder.to(accelerator.device, dtype)
+    q = cfg.quantize
+    if q.kind.value != "none" and q.text_encoders:  # what encodes the cache, the sample prompts, varying captions
+        done = [quantize.apply(encoder, q.kind.value, dtype, accelerator.device, float(q.threshold))
+                for encoder in frozen.encoders()]
+        log.info("quantize=%s: the frozen text encoders' %d linear layers as %s, %.1f MiB (%.1f MiB in float32)",
+                 q.kind.value, sum(d.layers for d in done), quantize.KINDS[q.kind.value],
+                 sum(d.after for d in done) / 2**20, sum(d.before for d in done) / 2**20)
     frozen.vae.to(accelerator.device,
                   torch.float32 if frozen.vae.config.force_upcast or run.kind == "cpu" else dtype)
     return frozen, encoders

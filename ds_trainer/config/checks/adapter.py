@@ -6,18 +6,19 @@ the model's module names; `train.adapter.inspect` checks those before training s
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from pathlib import Path
 
 from omegaconf import DictConfig
 
-from ds_trainer.config import schema
+from ds_trainer.config import ds_config, schema
 from ds_trainer.config.problems import Problem
 
 
 def problems(cfg: DictConfig) -> list[Problem]:
-    """Problems of `cfg.adapter` and `cfg.text_encoders` that the values alone show."""
-    out = _text_encoders(cfg)
+    """Problems of `cfg.adapter`, `cfg.text_encoders` and `cfg.quantize` that the values alone show."""
+    out = _text_encoders(cfg) + _quantize(cfg)
     a = cfg.adapter
     if a.method.value == "none":
         return out
@@ -65,4 +66,34 @@ def _lora_shape(group: str, node: DictConfig, rank: int, targets: str) -> list[P
     if not node.targets:
         out.append(Problem(f"{group}.targets", [], "LoRA needs at least one module to adapt",
                            f"{group}.targets={targets}"))
+    return out
+
+
+def _quantize(cfg: DictConfig) -> list[Problem]:
+    """`quantize=int8|nf4`: a LoRA's frozen base, under the backends that keep bitsandbytes' weights whole."""
+    q = cfg.quantize
+    kind = q.kind.value
+    if kind == "none":
+        return []
+    out: list[Problem] = []
+    if cfg.adapter.method.value == "none":
+        out.append(Problem("quantize", kind, "quantizes the frozen base of a LoRA; adapter=none trains every weight, "
+                           "and a packed integer weight cannot train", "adapter=lora, or quantize=none"))
+    option = ds_config.zero_option(cfg)
+    if option.startswith("fsdp"):
+        out.append(Problem("quantize", kind, f"zero={option}: FSDP2 replaces each parameter with a sharded DTensor, "
+                           "and bitsandbytes keeps a quantized weight's scales on the parameter object, which the "
+                           "shard would not carry", "zero=stage2 or zero=ddp (a LoRA's base is not sharded below "
+                           "ZeRO-3; quantized it is a quarter of bf16's size), or quantize=none"))
+    elif option == "stage3":
+        out.append(Problem("quantize", kind, "ZeRO-3 partitions every parameter of the module and gathers it in the "
+                           "training dtype; bitsandbytes' packed weights and their scales are not partitioned with it",
+                           "zero=stage2 or zero=ddp (a LoRA's base is not sharded below ZeRO-3; quantized it is a "
+                           "quarter of bf16's size), or quantize=none"))
+    if importlib.util.find_spec("bitsandbytes") is None:
+        out.append(Problem("quantize", kind, "needs bitsandbytes, which is not installed",
+                           "pip install 'bitsandbytes>=0.50' (CPU and CUDA wheels), or quantize=none"))
+    if kind == "int8" and (not math.isfinite(q.threshold) or q.threshold < 0):
+        out.append(Problem("quantize.threshold", q.threshold, "is the activation magnitude above which LLM.int8 "
+                           "computes in 16-bit (0: never)", "quantize.threshold=6.0"))
     return out

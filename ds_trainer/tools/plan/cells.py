@@ -11,7 +11,7 @@ from omegaconf import DictConfig
 from ds_trainer.config import buckets, nvme
 from ds_trainer.config.sampling import tags_vary
 from ds_trainer.tools.plan import cache as disk_cache
-from ds_trainer.tools.plan import lora, samples
+from ds_trainer.tools.plan import lora, quantized, samples
 from ds_trainer.tools.plan.states import architecture, model_states, moments_saved, stats, trained_module
 from ds_trainer.tools.plan.unet import blocks_of, forward_of, meta_unet, saved_bytes, text_tokens
 
@@ -73,6 +73,12 @@ def _tokens(cfg: DictConfig) -> tuple[int, ...]:
     return (text_tokens(cfg),) if cfg.model.get("flow") is not None else ()
 
 
+def quantized_layers(architecture: str) -> list[tuple[int, int]]:
+    """(weights, rows) of the trained module's linear layers (what quantize= holds packed), remembered on disk."""
+    return [tuple(layer) for layer in disk_cache.cached(  # type: ignore[misc]
+        "linear_layers", (architecture,), lambda a: quantized.linear_layers(meta_unet(a)))]
+
+
 def estimate(cfg: DictConfig, zero: str, offload: str, world_size: int, activation_factor: float = 1.0) -> Estimate:
     """The estimate of one zero x offload cell for the composed config; `activation_factor` is the
     calibration from measured cells (calibration.py)."""
@@ -86,6 +92,9 @@ def estimate(cfg: DictConfig, zero: str, offload: str, world_size: int, activati
     else:
         params, grads, optimizer, host = lora.model_states(zero, offload, frozen, trained, module.largest_layer,
                                                                 world_size, params_offload, precision)
+    if frozen and cfg.quantize.kind.value != "none":  # the UNet's frozen linear layers as bitsandbytes holds them
+        base_bytes = 4 if precision == "fp32" else 2
+        params -= quantized.saved(cfg.quantize.kind.value, quantized_layers(architecture(cfg)), base_bytes)
     saved = moments_saved(cfg, zero, trained, world_size)
     if offload != "none" and zero not in ("ddp", "stage0"):
         host = max(0, host - int(saved * 1.5))  # the state lives on the host (as counted above, with its margin)
@@ -94,9 +103,10 @@ def estimate(cfg: DictConfig, zero: str, offload: str, world_size: int, activati
     if cfg.train.ema and cfg.train.ema_device == "gpu":
         params += 4 * trained // world_size  # the fp32 shadow, a slice per rank (train/ema.py)
     if not cfg.data.cache:  # the VAE and text encoders stay on the GPU and encode every batch
-        params += samples.frozen_bytes(architecture(cfg), "cuda", precision)
+        params += samples.frozen_bytes(architecture(cfg), "cuda", precision, quantize=samples.encoders_quantized(cfg))
     elif tags_vary(cfg):  # tags shuffled or dropped: the text encoders stay to encode every batch's captions
-        params += samples.frozen_bytes(architecture(cfg), "cuda", precision, vae=False)
+        params += samples.frozen_bytes(architecture(cfg), "cuda", precision, vae=False,
+                                       quantize=samples.encoders_quantized(cfg))
     act_bytes = 4 if precision == "fp32" else 2
     width, height = buckets.largest(cfg)  # with aspect-ratio buckets the largest one bounds memory
     shape = (architecture(cfg), int(cfg.train.micro_batch_size), width, height, act_bytes,
@@ -127,5 +137,7 @@ def estimate(cfg: DictConfig, zero: str, offload: str, world_size: int, activati
     return Estimate(zero, offload, params, grads, optimizer, activations, buffers, host, nvme_bytes, notes, sampling)
 
 def plan(cfg: DictConfig, world_size: int, activation_factor: float = 1.0) -> list[Estimate]:
-    """The estimate of every cell, ZeRO's then FSDP2's."""
-    return [estimate(cfg, zero, offload, world_size, activation_factor) for zero, offload in CELLS + FSDP_CELLS]
+    """The estimate of every cell the config can run in, ZeRO's then FSDP2's (a quantized base: not ZeRO-3's or
+    FSDP2's, which the checks refuse)."""
+    return [estimate(cfg, zero, offload, world_size, activation_factor) for zero, offload in CELLS + FSDP_CELLS
+            if cfg.quantize.kind.value == "none" or not (zero == "stage3" or zero.startswith("fsdp"))]

@@ -39,6 +39,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"text_encoders={cfg.text_encoders.mode.value} ({cfg.text_encoders.which.value}): {trained / 1e6:,.1f}M "
               f"encoder parameters train with the UNet, {frozen / 1e6:,.1f}M frozen in the same module; their "
               f"activations {act / 2**20:,.0f} MiB a step (in the activations column)")
+    if cfg.quantize.kind.value != "none":
+        print(f"quantize={cfg.quantize.kind.value}: the frozen base's linear layers quantized (in the params column"
+              + ("; the frozen text encoders' too where they stay on the GPU" if cfg.quantize.text_encoders else "")
+              + "); ZeRO-3 and FSDP2 cells left out (they cannot hold bitsandbytes' weights: refused)")
     print(table(estimates, budget))
     print(calibrated.describe())
     if estimates[0].sampling is not None:

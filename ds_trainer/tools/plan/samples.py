@@ -21,6 +21,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from ds_trainer.tools.plan import quantized
 from ds_trainer.tools.plan.unet import text_tokens
 
 GIB = 2**30
@@ -80,10 +81,17 @@ def _activations(architecture: str, width: int, height: int, batch: int, dtype_b
 
 
 @cache
-def frozen_bytes(architecture: str, kind: str, precision: str = "bf16", vae: bool = True) -> int:
+def encoders_quantized(cfg: DictConfig) -> str:
+    """How the frozen text encoders are held: `quantize.kind` when `quantize.text_encoders`, else none."""
+    q = cfg.get("quantize")
+    return q.kind.value if q is not None and q.text_encoders else "none"
+
+
+def frozen_bytes(architecture: str, kind: str, precision: str = "bf16", vae: bool = True,
+                 quantize: str = "none") -> int:
     """The VAE (unless `vae` is False) and the text encoders (SDXL's two CLIPs; SD3's two and T5; Flux's CLIP-L and
     T5) as training loads them (in the precision's dtype on a GPU, float32 on the CPU; the VAE in float32 when its
-    config asks)."""
+    config asks); the encoders' linear layers quantized with `quantize=int8|nf4`."""
     import torch
     from diffusers import AutoencoderKL
 
@@ -94,7 +102,8 @@ def frozen_bytes(architecture: str, kind: str, precision: str = "bf16", vae: boo
     half = 4 if kind == "cpu" or precision == "fp32" else 2
     vae_bytes = 4 if autoencoder.config.force_upcast or kind == "cpu" else half
     count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
-    return (count(autoencoder) * vae_bytes if vae else 0) + sum(count(e) for e in encoders) * half
+    fewer = sum(quantized.saved(quantize, quantized.linear_layers(e), half) for e in encoders)
+    return (count(autoencoder) * vae_bytes if vae else 0) + sum(count(e) for e in encoders) * half - fewer
 
 
 def _encoder(architecture: str, name: str) -> Any:
@@ -155,7 +164,7 @@ def _sampling(cfg: DictConfig, resident: int, unet_params: int, architecture: st
     ema = 4 * unet_params if cfg.train.ema and cfg.samples.ema else 0  # the whole EMA UNet, gathered to sample
     if ema:
         dtype_bytes = 4  # the EMA UNet samples in float32
-    frozen = frozen_bytes(architecture, kind, cfg.precision.name.value)
+    frozen = frozen_bytes(architecture, kind, cfg.precision.name.value, quantize=encoders_quantized(cfg))
     return resident + frozen + ema + _activations(architecture, width, height, batch, dtype_bytes, text_tokens(cfg))
 
 

@@ -18,7 +18,7 @@ from omegaconf import DictConfig
 
 from ds_trainer.config.problems import Problem
 from ds_trainer.train import families
-from ds_trainer.train.adapters import kohya_file, lora_file
+from ds_trainer.train.adapters import kohya_file, lora_file, quantize
 from ds_trainer.train.adapters.lora_file import adaptable_names
 from ds_trainer.train.families import common, text_encoders
 
@@ -201,15 +201,36 @@ class Trained:
                 kohya_file.write(run_dir / folder, module, values, dtype, header)
 
 
+def quantize_base(cfg: DictConfig, model: torch.nn.Module, device: torch.device) -> quantize.Quantized:
+    """`quantize=int8|nf4`: the frozen base's linear layers quantized on `device`, computing in the base's dtype;
+    peft then adds its bitsandbytes LoRA layers around them."""
+    kind = cfg.quantize.kind.value
+    compute = common.lora_base_dtype(cfg) or torch.float32
+    model.requires_grad_(False)
+    done = quantize.apply(model, kind, compute, device, float(cfg.quantize.threshold))
+    # peft's bitsandbytes dispatch reads these (transformers sets them when it loads a quantized model)
+    model.is_loaded_in_8bit, model.is_loaded_in_4bit = kind == "int8", kind == "nf4"  # type: ignore[assignment]
+    log.info("quantize=%s: %d linear layers of the %s's frozen base as %s, %.1f MiB (%.1f MiB in float32); samples "
+             "and validation run on the quantized model, the LoRA files are the unquantized base's", kind, done.layers,
+             families.label_of(model), quantize.KINDS[kind], done.after / 2**20, done.before / 2**20)
+    return done
+
+
 def _lora_names(module: torch.nn.Module) -> list[str]:
     return [n for n, p in module.named_parameters() if p.requires_grad and "lora_" in n]
 
 
-def build(cfg: DictConfig, model: torch.nn.Module, encoders: dict[str, torch.nn.Module] | None = None) -> Trained:
+def build(cfg: DictConfig, model: torch.nn.Module, encoders: dict[str, torch.nn.Module] | None = None,
+          device: torch.device | None = None) -> Trained:
     """Before `accelerator.prepare`: with `adapter=lora` inject the adapters, freeze and cast the base to
     the training precision's 16-bit type (the adapters stay fp32), and load `adapter.init_from`; with trained text
-    encoders (`text_encoders.take` made them trainable) the UNet and them as one module."""
+    encoders (`text_encoders.take` made them trainable) the UNet and them as one module. With `quantize=int8|nf4`
+    and a `device` (the run's; without one the module only names the adapters) the base's linear layers are
+    quantized on it first."""
     if enabled(cfg):
+        base = sum(p.numel() for p in model.parameters())  # before quantization packs two 4-bit weights a byte
+        if cfg.quantize.kind.value != "none" and device is not None:
+            quantize_base(cfg, model, device)
         _inject(cfg, model)
         half = common.lora_base_dtype(cfg)
         if half is not None:
@@ -217,8 +238,8 @@ def build(cfg: DictConfig, model: torch.nn.Module, encoders: dict[str, torch.nn.
         if cfg.adapter.init_from is not None:
             lora_file.load_into(Path(cfg.adapter.init_from), model, families.component_of(model))
             log.info("LoRA initialised from %s", cfg.adapter.init_from)
-        count, total = sum(p.numel() for p in model.parameters() if p.requires_grad), sum(
-            p.numel() for p in model.parameters())
+        count = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        total = base + count
         log.info("adapter=lora: training %d of %d %s parameters (%.2f%%), rank %d, alpha %g, targets %s",
                  count, total, families.label_of(model), 100 * count / total, cfg.adapter.rank, cfg.adapter.alpha,
                  list(cfg.adapter.targets))

@@ -65,6 +65,10 @@ class LatentCache:
         trained = text_encoders.trained(cfg)
         if trained:
             model["trained_text_encoders"] = list(trained)
+        q = cfg.get("quantize")
+        if q is not None and q.kind.value != "none" and q.text_encoders:  # embeddings of quantized encoders
+            model["text_encoders_quantized"] = q.kind.value + (f" {float(q.threshold)}" if q.kind.value == "int8"
+                                                               else "")
         identity = {"model": model, "resolution": [int(cfg.resolution.width), int(cfg.resolution.height)],
                     "data": data.identity()} if names is None else {"model": model}
         key = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]

@@ -134,9 +134,11 @@ def _frozen_on_cpu(run: Run) -> Any:
     """The run's frozen parts (VAE, text encoders) on the CPU at their source precision."""
     frozen = run.frozen
     slots = [frozen.vae, *(getattr(frozen, name) for name in (*_ENCODERS, "text_encoder_3") if hasattr(frozen, name))]
-    if any(p is None or p.dtype != torch.float32 for p in slots):
+    q = run.cfg.quantize
+    if any(p is None or p.dtype != torch.float32 for p in slots) or (q.kind.value != "none" and q.text_encoders):
         # Training ran them in 16 bits (a GPU run): up-casting those copies would save rounded weights as
-        # float32; or an encoder trained and its base is needed. They are loaded again, from the source, on the CPU.
+        # float32; or an encoder trained and its base is needed; or they were quantized (quantize=, the text
+        # encoders'). They are loaded again, from the source, on the CPU.
         frozen = run.family.load_frozen(run.cfg)
     for part in frozen.modules():
         part.to("cpu")

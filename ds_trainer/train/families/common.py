@@ -66,9 +66,10 @@ def lora_base_dtype(cfg: DictConfig) -> torch.dtype | None:
 
 
 def cast_frozen(module: torch.nn.Module, dtype: torch.dtype) -> None:
-    """The parameters of `module` that do not train, to `dtype` in place (the trained ones stay fp32)."""
+    """The floating-point parameters of `module` that do not train, to `dtype` in place (the trained ones stay fp32;
+    a quantized weight keeps its integers)."""
     for p in module.parameters():
-        if not p.requires_grad:
+        if not p.requires_grad and p.is_floating_point():
             p.data = p.data.to(dtype)
 
 

@@ -1,0 +1,34 @@
+"""The planner's quantized frozen base (`quantize=int8|nf4`): what bitsandbytes holds for each linear layer.
+
+nf4 (`Linear4bit`, blocks of 64, the blocks' scales quantized again in blocks of 256): half a byte a weight, a uint8
+scale a block, a float32 scale per 256 blocks, the two code books (16 and 256 float32) and an offset. int8
+(`Linear8bitLt`): a byte a weight and a float32 scale a row. Measured equal on the tiny models
+(tests/test_quantize.py: the run's resident bytes against these).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+
+def linear_layers(module: Any) -> list[tuple[int, int]]:
+    """(weights, rows) of each plain `nn.Linear` of `module` (what `quantize=` replaces), in module order."""
+    import torch
+
+    return [(m.in_features * m.out_features, m.out_features) for m in module.modules() if type(m) is torch.nn.Linear]
+
+
+def layer_bytes(kind: str, weights: int, rows: int) -> int:
+    """One quantized linear layer's weight, its scales and code books, in bytes."""
+    if kind == "int8":
+        return weights + 4 * rows
+    blocks = math.ceil(weights / 64)
+    return math.ceil(weights / 2) + blocks + 4 * math.ceil(blocks / 256) + 4 * (16 + 256) + 4
+
+
+def saved(kind: str, layers: list[tuple[int, int]], dtype_bytes: int) -> int:
+    """What quantizing `layers` takes off their weights held at `dtype_bytes` a weight (0 for quantize=none)."""
+    if kind == "none":
+        return 0
+    return sum(dtype_bytes * weights - layer_bytes(kind, weights, rows) for weights, rows in layers)

@@ -1,0 +1,94 @@
+"""`quantize=int8|nf4`: a LoRA's frozen base held as bitsandbytes' quantized weights (QLoRA).
+
+Every `nn.Linear` of the module (the UNet or transformer before its adapters are added, a frozen text encoder) is
+replaced by bitsandbytes' `Linear8bitLt` (LLM.int8: int8 weights, a scale per row) or `Linear4bit` (NF4 in blocks of
+64, the blocks' scales quantized again), quantized where it is moved to the run's device. peft adds its LoRA layers
+around them as it does around `nn.Linear` (its bitsandbytes dispatch), so the adapters' names, and the LoRA file
+written from them, are those of the unquantized base. Convolutions, norms and embeddings stay in the 16-bit type.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+log = logging.getLogger("ds_trainer")
+
+KINDS = {"int8": "LLM.int8 (int8 weights, a scale per row)", "nf4": "4-bit NormalFloat (blocks of 64, QLoRA)"}
+
+
+@dataclass
+class Quantized:
+    """What `apply` replaced: the layers, and their weights' bytes before and after (scales included)."""
+
+    layers: int
+    before: int
+    after: int
+
+
+def linears(module: torch.nn.Module) -> list[tuple[str, torch.nn.Linear]]:
+    """The plain `nn.Linear` layers of `module` by name (not a LoRA's wrapper, not one already quantized)."""
+    return [(name, m) for name, m in module.named_modules() if type(m) is torch.nn.Linear]
+
+
+def apply(module: torch.nn.Module, kind: str, compute_dtype: torch.dtype, device: torch.device,
+          threshold: float = 6.0) -> Quantized:
+    """Replace every `nn.Linear` of `module` by its quantized counterpart on `device`, frozen; `compute_dtype` is
+    what the layer computes in (the training precision's 16-bit type, float32 under fp32)."""
+    import bitsandbytes as bnb
+
+    layers = linears(module)
+    before = after = 0
+    for name, linear in layers:
+        weight, bias = linear.weight.data, linear.bias
+        before += weight.numel() * weight.element_size()
+        shape = (linear.in_features, linear.out_features)
+        quantized: torch.nn.Module
+        if kind == "nf4":
+            quantized = bnb.nn.Linear4bit(*shape, bias=bias is not None, compute_dtype=compute_dtype,
+                                          compress_statistics=True, quant_type="nf4", device="meta")
+            quantized.weight = bnb.nn.Params4bit(weight.to(compute_dtype), requires_grad=False,
+                                                 compress_statistics=True, quant_type="nf4", module=quantized)
+        elif kind == "int8":
+            quantized = bnb.nn.Linear8bitLt(*shape, bias=bias is not None, has_fp16_weights=False,
+                                            threshold=threshold, device="meta")
+            quantized.weight = bnb.nn.Int8Params(weight.to(compute_dtype), requires_grad=False,
+                                                 has_fp16_weights=False)
+        else:
+            raise ValueError(f"quantize={kind}: not one of {sorted(KINDS)}")
+        if bias is not None:
+            quantized.bias = torch.nn.Parameter(bias.data.to(compute_dtype), requires_grad=False)
+        quantized = quantized.to(device)  # bitsandbytes quantizes the weight as it moves
+        parent, _, child = name.rpartition(".")
+        setattr(module.get_submodule(parent) if parent else module, child, quantized)
+        after += weight_bytes(quantized.weight)
+    return Quantized(len(layers), before, after)
+
+
+def weight_bytes(weight: torch.Tensor) -> int:
+    """What a (quantized) weight holds in memory: its data and, for bitsandbytes' weights, the scales beside it."""
+    total = weight.numel() * weight.element_size()
+    state = getattr(weight, "quant_state", None)  # Params4bit: absmax (uint8 when nested), code, offset, state2
+    while state is not None:
+        total += sum(t.numel() * t.element_size() for t in (state.absmax, state.code, state.offset)
+                     if isinstance(t, torch.Tensor))
+        state = state.state2 if getattr(state, "nested", False) else None
+    scale = getattr(weight, "SCB", None)  # Int8Params: a float32 scale per row
+    if isinstance(scale, torch.Tensor):
+        total += scale.numel() * scale.element_size()
+    return total
+
+
+def resident_bytes(module: torch.nn.Module) -> int:
+    """Every parameter and buffer of `module` as held in memory, quantized weights with their scales (an int8 layer
+    moves its row scales from the weight to its own state at its first forward)."""
+    total = 0
+    for part in module.modules():
+        total += sum(weight_bytes(p) for p in part.parameters(recurse=False))
+        total += sum(b.numel() * b.element_size() for b in part.buffers(recurse=False))
+        scale = getattr(getattr(part, "state", None), "SCB", None)
+        if isinstance(scale, torch.Tensor) and getattr(getattr(part, "weight", None), "SCB", None) is None:
+            total += scale.numel() * scale.element_size()
+    return total

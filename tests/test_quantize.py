@@ -1,0 +1,168 @@
+"""`quantize=int8|nf4`: a LoRA's frozen base (and the frozen text encoders) held as bitsandbytes' quantized weights.
+
+A two-rank ZeRO-2 run on an NF4 base learns (its loss falls over-fitting one batch), samples and validates on the
+quantized model, and writes a LoRA file an unquantized pipeline loads; int8 learns under DDP; what the quantized
+weights hold in memory is the planner's figure; the backends that cannot keep bitsandbytes' weights whole are
+refused before the run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers.cfg import make_cfg
+from helpers.cli import run_cli, run_dirs
+from helpers.ranks import torchrun
+
+from ds_trainer.config import checks
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("bitsandbytes")
+
+# Over-fitting one batch of two images (as test_lora's check): LoRA on the convolutions too, which stay 16-bit, and on
+# the attention's and feed-forward's quantized linear layers.
+TARGETS = "[to_q,to_k,to_v,to_out.0,ff.net.0.proj,ff.net.2,proj_in,proj_out,conv1,conv2,conv_in,conv_out]"
+OVERFIT = ["adapter=lora", f"adapter.targets={TARGETS}", "logger=none", "data.num_samples=2", "scheduler=constant",
+           "optimizer.lr=1e-2", "train.max_steps=12"]
+
+
+def _losses(run_dir: Path) -> list[float]:
+    return [row["loss"] for row in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+            if "loss" in row]
+
+
+@pytest.fixture(scope="module")
+def nf4_run(module_tmp: Callable[[str], Path]) -> tuple[Path, str]:
+    """NF4 under ZeRO-2 on two ranks, a sample and the validation loss at the end."""
+    cwd = module_tmp("nf4")
+    cmd = [*torchrun(2), "-m", "ds_trainer", *OVERFIT, "quantize=nf4", "zero=stage2", "train.micro_batch_size=1",
+           "samples=on", "samples.every=0", "samples.steps=2", "samples.prompts=[a red cube]", "validation=on",
+           "validation.split=2", "train.final_checkpoint=false"]
+    result = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=900,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    (run_dir,) = run_dirs(cwd)
+    return run_dir, result.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_an_nf4_base_trains_a_lora_on_two_zero2_ranks_and_says_so(nf4_run: tuple[Path, str]) -> None:
+    run_dir, stderr = nf4_run
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "ok" and summary["steps"] == 12 and summary["world_size"] == 2
+    losses = _losses(run_dir)
+    first, last = sum(losses[:4]) / 4, sum(losses[-4:]) / 4
+    assert last < 0.5 * first, (first, last)  # it learns on the 4-bit base
+    log = (run_dir / "ds_trainer.log").read_text()
+    assert "quantize=nf4: " in log and "linear layers of the UNet's frozen base as 4-bit NormalFloat" in log
+    assert "quantize=nf4: the frozen text encoders' " in log
+    assert "samples and validation run on the quantized model" in log
+    assert list((run_dir / "samples").glob("step_*/*.png")) and summary.get("val_loss") is not None
+    config = (run_dir / "config.yaml").read_text()
+    assert "quantize:\n  kind: nf4" in config
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_the_lora_of_a_quantized_base_loads_into_an_unquantized_pipeline(nf4_run: tuple[Path, str]) -> None:
+    from diffusers import StableDiffusionXLPipeline
+    from safetensors.torch import load_file
+
+    run_dir, _ = nf4_run
+    tensors = load_file(run_dir / "lora" / "pytorch_lora_weights.safetensors")
+    assert any(".ff.net.0.proj.lora_A." in key for key in tensors)  # a quantized layer's adapter, by its plain name
+    assert all(t.dtype == torch.float32 and t.ndim in (2, 4) for t in tensors.values())
+    pipe = StableDiffusionXLPipeline.from_pretrained(run_dir / "pipeline")  # the unquantized base, float32
+    assert all(p.dtype == torch.float32 for p in pipe.text_encoder.parameters())
+
+    def image() -> Any:
+        return pipe("a red cube", num_inference_steps=2, height=128, width=128, output_type="np",
+                    generator=torch.Generator().manual_seed(0)).images
+
+    base = image()
+    pipe.load_lora_weights(run_dir / "lora")
+    assert abs(image() - base).max() > 1e-4, "the LoRA changed nothing"
+    pipe.unload_lora_weights()
+    pipe.load_lora_weights(run_dir / "lora" / "kohya.safetensors")  # kohya's layout of the same adapters
+    assert abs(image() - base).max() > 1e-4
+
+
+def _unet() -> Any:
+    from ds_trainer.train import families
+
+    return families.of(make_cfg()).load_trained(make_cfg())
+
+
+@pytest.mark.parametrize("kind", ["nf4", "int8"])
+def test_the_quantized_bases_bytes_in_memory_are_the_planners(kind: str) -> None:
+    from ds_trainer.tools.plan import quantized
+    from ds_trainer.train.adapters import quantize
+
+    unet = _unet().to(torch.bfloat16)
+    layers = quantized.linear_layers(unet)
+    before = quantize.resident_bytes(unet)
+    done = quantize.apply(unet, kind, torch.bfloat16, torch.device("cpu"))
+    assert done.layers == len(layers) > 100
+    held = quantize.resident_bytes(unet)
+    assert before - held == quantized.saved(kind, layers, 2)  # every byte of the weights and their scales
+    # A bf16 weight's 2 bytes become about 0.52 (nf4) or 1 (int8) with the scales; the convolutions stay bf16.
+    weights = sum(w for w, _ in layers)
+    assert before - held > (0.7 if kind == "nf4" else 0.45) * 2 * weights
+
+
+@pytest.mark.slow
+def test_an_int8_base_trains_a_lora_under_ddp_with_torchs_adamw(workdir: Path) -> None:
+    """One run, two checks: int8 under DDP, and torch's AdamW (not DeepSpeed's) stepping a LoRA under DDP."""
+    result = run_cli(*OVERFIT, "quantize=int8", "zero=ddp", "optimizer=adamw_torch", "train.micro_batch_size=2",
+                     "train.final_checkpoint=false", cwd=workdir)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "optimizer torch.optim.AdamW steps" in result.stderr
+    (run_dir,) = run_dirs(workdir)
+    losses = _losses(run_dir)
+    assert sum(losses[-4:]) < 0.5 * sum(losses[:4]), losses
+    log = (run_dir / "ds_trainer.log").read_text()
+    assert "linear layers of the UNet's frozen base as LLM.int8" in log
+    assert (run_dir / "lora" / "pytorch_lora_weights.safetensors").exists()
+
+
+@pytest.mark.parametrize(("change", "says"), [
+    (["adapter=none"], "adapter=none trains every weight"),
+    (["zero=stage3"], "ZeRO-3 partitions every parameter"),
+    (["zero=fsdp_full_shard"], "FSDP2 replaces each parameter with a sharded DTensor"),
+    (["quantize=int8", "quantize.threshold=-1"], "quantize.threshold=-1"),
+])
+def test_what_cannot_hold_a_quantized_base_is_refused_before_the_run(change: list[str], says: str) -> None:
+    report = checks.check(make_cfg("adapter=lora", "quantize=nf4", *change))
+    assert not report.ok
+    assert says in report.render(), report.render()
+
+
+def test_the_planner_fits_a_flux_lora_with_an_nf4_base_in_a_third_of_the_memory() -> None:
+    """The published figure: a rank-16 Flux LoRA needs over 30 GB with a bf16 base, under 10 GB with NF4."""
+    from ds_trainer.tools import plan
+
+    bf16, nf4 = (plan.estimate(make_cfg("model=flux_dev", "adapter=lora", "zero=stage2", f"quantize={kind}",
+                                        "resolution=px1024", "train.gradient_checkpointing=true"), "stage2", "none", 1)
+                 for kind in ("none", "nf4"))
+    assert 22 * 2**30 < bf16.params < 25 * 2**30  # 11.9B weights in bf16
+    assert nf4.params < bf16.params / 3.5, (nf4.params / 2**30, bf16.params / 2**30)
+    cells = {e.zero for e in plan.plan(make_cfg("model=flux_dev", "adapter=lora", "quantize=nf4"), 1)}
+    assert cells == {"ddp", "stage0", "stage1", "stage2"}  # the refused ZeRO-3 and FSDP2 cells left out
+
+
+def test_quantized_text_encoders_make_another_latent_cache() -> None:
+    from ds_trainer.train import data, families
+
+    def folder(*overrides: str) -> Path:
+        cfg = make_cfg("adapter=lora", *overrides)
+        return data.LatentCache(cfg, data.SyntheticImages(cfg), families.of(cfg), "cpu").dir
+
+    assert folder("quantize=nf4") != folder() != folder("quantize=int8") != folder("quantize=nf4")
+    assert folder("quantize=nf4", "quantize.text_encoders=false") == folder()  # the same embeddings
