@@ -34,7 +34,7 @@ def test_every_option_composes(group: str, option: str) -> None:
 def test_every_group_has_options_and_defaults() -> None:
     groups = {g for g, _ in group_options()}
     assert groups == {"zero", "offload", "optimizer", "scheduler", "resolution", "precision", "model", "data",
-                      "logger", "adapter", "text_encoders", "samples", "validation"}
+                      "logger", "adapter", "text_encoders", "quantize", "samples", "validation"}
     cfg = make_cfg()
     assert (cfg.zero.stage, cfg.offload.device.value, cfg.optimizer.name, cfg.model.name) == (2, "none", "adamw",
                                                                                              "sdxl_tiny")

@@ -128,12 +128,14 @@ def real_size_steps(cpu: bool) -> list[Step]:
              ("sdxl_fsdp", 30, {"zero": "fsdp_full_shard"}, "zero=fsdp_full_shard"),
              # ZeRO-3: under ZeRO-1/2 one rank's flat partition of SDXL is over 2**31 elements (review C4)
              ("sdxl_adamw8bit", 30, {"zero": "stage3", "optimizer": "adamw8bit"}, "zero=stage3 optimizer=adamw8bit"),
-             ("sdxl_lora64", 30, {"zero": "stage2", "adapter": "lora", "adapter.rank": "64", "adapter.alpha": "64"},
-              "zero=stage2 adapter=lora rank 64")]
+             # A rank-64 LoRA on an NF4 base: the planner's quantized bytes against the GPU's (quantize=nf4)
+             ("sdxl_lora64_nf4", 30, {"zero": "stage2", "adapter": "lora", "adapter.rank": "64",
+                                      "adapter.alpha": "64", "quantize": "nf4"},
+              "zero=stage2 adapter=lora rank 64 quantize=nf4")]
     size = "SDXL tiny 256 px, batch 1" if cpu else "SDXL UNet 1024 px, batch 1, grad ckpt"
     return [_train(name, "real_size", t(timeout), f"{size}, {what}",
                    overrides={**REAL, **model, **cell}, real=True,
-                   needs=("bitsandbytes",) if "optimizer" in cell else ())
+                   needs=("bitsandbytes",) if "optimizer" in cell or "quantize" in cell else ())
             for name, timeout, cell, what in cells]
 
 

@@ -86,7 +86,8 @@ def one(n: int, args: argparse.Namespace, out: Path) -> dict[str, object]:
         row |= {f"{phase}_status": summary.get("status", f"exit {code}"), f"{phase}_s": round(wall, 1),
                 f"{phase}_rss_peak_mib": round(rss)}
         if phase == "cache" and "cache" in summary:
-            row |= {"cache_files": summary["cache"]["files"], "cache_mib": round(summary["cache"]["bytes"] / 2**20)}
+            row |= {"cache_images": summary["cache"]["files"], "cache_packs": summary["cache"].get("packs", "?"),
+                    "cache_mib": round(summary["cache"]["bytes"] / 2**20)}
         print(f"{n} images, {phase}: {row[f'{phase}_status']} in {wall:.0f} s, peak RSS {rss:.0f} MiB", flush=True)
     return row
 
@@ -97,7 +98,8 @@ def table(rows: list[dict[str, object]], command: str) -> str:
              "|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['images']:,} | {r['shards']} | {r['cache_status']}, {r['cache_s']} s | "
-                     f"{r['cache_rss_peak_mib']} MiB | {r.get('cache_files', '?')} files, {r.get('cache_mib', '?')} MiB"
+                     f"{r['cache_rss_peak_mib']} MiB | {r.get('cache_images', '?')} images in "
+                     f"{r.get('cache_packs', '?')} packs, {r.get('cache_mib', '?')} MiB"
                      f" | {r['train_status']}, {r['train_s']} s | {r['train_rss_peak_mib']} MiB |")
     if len(rows) > 1:
         a, b = rows[0], rows[-1]
