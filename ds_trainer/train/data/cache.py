@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 PACK_BYTES = 256 * 2**20
 PACK_GLOB = "pack-*.safetensors"
 FORMAT = "ds_trainer-latents-1"
-OPEN_PACKS = 64  # packs kept open (memory-mapped) for reading; the least recently read is closed beyond it
+OPEN_PACKS = 16  # packs kept open for reading (their headers parsed); the least recently read is closed beyond it
 
 
 class LatentCache:
@@ -196,13 +196,41 @@ class LatentCache:
         if path.suffix == ".pt":
             item = torch.load(path, map_location="cpu", weights_only=True)
             return item if wanted is None else {k: v for k, v in item.items() if k in wanted}
-        handle = self._open.get(path)
-        if handle is None:
-            handle = self._open[path] = safetensors.safe_open(str(path), framework="pt", device="cpu")
+        reader = self._open.get(path)
+        if reader is None:
+            reader = self._open[path] = _Reader(path)
             if len(self._open) > OPEN_PACKS:
-                self._open.popitem(last=False)
+                self._open.popitem(last=False)[1].close()
         self._open.move_to_end(path)
-        return {key: handle.get_tensor(f"{name}/{key}") for key in keys if wanted is None or key in wanted}
+        return {key: reader.tensor(f"{name}/{key}") for key in keys if wanted is None or key in wanted}
+
+
+# safetensors' dtype names (its format's header)
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool}
+
+
+class _Reader:
+    """An open pack: each tensor read by its offsets with one `pread` into memory of its own. Not memory-mapped, so
+    what a run holds is the tensors it reads (a mapped pack's touched pages would count in the process's RSS)."""
+
+    def __init__(self, path: Path) -> None:
+        self.fd = os.open(path, os.O_RDONLY)
+        (length,) = struct.unpack("<Q", os.pread(self.fd, 8, 0))
+        self.header = json.loads(os.pread(self.fd, length, 8))
+        self.start = 8 + length
+
+    def tensor(self, key: str) -> torch.Tensor:
+        entry = self.header[key]
+        begin, end = entry["data_offsets"]
+        data = bytearray(os.pread(self.fd, end - begin, self.start + begin))
+        if not data:
+            return torch.empty(entry["shape"], dtype=_DTYPES[entry["dtype"]])
+        return torch.frombuffer(data, dtype=_DTYPES[entry["dtype"]]).reshape(entry["shape"])
+
+    def close(self) -> None:
+        os.close(self.fd)
 
 
 class _Pack:
