@@ -210,7 +210,7 @@ def quantize_base(cfg: DictConfig, model: torch.nn.Module, device: torch.device)
     done = quantize.apply(model, kind, compute, device, float(cfg.quantize.threshold))
     # peft's bitsandbytes dispatch reads these (transformers sets them when it loads a quantized model)
     model.is_loaded_in_8bit, model.is_loaded_in_4bit = kind == "int8", kind == "nf4"  # type: ignore[assignment]
-    log.info("quantize=%s: %d linear layers of the %s's frozen base as %s, %.1f MiB (%.1f MiB in float32); samples "
+    log.info("quantize=%s: %d linear layers of the %s's frozen base as %s, %.1f MiB (%.1f MiB before); samples "
              "and validation run on the quantized model, the LoRA files are the unquantized base's", kind, done.layers,
              families.label_of(model), quantize.KINDS[kind], done.after / 2**20, done.before / 2**20)
     return done

@@ -42,7 +42,9 @@ def apply(module: torch.nn.Module, kind: str, compute_dtype: torch.dtype, device
     layers = linears(module)
     before = after = 0
     for name, linear in layers:
-        weight, bias = linear.weight.data, linear.bias
+        # From the CPU: bitsandbytes' int8 weight quantizes only when it moves from the CPU (one already on the GPU
+        # would stay in 16 bits); the 4-bit one quantizes on its first move either way.
+        weight, bias = linear.weight.data.to("cpu"), linear.bias
         before += weight.numel() * weight.element_size()
         shape = (linear.in_features, linear.out_features)
         quantized: torch.nn.Module
@@ -61,6 +63,8 @@ def apply(module: torch.nn.Module, kind: str, compute_dtype: torch.dtype, device
         if bias is not None:
             quantized.bias = torch.nn.Parameter(bias.data.to(compute_dtype), requires_grad=False)
         quantized = quantized.to(device)  # bitsandbytes quantizes the weight as it moves
+        if quantized.weight.dtype not in (torch.int8, torch.uint8):
+            raise RuntimeError(f"{name}: bitsandbytes left the {kind} weight in {quantized.weight.dtype} on {device}")
         parent, _, child = name.rpartition(".")
         setattr(module.get_submodule(parent) if parent else module, child, quantized)
         after += weight_bytes(quantized.weight)
