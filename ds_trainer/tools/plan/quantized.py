@@ -13,10 +13,10 @@ from typing import Any
 
 
 def linear_layers(module: Any) -> list[tuple[int, int]]:
-    """(weights, rows) of each plain `nn.Linear` of `module` (what `quantize=` replaces), in module order."""
-    import torch
+    """(weights, rows) of each layer `quantize=` replaces (train/adapters/quantize.py's `linears`), in module order."""
+    from ds_trainer.train.adapters import quantize
 
-    return [(m.in_features * m.out_features, m.out_features) for m in module.modules() if type(m) is torch.nn.Linear]
+    return [(m.in_features * m.out_features, m.out_features) for _, m in quantize.linears(module)]
 
 
 def layer_bytes(kind: str, weights: int, rows: int) -> int:
