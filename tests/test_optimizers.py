@@ -365,6 +365,7 @@ def test_nothing_to_train_is_one_message_before_any_optimizer_is_built(optimizer
 
 @pytest.mark.slow
 @pytest.mark.multiproc
+@pytest.mark.long  # CI budget (62 s): 8-bit AdamW on two ranks (ZeRO-2) and carried into ZeRO-3 runs in test_portable
 def test_8bit_adamw_trains_lora_on_two_zero3_ranks(tmp_path: Path) -> None:
     """A real run beside the in-process engines: bitsandbytes' 8-bit AdamW on ZeRO-3 partitions of two ranks (LoRA),
     its uint8 state in the checkpoint; it steps as named, the loss falls. (torch's AdamW stepping a LoRA under DDP:
