@@ -49,7 +49,8 @@ def identity(cfg: DictConfig) -> dict[str, Any]:
     adapter = cfg.get("adapter")  # LoRA: its shape (method, rank, targets) decides which parameters train
     method = str(getattr(adapter.method, "value", adapter.method)) if adapter is not None else "none"
     shape = None if method == "none" else {"method": method, "rank": int(adapter.rank),
-                                            "targets": [str(t) for t in adapter.targets]}
+                                            "targets": [str(t) for t in adapter.targets],
+                                            **({"factor": int(adapter.factor)} if method == "lokr" else {})}
     text = text_encoders_shape(cfg)
     return {"optimizer": STATE_FAMILY.get(str(cfg.resolved.optimizer), str(cfg.resolved.optimizer)),
             "architecture": Path(str(cfg.model.architecture)).name,

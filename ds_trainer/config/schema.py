@@ -79,6 +79,9 @@ class LoggerMode(str, Enum):
 class AdapterMethod(str, Enum):
     none = "none"
     lora = "lora"
+    dora = "dora"  # LoRA with a trained magnitude per output row (peft's use_dora)
+    lokr = "lokr"  # LyCORIS' Kronecker product (peft's LoKr)
+    loha = "loha"  # LyCORIS' Hadamard product of two low-rank pairs (peft's LoHa)
 
 
 class QuantizeKind(str, Enum):
@@ -441,13 +444,17 @@ class TrainConfig:
 @dataclass
 class AdapterConfig:
     """`adapter` group: what is trained. `none` trains the whole UNet; `lora` trains LoRA matrices on the
-    modules whose names end with one of `targets` (peft's matching) and freezes the rest."""
+    modules whose names end with one of `targets` (peft's matching) and freezes the rest; `dora`, `lokr`, `loha`
+    train peft's DoRA, LoKr and LoHa on the same modules (docs/lora.md)."""
 
     method: AdapterMethod = AdapterMethod.none
     rank: int = 16
     alpha: int = 16
     dropout: float = 0.0
     targets: list[str] = field(default_factory=lambda: ["to_q", "to_k", "to_v", "to_out.0"])
+    # LoKr: the Kronecker factor's size (the smaller matrix is at most factor x factor; -1: as square as the
+    # layer's dimensions allow), as LyCORIS' `factor`.
+    factor: int = -1
     # A diffusers-format LoRA file (or its folder) to continue from; its rank and targets must match.
     init_from: str | None = None
     # dtype of the exported LoRA files in `<run>/lora/` (cast from the fp32 masters).

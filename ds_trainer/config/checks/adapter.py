@@ -22,7 +22,7 @@ def problems(cfg: DictConfig) -> list[Problem]:
     a = cfg.adapter
     if a.method.value == "none":
         return out
-    out += _lora_shape("adapter", a, 16, "[to_q,to_k,to_v,to_out.0] (or adapter=lora_wide)")
+    out += _lora_shape("adapter", a, 16, "[to_q,to_k,to_v,to_out.0] (or adapter=lora_wide)") + _method(cfg)
     if a.init_from is not None and not Path(a.init_from).exists():
         out.append(Problem("adapter.init_from", a.init_from, "no such file or folder",
                            "adapter.init_from=<run>/lora/pytorch_lora_weights.safetensors (or null)"))
@@ -97,3 +97,34 @@ def _quantize(cfg: DictConfig) -> list[Problem]:
         out.append(Problem("quantize.threshold", q.threshold, "is the activation magnitude above which LLM.int8 "
                            "computes in 16-bit (0: never)", "quantize.threshold=6.0"))
     return out
+
+
+def _method(cfg: DictConfig) -> list[Problem]:
+    """DoRA, LoKr and LoHa: the file layouts that load them, and what peft's layers of them do not have."""
+    a = cfg.adapter
+    method, fmt = a.method.value, a.format.value
+    out: list[Problem] = []
+    if method in ("lokr", "loha"):
+        if fmt != "kohya":
+            out.append(Problem("adapter.format", fmt, f"diffusers' load_lora_weights loads LoRA and DoRA files only; "
+                               f"a {method} file is written in LyCORIS' layout (<run>/lora/kohya.safetensors), which "
+                               "ComfyUI, Forge and kohya's tools load", "adapter.format=kohya"))
+        if a.dropout != 0:
+            out.append(Problem("adapter.dropout", a.dropout, f"peft's {method} layers have no dropout on their "
+                               "input (LoRA's); their rank and module dropouts are not offered", "adapter.dropout=0.0"))
+        if cfg.quantize.kind.value != "none":
+            out.append(Problem("adapter", method, f"peft's {method} layers reshape their product to the base "
+                               "layer's weight, which bitsandbytes packs (a 4-bit weight is half a byte an element, "
+                               "stored flat); peft has no bitsandbytes version of them",
+                               "adapter=lora or adapter=dora with quantize=" + cfg.quantize.kind.value
+                               + ", or quantize=none"))
+    if method == "lokr" and (a.factor == 0 or a.factor < -1):
+        out.append(Problem("adapter.factor", a.factor, "LoKr's factor is the size of its smaller Kronecker matrix "
+                           "(at least 1), or -1 for as square as the layer allows", "adapter.factor=-1 (or 4, 8, 16)"))
+    if method == "dora" and fmt != "diffusers":
+        out.append(Problem("adapter.format", fmt, "ComfyUI's and LyCORIS' DoRA (kohya's layout, dora_scale) scale "
+                           "each input column of the weight, peft's each output row: no kohya-layout file makes "
+                           "the weights this run trains", "adapter.format=diffusers (diffusers' load_lora_weights "
+                           "loads DoRA), or adapter=lora for a kohya file"))
+    return out
+

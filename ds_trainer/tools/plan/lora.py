@@ -14,22 +14,23 @@ from ds_trainer.tools.plan.unet import saved_bytes
 
 
 @cache
-def _count(architecture: str, rank: int, alpha: int, targets: tuple[str, ...]) -> int:
-    from peft import LoraConfig
-
+def _count(architecture: str, method: str, rank: int, alpha: int, targets: tuple[str, ...], factor: int) -> int:
     from ds_trainer.tools.plan.unet import build_meta
+    from ds_trainer.train.adapters.adapter import peft_config
 
     unet = build_meta(architecture)  # its own: adapters are added to it
     unet.requires_grad_(False)
-    unet.add_adapter(LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets)))
+    unet.add_adapter(peft_config(method, rank, alpha, targets, factor=factor))
     return sum(p.numel() for p in unet.parameters() if p.requires_grad)
 
 
 def trainable(cfg: DictConfig, architecture: str) -> int | None:
-    """The adapters' parameter count, or None when the whole UNet is trained."""
-    if cfg.adapter.method.value != "lora":
+    """The adapters' parameter count (LoRA, DoRA, LoKr, LoHa: as peft builds them), or None when the whole UNet is
+    trained."""
+    a = cfg.adapter
+    if a.method.value == "none":
         return None
-    return _count(architecture, int(cfg.adapter.rank), int(cfg.adapter.alpha), tuple(cfg.adapter.targets))
+    return _count(architecture, a.method.value, int(a.rank), int(a.alpha), tuple(a.targets), int(a.factor))
 
 
 @cache

@@ -20,6 +20,7 @@ from ds_trainer.config.problems import Problem
 from ds_trainer.train import families
 from ds_trainer.train.adapters import kohya_file, lora_file, quantize
 from ds_trainer.train.adapters.lora_file import adaptable_names
+from ds_trainer.train.adapters.names import is_adapter
 from ds_trainer.train.families import common, text_encoders
 
 if TYPE_CHECKING:
@@ -30,22 +31,53 @@ log = logging.getLogger("ds_trainer")
 
 
 def enabled(cfg: DictConfig) -> bool:
-    return bool(cfg.adapter.method.value == "lora")
+    return bool(cfg.adapter.method.value != "none")
 
 
 def lora_config(cfg: DictConfig) -> Any:
-    """peft's LoraConfig of `cfg.adapter` (B starts at zero: the adapted UNet starts as the base)."""
-    from peft import LoraConfig
-
+    """peft's config of `cfg.adapter` (`peft_config`)."""
     a = cfg.adapter
-    return LoraConfig(r=int(a.rank), lora_alpha=int(a.alpha), lora_dropout=float(a.dropout),
-                      target_modules=list(a.targets), init_lora_weights="gaussian")
+    return peft_config(a.method.value, int(a.rank), int(a.alpha), tuple(a.targets), float(a.dropout), int(a.factor))
+
+
+def peft_config(method: str, rank: int, alpha: int, targets: tuple[str, ...], dropout: float = 0.0,
+                factor: int = -1) -> Any:
+    """peft's config of an adapter: LoRA (B starts at zero), DoRA (LoRA with `use_dora`; its magnitudes start at
+    the base's row norms), LoKr (w1 starts at zero) or LoHa (w2_b starts at zero): the adapted UNet starts as the
+    base whatever the method."""
+    from peft import LoHaConfig, LoKrConfig, LoraConfig
+
+    if method == "lokr":
+        return LoKrConfig(r=rank, alpha=alpha, target_modules=list(targets), decompose_factor=factor)
+    if method == "loha":
+        return LoHaConfig(r=rank, alpha=alpha, target_modules=list(targets))
+    return LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(targets),
+                      init_lora_weights="gaussian", use_dora=method == "dora")
 
 
 def _inject(cfg: DictConfig, model: torch.nn.Module) -> None:
     """Freeze the UNet, then add the adapters (peft makes only them trainable)."""
     model.requires_grad_(False)
     model.add_adapter(lora_config(cfg))  # type: ignore[operator]
+
+
+def _register_external(module: torch.nn.Module) -> int:
+    """ZeRO-3: LoKr's and LoHa's factors live in parameter dicts no forward calls, and DoRA, LoKr and LoHa read the
+    base layer's weight outside the base layer's forward; DeepSpeed gathers and releases a parameter around the
+    forward and backward of the modules that call it. Every parameter of each adapted layer is registered with
+    that layer (`register_external_parameter`), so the layer holds them whole from its forward through its
+    backward. Returns how many layers."""
+    from deepspeed.runtime.zero.partition_parameters import register_external_parameter
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = 0
+    for layer in module.modules():
+        if isinstance(layer, BaseTunerLayer):
+            for p in layer.parameters():
+                if hasattr(p, "ds_id"):
+                    register_external_parameter(layer, p)
+            layers += 1
+    return layers
 
 
 def _meta_model(cfg: DictConfig) -> torch.nn.Module:
@@ -165,7 +197,13 @@ class Trained:
         return run.backend.keep_trainable_only(run.accelerator) if self.partial else {}
 
     def after_prepare(self, run: Run) -> None:
-        """Collective, after `accelerator.prepare`: exact fp32 masters from `adapter.init_from`."""
+        """Collective, after `accelerator.prepare`: exact fp32 masters from `adapter.init_from`; under ZeRO-3 the
+        parameters of DoRA's, LoKr's and LoHa's layers registered with them."""
+        if self.lora and enabled(self.cfg) and self.cfg.adapter.method.value != "lora":
+            module = run.accelerator.unwrap_model(run.model)
+            if any(hasattr(p, "ds_id") for p in module.parameters()):
+                log.info("adapter=%s under ZeRO-3: %d adapted layers gather their base weight and adapters "
+                         "together", self.cfg.adapter.method.value, _register_external(module))
         if self.partial and self.lora and enabled(self.cfg) and self.cfg.adapter.init_from is not None:
             lora_file.set_fp32(run.accelerator.unwrap_model(run.model), self.names, Path(self.cfg.adapter.init_from),
                                run.backend.engine(run.accelerator))
@@ -217,7 +255,7 @@ def quantize_base(cfg: DictConfig, model: torch.nn.Module, device: torch.device)
 
 
 def _lora_names(module: torch.nn.Module) -> list[str]:
-    return [n for n, p in module.named_parameters() if p.requires_grad and "lora_" in n]
+    return [n for n, p in module.named_parameters() if p.requires_grad and is_adapter(n)]
 
 
 def build(cfg: DictConfig, model: torch.nn.Module, encoders: dict[str, torch.nn.Module] | None = None,
@@ -240,9 +278,10 @@ def build(cfg: DictConfig, model: torch.nn.Module, encoders: dict[str, torch.nn.
             log.info("LoRA initialised from %s", cfg.adapter.init_from)
         count = sum(p.numel() for p in model.parameters() if p.requires_grad)
         total = base + count
-        log.info("adapter=lora: training %d of %d %s parameters (%.2f%%), rank %d, alpha %g, targets %s",
-                 count, total, families.label_of(model), 100 * count / total, cfg.adapter.rank, cfg.adapter.alpha,
-                 list(cfg.adapter.targets))
+        log.info("adapter=%s: training %d of %d %s parameters (%.2f%%), rank %d, alpha %g, targets %s%s",
+                 cfg.adapter.method.value, count, total, families.label_of(model), 100 * count / total,
+                 cfg.adapter.rank, cfg.adapter.alpha, list(cfg.adapter.targets),
+                 f", factor {cfg.adapter.factor}" if cfg.adapter.method.value == "lokr" else "")
     module: torch.nn.Module = text_encoders.Denoiser(model, encoders) if encoders else model
     if enabled(cfg) and cfg.adapter.init_from is not None:  # the file's encoder adapters too (inspect checked them)
         for name, part in (encoders or {}).items():

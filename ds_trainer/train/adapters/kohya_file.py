@@ -12,8 +12,9 @@ from typing import Any, cast
 import torch
 
 from ds_trainer.train import families
+from ds_trainer.train.adapters.names import is_adapter
 from ds_trainer.train.families import text_encoders
-from ds_trainer.train.layouts import kohya
+from ds_trainer.train.layouts import kohya, lycoris
 
 WEIGHT_NAME = "kohya.safetensors"
 
@@ -22,7 +23,7 @@ def base_shapes(part: torch.nn.Module) -> dict[str, tuple[int, ...]]:
     """The shapes of a LoRA-injected module's own weights, by their names without peft's (`.base_layer`, adapters);
     under ZeRO-3 the full shapes (`ds_shape`)."""
     return {n.replace(".base_layer", ""): tuple(getattr(p, "ds_shape", p.shape)) for n, p in part.named_parameters()
-            if "lora_" not in n}
+            if not is_adapter(n)}
 
 
 def _lora_parts(module: torch.nn.Module) -> Iterable[tuple[str, torch.nn.Module]]:
@@ -34,6 +35,11 @@ def _table(name: str, part: torch.nn.Module) -> tuple[list[Any], dict[str, tuple
     shapes = base_shapes(part)
     family = "" if name.startswith("text_encoder") else families.of_module(part).name
     return kohya.parts(family, name, shapes, getattr(part, "config", None)), shapes
+
+
+def _kind(part: torch.nn.Module) -> str:
+    """The adapters' kind in a peft-injected module: lora (DoRA too), lokr or loha."""
+    return str(cast(Any, part).peft_config["default"].peft_type.value).lower()
 
 
 def tensors(module: torch.nn.Module, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -48,6 +54,11 @@ def tensors(module: torch.nn.Module, weights: dict[str, torch.Tensor]) -> dict[s
             continue
         peft_sd = get_peft_model_state_dict(part, state_dict=mine)
         peft_config: Any = cast(Any, part).peft_config["default"]
+        kind = _kind(part)
+        if kind in lycoris.KEYS:
+            out.update(lycoris.write(name, _table(name, part)[0], kind, peft_sd, int(peft_config.r),
+                                     float(peft_config.alpha)))
+            continue
         alpha = float(peft_config.lora_alpha)
         adapters = {k.removesuffix(".lora_A.weight"): (v, peft_sd[k.replace(".lora_A.", ".lora_B.")], alpha)
                     for k, v in peft_sd.items() if k.endswith(".lora_A.weight")}
@@ -77,6 +88,12 @@ def read(path: Path, module: torch.nn.Module, component: str) -> tuple[dict[str,
 
     state = load_file(str(path))
     config: Any = cast(Any, module).peft_config["default"]
+    kind = _kind(module)
+    if kind in lycoris.KEYS:
+        modules = {n.rpartition(f".{lycoris.KEYS[kind][0].split('_')[0]}_")[0] for n, _ in module.named_parameters()
+                   if is_adapter(n)}
+        return lycoris.read(component, _table(component, module)[0], kind, state, modules, int(config.r),
+                            float(config.alpha))
     adapted = {n.removesuffix(".lora_A.default.weight") for n, _ in module.named_parameters()
                if n.endswith(".lora_A.default.weight")}
     table_parts, shapes = _table(component, module)

@@ -16,15 +16,14 @@ from typing import Any
 
 import torch
 
+from ds_trainer.train.adapters.names import is_adapter, peft_name
 from ds_trainer.train.backends import sharded
 
 WEIGHT_NAME = "pytorch_lora_weights.safetensors"
-
-
 def adaptable_names(model: torch.nn.Module) -> list[str]:
     """Names of the modules LoRA can adapt (Linear and Conv layers)."""
     kinds = (torch.nn.Linear, torch.nn.Conv2d)
-    return [n for n, m in model.named_modules() if isinstance(m, kinds) and "lora_" not in n]
+    return [n for n, m in model.named_modules() if isinstance(m, kinds) and not is_adapter(n)]
 
 
 def _zero0_masters(engine: Any) -> dict[int, torch.Tensor]:
@@ -74,7 +73,7 @@ def set_fp32(module: torch.nn.Module, names: list[str], path: Path, engine: Any)
     named = dict(module.named_parameters())
     masters = _zero0_masters(engine) if engine is not None else {}
     for name in names:
-        p, value = named[name], values[name.replace(".default.", ".")].to(torch.float32)
+        p, value = named[name], values[peft_name(name)].to(torch.float32)
         if hasattr(p, "ds_id") or hasattr(p, "_hp_mapping"):
             safe_set_full_fp32_param(p, value.to(p.device))
         elif id(p) in masters:

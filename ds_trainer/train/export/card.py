@@ -39,6 +39,9 @@ def write(run: Run) -> Path:
     return path
 
 
+ADAPTER_LABELS = {"lora": "LoRA", "dora": "DoRA", "lokr": "LoKr (LyCORIS)", "loha": "LoHa (LyCORIS)"}
+
+
 def _front_matter(cfg: DictConfig, family: str, lora: bool) -> str:
     name = str(cfg.model.name)
     license_, license_name, _ = _LICENSES.get(name, (None, None, None))
@@ -63,7 +66,8 @@ def _what_trained(cfg: DictConfig, lora: bool) -> list[str]:
     if lora:
         a = cfg.adapter
         since = f", continued from `{a.init_from}`" if a.init_from else ""
-        out = [f"- {component}: LoRA, rank {a.rank}, alpha {a.alpha}, on the modules ending with "
+        label = ADAPTER_LABELS[metadata.value_of(a.method)]
+        out = [f"- {component}: {label}, rank {a.rank}, alpha {a.alpha}, on the modules ending with "
                f"{', '.join(f'`{t}`' for t in a.targets)}{since}"]
     else:
         out = [f"- {component}: every weight (a full fine-tune)"]
@@ -141,18 +145,20 @@ def _samples(cfg: DictConfig, run_dir: Path) -> list[str]:
     return out
 
 
-def _files(family: str, run_dir: Path) -> list[str]:
+def _files(family: str, run_dir: Path, method: str = "lora") -> list[str]:
     kohya = {"sdxl": "ComfyUI (`models/loras`), Forge, kohya's scripts, diffusers' `load_lora_weights`",
              "sd3": "ComfyUI (`models/loras`), kohya's sd-scripts (diffusers has no reader of this layout for SD3: "
                     "use `pytorch_lora_weights.safetensors` there)",
              "flux": "ComfyUI (`models/loras`), Forge, kohya's sd-scripts, diffusers' `load_lora_weights`"}[family]
+    if method in ("lokr", "loha"):
+        kohya = "ComfyUI (`models/loras`), Forge, kohya's tools with LyCORIS (diffusers does not load LoKr or LoHa)"
+    diffusers = "diffusers' `load_lora_weights`" + (", ComfyUI" if family != "sdxl" and method == "lora" else "")
     where = {
         "single_file/model.safetensors": "ComfyUI (`models/checkpoints`; Flux: `models/diffusion_models`), Forge, "
                                          "InvokeAI, diffusers' `from_single_file`",
         "single_file/model_ema.safetensors": "the EMA weights, as above",
         "lora/kohya.safetensors": kohya,
-        "lora/pytorch_lora_weights.safetensors": "diffusers' `load_lora_weights`"
-                                                 + (", ComfyUI" if family != "sdxl" else ""),
+        "lora/pytorch_lora_weights.safetensors": diffusers,
         "lora_ema/kohya.safetensors": "the EMA of the LoRA, as lora/kohya.safetensors",
         "lora_ema/pytorch_lora_weights.safetensors": "the EMA of the LoRA, as lora/pytorch_lora_weights.safetensors",
         "unet": "diffusers' `UNet2DConditionModel.from_pretrained`", "unet_ema": "the EMA weights, as unet/",
@@ -169,21 +175,23 @@ def _files(family: str, run_dir: Path) -> list[str]:
 def text(cfg: DictConfig, family: str, run_dir: Path, facts: dict[str, Any],
          validations: list[dict[str, Any]]) -> str:
     """The card's text (also `python -m ds_trainer.convert --card` for an earlier run)."""
-    lora = metadata.value_of(cfg.adapter.method) == "lora"
+    method = metadata.value_of(cfg.adapter.method)
+    lora = method != "none"
+    kind = ADAPTER_LABELS.get(method, "LoRA")
     name = str(cfg.model.name)
     base = metadata.base_model(cfg)
     license_line = _LICENSES.get(name, (None, None, None))[2]
     sections = [
         _front_matter(cfg, family, lora),
-        f"# {name}: {'LoRA' if lora else 'fine-tune'} of {run_dir.parent.name} {run_dir.name}",
-        f"{'A LoRA' if lora else 'A fine-tune'} of `{base}` ({metadata.architecture(cfg, family)}), trained with "
+        f"# {name}: {kind if lora else 'fine-tune'} of {run_dir.parent.name} {run_dir.name}",
+        f"{'A ' + kind if lora else 'A fine-tune'} of `{base}` ({metadata.architecture(cfg, family)}), trained with "
         "ds_trainer." + (f" The base model's license applies: {license_line}" if license_line else
                          " The base model's license applies to these weights."),
         "## What trained", "\n".join(_what_trained(cfg, lora)),
         "## Training", "\n".join(_training(cfg, facts)),
         "## Validation loss", "\n".join(_validation(validations)),
         "## Samples", "\n".join(_samples(cfg, run_dir)),
-        "## Files", "\n".join(_files(family, run_dir)),
+        "## Files", "\n".join(_files(family, run_dir, method)),
         "## Configuration",
         "The whole configuration is in `config.yaml` beside this card; `python -m ds_trainer` with these overrides "
         "trains the same:",

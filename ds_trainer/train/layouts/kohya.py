@@ -101,5 +101,5 @@ def read(component: str, table_parts: list[table.Part], state: Mapping[str, torc
 
 
 def is_kohya(keys: object) -> bool:
-    """Whether a LoRA file's tensor names are kohya's."""
-    return any(str(k).startswith(tuple(PREFIX.values())) for k in keys)  # type: ignore[attr-defined]
+    """Whether a LoRA file's tensor names are kohya's (or LyCORIS', `lycoris_` for a module a maker fuses)."""
+    return any(str(k).startswith((*PREFIX.values(), "lycoris_")) for k in keys)  # type: ignore[attr-defined]

@@ -78,8 +78,11 @@ def kohya_lora(cfg: DictConfig, model: Family, run_dir: Path, ema: bool = False)
     te = value_of(cfg.text_encoders.mode) if "text_encoders" in cfg else "frozen"
     rank, alpha, steps = int(cfg.adapter.rank), float(cfg.adapter.alpha), int(cfg.train.max_steps)
     out = _common(cfg, model, run_dir, "/lora", ema)
+    method = value_of(cfg.adapter.method)
+    lycoris = {"algo": method, **({"factor": str(cfg.adapter.factor)} if method == "lokr" else {})}
     out.update({
-        "ss_network_module": "networks.lora",
+        # LoKr and LoHa as LyCORIS' kohya module names them (sd-scripts' --network_module lycoris.kohya)
+        "ss_network_module": "lycoris.kohya" if method in ("lokr", "loha") else "networks.lora",
         "ss_network_dim": str(rank),
         "ss_network_alpha": str(alpha),
         "ss_base_model_version": kohya_version(cfg, family),
@@ -103,7 +106,8 @@ def kohya_lora(cfg: DictConfig, model: Family, run_dir: Path, ema: bool = False)
         "ss_batch_size_per_device": str(cfg.train.micro_batch_size),
         "ss_noise_offset": str(cfg.train.noise_offset),
         "ss_min_snr_gamma": str(cfg.train.min_snr_gamma),
-        "ss_network_args": json.dumps({"targets": list(cfg.adapter.targets), "dropout": cfg.adapter.dropout}),
+        "ss_network_args": json.dumps({**(lycoris if method in ("lokr", "loha") else {}),
+                                       "targets": list(cfg.adapter.targets), "dropout": cfg.adapter.dropout}),
         "ss_training_comment": "ds_trainer",
     })
     return out

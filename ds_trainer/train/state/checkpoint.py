@@ -41,7 +41,8 @@ def fingerprint(cfg: DictConfig) -> str:
     keys["seed"] = int(cfg.train.seed)
     if cfg.adapter.method.value != "none":  # a LoRA never resumes from a full fine-tune's checkpoint, or another rank's
         a = cfg.adapter
-        keys["adapter"] = [a.method.value, int(a.rank), int(a.alpha), list(a.targets)]
+        adapter: list[Any] = [a.method.value, int(a.rank), int(a.alpha), list(a.targets)]
+        keys["adapter"] = adapter + ([int(a.factor)] if a.method.value == "lokr" else [])  # LoKr's factor: its shapes
     shape = portability.text_encoders_shape(cfg)
     if shape is not None:  # trained text encoders: another experiment (absent otherwise, as before they existed)
         keys["text_encoders"] = shape
