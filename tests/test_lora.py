@@ -186,7 +186,7 @@ def test_init_from_continues_from_the_file(shared_run: Path, workdir: Path, layo
                      "optimizer.lr=1e-12", "scheduler=constant", f"adapter.init_from={shared_run / 'lora' / layout}",
                      cwd=workdir)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "LoRA initialised from" in result.stderr
+    assert "adapter=lora initialised from" in result.stderr
     start, got = lora_tensors(shared_run / "lora"), lora_tensors(run_dirs(workdir)[0] / "lora")
     assert start.keys() == got.keys()
     for key in start:

@@ -160,6 +160,29 @@ def test_the_lycoris_file_makes_peft_s_weights_under_comfyuis_rules_and_reads_ba
     assert why is not None and "this adapter is" in why, why
 
 
+@pytest.mark.parametrize("model", ["flux_tiny", "sd3_tiny"])
+def test_a_module_the_makers_file_fuses_is_named_for_comfyui_and_reads_back(model: str, tmp_path: Path) -> None:
+    """Flux's and SD3's to_q/to_k/to_v are one qkv weight in their makers' layout: a LoKr of one of them is not a
+    LoKr of the fused weight, so it is named `lycoris_<diffusers module>` (ComfyUI places it at its rows); the
+    modules kept whole keep kohya's names."""
+    from peft.utils import get_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    from ds_trainer.train.adapters import kohya_file, lora_file
+
+    module, trained = _adapted("lokr", f"model={model}")
+    named = dict(module.named_parameters())
+    file = kohya_file.write(tmp_path, module, {n: named[n].detach() for n in trained.names}, torch.float32, {})
+    heads = {k.rpartition(".")[0] for k in load_file(file)}
+    assert any(h.startswith("lycoris_transformer_blocks_0_attn_to_q") for h in heads), sorted(heads)[:5]
+    assert any(h.startswith("lora_unet_") for h in heads)  # the attention's output projection: the maker's name
+    fresh, _ = _adapted("lokr", f"model={model}")
+    assert lora_file.mismatch(file, fresh, "transformer") is None
+    lora_file.load_into(file, fresh, "transformer")
+    got, want = get_peft_model_state_dict(fresh), get_peft_model_state_dict(module)
+    assert got.keys() == want.keys() and all(torch.allclose(got[k], want[k], atol=1e-7) for k in want)
+
+
 def test_a_dora_file_loads_into_a_pipeline_that_then_computes_what_the_trained_unet_does(tmp_path: Path) -> None:
     from ds_trainer.train import families
     from ds_trainer.train.adapters import lora_file

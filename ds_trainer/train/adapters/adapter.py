@@ -275,7 +275,7 @@ def build(cfg: DictConfig, model: torch.nn.Module, encoders: dict[str, torch.nn.
             common.cast_frozen(model, half)
         if cfg.adapter.init_from is not None:
             lora_file.load_into(Path(cfg.adapter.init_from), model, families.component_of(model))
-            log.info("LoRA initialised from %s", cfg.adapter.init_from)
+            log.info("adapter=%s initialised from %s", cfg.adapter.method.value, cfg.adapter.init_from)
         count = sum(p.numel() for p in model.parameters() if p.requires_grad)
         total = base + count
         log.info("adapter=%s: training %d of %d %s parameters (%.2f%%), rank %d, alpha %g, targets %s%s",
