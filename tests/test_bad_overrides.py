@@ -58,6 +58,7 @@ BAD = [
     (["precision=fp8"], ["precision", "fp8"]),
     (["world_size=0"], ["world_size=0"]),
     (["+sweep=zero_ofload"], ["zero_ofload", "zero_offload"]),
+    (["lever=lokr"], ["lever=lokr", "+lever=lokr"]),  # a sweep's cell: added with +, not overridden
     (["validation=on", "validation.timesteps=0", "validation.path=/nonexistent/val"],
      ["validation.timesteps=0", "validation.timesteps=4", "validation.path=/nonexistent/val", "not a folder"]),
 ]

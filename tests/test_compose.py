@@ -24,6 +24,11 @@ from ds_trainer.config import checks, ds_config
 
 @pytest.mark.parametrize(("group", "option"), group_options())
 def test_every_option_composes(group: str, option: str) -> None:
+    if group == "lever":  # `+lever=<name>`: a sweep's cell, setting other groups (# @package _global_)
+        cfg = make_cfg(f"+lever={option}")
+        assert checks.check(cfg).problems == [], option  # no refused cell in +sweep=memory_levers
+        OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+        return
     override = f"{group}={option}"
     extra = ["data.path=."] if override == "data=folder" else []
     cfg = make_cfg(override, *extra)
@@ -34,7 +39,7 @@ def test_every_option_composes(group: str, option: str) -> None:
 def test_every_group_has_options_and_defaults() -> None:
     groups = {g for g, _ in group_options()}
     assert groups == {"zero", "offload", "optimizer", "scheduler", "resolution", "precision", "model", "data",
-                      "logger", "adapter", "text_encoders", "quantize", "samples", "validation"}
+                      "logger", "adapter", "text_encoders", "quantize", "samples", "validation", "lever"}
     cfg = make_cfg()
     assert (cfg.zero.stage, cfg.offload.device.value, cfg.optimizer.name, cfg.model.name) == (2, "none", "adamw",
                                                                                              "sdxl_tiny")

@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 GROUPS: dict[str, list[str]] = {}
 for _group, _option in group_options():
     GROUPS.setdefault(_group, []).append(_option)
+GROUPS["+lever"] = GROUPS.pop("lever")  # a sweep's cell (conf/lever/), added to the defaults as +sweep is
 # A real sweep option starts a sweep of processes (tested in test_sweeps.py): here only its near-misses.
 GROUPS["+sweep"] = ["zero_ofload", "resolutions", "batch"]
 REAL_SWEEPS = {"zero_offload", "resolution", "batch_size"}

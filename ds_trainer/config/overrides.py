@@ -241,6 +241,11 @@ def explain(exc: BaseException, overrides: list[str], multirun: bool) -> Problem
         return _into_null(exc, overrides)
     if isinstance(exc, MissingConfigException | ConfigCompositionException):
         text = str(exc).splitlines()[0]
+        added = re.search(r"Could not override '([\w/]+)'\. No match in the defaults list", text)
+        if added and _is_group(added.group(1)):  # a group no default selects (lever): added with +
+            value = _value_of(added.group(1), overrides)
+            return Problem(added.group(1), value, f"{added.group(1)} has no default to override; an option of it is "
+                           "added to the configuration", f"+{added.group(1)}={value}")
         found = re.search(r"'([\w/]+)/([^'/]+)'", text)
         if found and _is_group(found.group(1)):
             return _group_problem(found.group(1), found.group(2)) or Problem(

@@ -84,11 +84,15 @@ def _source(entry: dict[str, Any]) -> str:
 
 
 def trained(cfg: dict[str, Any]) -> str:
-    """What a cell trained, from its config.yaml: `unet` or `transformer` (SD3's, Flux's) whole or as `... lora`, and
-    the text encoders that trained with it (`+ text encoders lora (both)`)."""
+    """What a cell trained, from its config.yaml: `unet` or `transformer` (SD3's, Flux's) whole or as `... lora` (or
+    `dora`, `lokr`, `loha`; `on an nf4 base` with `quantize=`), and the text encoders that trained with it
+    (`+ text encoders lora (both)`)."""
     adapter = (cfg.get("adapter") or {}).get("method", "none")
+    quantized = (cfg.get("quantize") or {}).get("kind", "none")
     module = "unet" if (cfg.get("model") or {}).get("family", "sdxl") == "sdxl" else "transformer"
-    out = f"{module} lora" if adapter == "lora" else module
+    out = module if adapter == "none" else f"{module} {adapter}"
+    if adapter != "none" and quantized != "none":
+        out += f" on an {quantized} base"
     if schema.trains_text_encoders(cfg):
         te = cfg["text_encoders"]
         out += f" + text encoders {te['mode']} ({te.get('which', 'both')})"

@@ -1,8 +1,10 @@
-"""What a run trains: the whole UNet (`adapter=none`) or LoRA adapters on a frozen UNet (`adapter=lora`).
+"""What a run trains: the whole UNet (`adapter=none`) or peft's adapters on a frozen UNet (`adapter=lora`, `dora`,
+`lokr`, `loha`).
 
 The recipe calls it at named points: `build` after loading the UNet (inject, freeze, cast the frozen
-base to 16-bit), `parameters` for the optimizer, `save_kwargs` for checkpoints that hold
-the trainable state only, `on_save` with each checkpoint and `export` at the end (the diffusers LoRA file).
+base to 16-bit), `parameters` for the optimizer, `after_prepare` once the backend holds the module, `save_kwargs`
+for checkpoints that hold the trainable state only, `on_save` with each checkpoint and `export` at the end (the
+adapters' files: diffusers' layout, kohya's or LyCORIS').
 """
 
 from __future__ import annotations
