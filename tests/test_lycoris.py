@@ -245,3 +245,17 @@ def test_each_method_learns_on_two_ranks(method: str, zero: str, tmp_path: Path)
     assert last < 0.7 * first, losses
     out = run_dir / "lora" / ("pytorch_lora_weights.safetensors" if method == "dora" else "kohya.safetensors")
     assert out.is_file()
+
+
+@pytest.mark.parametrize("method,says", [("dora", "no kohya-layout form"), ("lokr", "nothing to convert")])
+def test_convert_to_kohya_says_why_a_method_has_no_such_file_to_write(method: str, says: str, tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """`python -m ds_trainer.convert <run> --to kohya` turns a LoRA run's diffusers file into kohya's layout; a DoRA
+    file would lose its magnitudes there (kohya's DoRA is another normalisation), a LoKr run wrote its file already."""
+    from omegaconf import OmegaConf
+
+    from ds_trainer.tools import convert
+
+    OmegaConf.save(make_cfg(f"adapter={method}"), tmp_path / "config.yaml")
+    assert convert.main([str(tmp_path), "--to", "kohya"]) == 2
+    assert says in capsys.readouterr().err

@@ -151,6 +151,14 @@ def kohya_files(run_dir: Path) -> list[Path]:
     from ds_trainer.train.layouts import metadata
 
     cfg = _run_config(run_dir)
+    method = cfg.adapter.method.value
+    if method in ("lokr", "loha"):
+        raise ConvertError(f"{run_dir}: adapter={method} writes its LyCORIS-layout file as the run trains "
+                           f"(lora/{kohya_file.WEIGHT_NAME}); there is nothing to convert")
+    if method == "dora":
+        raise ConvertError(f"{run_dir}: adapter=dora has no kohya-layout form: ComfyUI's and LyCORIS' DoRA normalise "
+                           "the weight's input columns, peft's its output rows (docs/lora.md); load "
+                           f"lora/{lora_file.WEIGHT_NAME} with diffusers' load_lora_weights")
     cfg.adapter.init_from = None
     family = families.of(cfg)
     encoders = _meta_encoders(cfg) if cfg.text_encoders.mode.value == "lora" else {}

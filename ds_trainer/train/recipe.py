@@ -244,9 +244,10 @@ def _load_frozen(run: Run) -> tuple[Any, dict[str, torch.nn.Module]]:
     if q.kind.value != "none" and q.text_encoders:  # what encodes the cache, the sample prompts, varying captions
         done = [quantize.apply(encoder, q.kind.value, dtype, accelerator.device, float(q.threshold))
                 for encoder in frozen.encoders()]
-        log.info("quantize=%s: the frozen text encoders' %d linear layers as %s, %.1f MiB (%.1f MiB before)",
-                 q.kind.value, sum(d.layers for d in done), quantize.KINDS[q.kind.value],
-                 sum(d.after for d in done) / 2**20, sum(d.before for d in done) / 2**20)
+        if done:  # none when every encoder trains
+            log.info("quantize=%s: the frozen text encoders' %d linear layers as %s, %.1f MiB (%.1f MiB before)",
+                     q.kind.value, sum(d.layers for d in done), quantize.KINDS[q.kind.value],
+                     sum(d.after for d in done) / 2**20, sum(d.before for d in done) / 2**20)
     frozen.vae.to(accelerator.device,
                   torch.float32 if frozen.vae.config.force_upcast or run.kind == "cpu" else dtype)
     return frozen, encoders

@@ -217,9 +217,7 @@ class _Reader:
 
     def __init__(self, path: Path) -> None:
         self.fd = os.open(path, os.O_RDONLY)
-        (length,) = struct.unpack("<Q", os.pread(self.fd, 8, 0))
-        self.header = json.loads(os.pread(self.fd, length, 8))
-        self.start = 8 + length
+        self.header, self.start = _raw_header(self.fd)
 
     def tensor(self, key: str) -> torch.Tensor:
         entry = self.header[key]
@@ -230,7 +228,12 @@ class _Reader:
         return torch.frombuffer(data, dtype=_DTYPES[entry["dtype"]]).reshape(entry["shape"])
 
     def close(self) -> None:
-        os.close(self.fd)
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __del__(self) -> None:  # a cache dropped with its packs open (at most OPEN_PACKS of them)
+        self.close()
 
 
 class _Pack:
@@ -262,11 +265,19 @@ class _Pack:
         self.tensors, self.names, self.bytes = {}, [], 0
 
 
+def _raw_header(fd: int) -> tuple[dict[str, Any], int]:
+    """A safetensors file's header (8 bytes of length, then JSON) and where its data starts."""
+    (length,) = struct.unpack("<Q", os.pread(fd, 8, 0))
+    return json.loads(os.pread(fd, length, 8)), 8 + length
+
+
 def _header(path: Path) -> dict[str, tuple[str, ...]]:
-    """The names a pack holds and each one's keys, from its safetensors header (8 bytes of length, then JSON)."""
-    with path.open("rb") as f:
-        (length,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(length))
+    """The names a pack holds and each one's keys, from its header."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        header, _ = _raw_header(fd)
+    finally:
+        os.close(fd)
     if header.get("__metadata__", {}).get("format") != FORMAT:
         raise ValueError(f"not a {FORMAT} pack")
     held: dict[str, list[str]] = {}
