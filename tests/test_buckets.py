@@ -184,15 +184,8 @@ def test_a_resume_continues_the_bucket_plan(tmp_path: Path) -> None:
     straight = run_cli(*common, cwd=tmp_path)
     assert straight.returncode == 0, straight.stderr[-3000:]
     (reference,) = run_dirs(tmp_path)
-    resumed = run_cli(*common, f"resume={reference / 'checkpoints' / 'step_00000004'}", cwd=tmp_path)
-    assert resumed.returncode == 0 and "resumed from" in resumed.stderr, resumed.stderr[-3000:]
-    second = run_dirs(tmp_path)[1]
-    rows = [[r for r in rows_of(d) if "loss" in r] for d in (reference, second)]
-    assert [r["step"] for r in rows[1]] == [5, 6, 7, 8]
-    assert [r["loss"] for r in rows[1]] == pytest.approx([r["loss"] for r in rows[0][4:]], rel=1e-3)
-    expected, got = (load_file(d / "unet" / "diffusion_pytorch_model.safetensors") for d in (reference, second))
-    # The same layout: DeepSpeed's native load, bit for bit (as in test_reliability's kill -9 resumes).
-    assert all(torch.equal(got[key], expected[key]) for key in expected)
+    expected = load_file(reference / "unet" / "diffusion_pytorch_model.safetensors")
+    # (A resume in the same layout is DeepSpeed's native load, bit for bit: test_reliability's kill -9 resumes.)
     # Two ranks of micro batch 1 (the same global batch of 2) continue the same plan from the same checkpoint:
     # the portable state carries over, each rank takes its half of every global batch.
     cmd = [*torchrun(2), "-m", "ds_trainer",
@@ -202,7 +195,7 @@ def test_a_resume_continues_the_bucket_plan(tmp_path: Path) -> None:
                          text=True, timeout=900)
     assert two.returncode == 0, two.stderr[-3000:]
     assert "world_size: 1 -> 2; micro_batch_size: 2 -> 1" in two.stderr, two.stderr[-3000:]
-    third = run_dirs(tmp_path)[2]
+    third = run_dirs(tmp_path)[1]
     rows = [json.loads(line) for line in (third / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "loss" in r] == [5, 6, 7, 8]
     assert [r["loss"] for r in rows if "loss" in r] == pytest.approx(
@@ -214,9 +207,8 @@ def test_a_resume_continues_the_bucket_plan(tmp_path: Path) -> None:
     # moves it by percents).
     held = [json.loads((d / "validation_set.json").read_text()) for d in (reference, third)]
     assert held[0]["names"] == held[1]["names"] and len(held[0]["names"]) == 2 and held[0]["pairs"] == 8
-    losses = [json.loads((d / "summary.json").read_text())["val_loss"] for d in (reference, second, third)]
-    assert losses[1] == losses[0]  # the same layout, resumed natively: bit for bit
-    assert losses[2] == pytest.approx(losses[0], rel=1e-5)
+    losses = [json.loads((d / "summary.json").read_text())["val_loss"] for d in (reference, third)]
+    assert losses[1] == pytest.approx(losses[0], rel=1e-5)
 
 
 @pytest.mark.slow

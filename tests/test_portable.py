@@ -169,7 +169,10 @@ LONG = {"stage1_after_stage3_x2", "bf16_stage2_after_stage0", "stage3_x2", "lora
         "stage3_cpu", "bf16_stage0",
         # CI budget (about 50 s): NVMe's state carried out again (beside the carry into it, and ZeRO-3's state out of
         # another tool's checkpoint in the import test below)
-        "stage2_after_stage3_nvme"}
+        "stage2_after_stage3_nvme",
+        # CI budget (94 s): a LoRA carried into ZeRO-3 on two ranks (beside test_lycoris' LoKr carried out of two ZeRO-3
+        # ranks into ZeRO-2, by default)
+        "lora_stage3_x2"}
 
 
 @pytest.mark.slow
@@ -230,15 +233,27 @@ def test_the_validation_loss_is_the_same_number_under_every_layout(chain: Chain)
         assert at_start["val_loss_ema"] == at_start["val_loss"], name
     assert reference[M]["val_loss"] < reference[0]["val_loss"]  # it falls as the model learns
     assert reference[M]["val_loss_ema"] != reference[M]["val_loss"]
-    for name in ("stage2_x2", "ddp", "fsdp_full_shard_x2", "lora_stage3_x2"):
-        _, _, _, _, _, (_, start), kind = CHAIN[name]  # type: ignore[misc]
-        expected, got = validations(chain[REFERENCES[kind]][0]), validations(chain[name][0])
-        assert sorted(got) == [s for s in (3, M) if s > start], name  # a resumed run continues the schedule
-        for s in got:
-            for key in ("val_loss", "val_loss_ema"):
-                assert got[s][key] == pytest.approx(expected[s][key], rel=1e-5), f"{name} {key} at step {s}"
-        summary = json.loads((chain[name][0] / "summary.json").read_text())
-        assert summary["val_loss"] == got[M]["val_loss"] and summary["val_loss_step"] == M
+    for name in ("stage2_x2", "ddp", "fsdp_full_shard_x2"):  # (a LoRA's: `make test-long`, below)
+        _assert_same_validation(chain, name)
+
+
+def _assert_same_validation(chain: Chain, name: str) -> None:
+    _, _, _, _, _, (_, start), kind = CHAIN[name]  # type: ignore[misc]
+    expected, got = validations(chain[REFERENCES[kind]][0]), validations(chain[name][0])
+    assert sorted(got) == [s for s in (3, M) if s > start], name  # a resumed run continues the schedule
+    for s in got:
+        for key in ("val_loss", "val_loss_ema"):
+            assert got[s][key] == pytest.approx(expected[s][key], rel=1e-5), f"{name} {key} at step {s}"
+    summary = json.loads((chain[name][0] / "summary.json").read_text())
+    assert summary["val_loss"] == got[M]["val_loss"] and summary["val_loss_step"] == M
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+@pytest.mark.long  # CI budget: lora_stage3_x2 is a long cell of the chain
+def test_a_lora_carried_into_zero3_validates_as_its_reference(chain: Chain) -> None:
+    """The adapters put into the live UNet for the validation, on two ZeRO-3 ranks after a carry: the same number."""
+    _assert_same_validation(chain, "lora_stage3_x2")
 
 
 # Measured one step after the move (fp32 weights, 8-bit AdamW, 2 ranks ZeRO-2 -> 1 rank ZeRO-3 with offload): m
