@@ -90,8 +90,9 @@ def read(path: Path, module: torch.nn.Module, component: str) -> tuple[dict[str,
     config: Any = cast(Any, module).peft_config["default"]
     kind = _kind(module)
     if kind in lycoris.KEYS:
-        modules = {n.rpartition(f".{lycoris.KEYS[kind][0].split('_')[0]}_")[0] for n, _ in module.named_parameters()
-                   if is_adapter(n)}
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        modules = {n for n, m in module.named_modules() if isinstance(m, BaseTunerLayer)}  # the adapted layers
         return lycoris.read(component, _table(component, module)[0], kind, state, modules, int(config.r),
                             float(config.alpha))
     adapted = {n.removesuffix(".lora_A.default.weight") for n, _ in module.named_parameters()

@@ -20,6 +20,8 @@ from ds_trainer.train.adapters.names import is_adapter, peft_name
 from ds_trainer.train.backends import sharded
 
 WEIGHT_NAME = "pytorch_lora_weights.safetensors"
+
+
 def adaptable_names(model: torch.nn.Module) -> list[str]:
     """Names of the modules LoRA can adapt (Linear and Conv layers)."""
     kinds = (torch.nn.Linear, torch.nn.Conv2d)

@@ -75,17 +75,14 @@ def read(component: str, table_parts: list[table.Part], kind: str, file: Mapping
     problems: list[str] = []
     for key, value in file.items():
         head, _, what = key.rpartition(".")
-        if what not in ours and what != "alpha":
+        if what not in ours:  # alpha is read with its module's tensors below
             if what in (*LOKR, *LOHA):
                 problems.append(f"{head}: a {what.split('_')[0]} tensor, this adapter is {kind} (adapter=)")
-            continue
-        if what == "alpha" and not any(f"{head}.{k}" in file for k in ours):
             continue
         if head not in heads:
             problems.append(f"{head}: not adapted here (adapter.targets)")
             continue
-        if what != "alpha":
-            found.setdefault(head, {})[what] = value.float()
+        found.setdefault(head, {})[what] = value.float()
     out: dict[str, torch.Tensor] = {}
     for head, tensors in found.items():
         file_alpha = float(file[head + ALPHA]) if head + ALPHA in file else alpha
