@@ -224,7 +224,7 @@ def build(cfg: DictConfig, world_size: int) -> dict[str, Any]:
         "wall_clock_breakdown": False,
         "zero_allow_untested_optimizer": True,
     }
-    name, _ = optimizers.resolve(cfg.optimizer.name)
+    name = optimizers.stepping(cfg.optimizer.name, cfg.precision.weight_update.value)
     if optimizers.is_client(name):
         # ds_trainer builds the optimizer and its LR schedule (train/recipe.py) and hands both to DeepSpeed. Under
         # offload DeepSpeed (and Accelerate before it) would replace a client optimizer by its CPU Adam: not here,

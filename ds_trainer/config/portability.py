@@ -25,7 +25,9 @@ META = "portable/meta.json"
 MOMENT_OPTIMIZERS = ("adam", "adamw", "adamw8bit")
 # Optimizers whose state is another's, under its name: torch's AdamW built by ds_trainer is AdamW (its moments carry
 # to and from DeepSpeed's AdamW through the portable state).
-STATE_FAMILY = {"adamw_torch": "adamw"}
+# optimi's Kahan-summed twins (precision.weight_update=kahan) likewise: their moments are Adam's, their compensation is
+# folded into the portable weight (train/state/kahan.py).
+STATE_FAMILY = {"adamw_torch": "adamw", "adamw_kahan": "adamw", "adam_kahan": "adam", "lion_kahan": "lion"}
 
 
 def layout(cfg: DictConfig) -> dict[str, Any]:
@@ -41,7 +43,10 @@ def layout(cfg: DictConfig) -> dict[str, Any]:
             **({"optimizer_kernel": "torch"} if cfg.resolved.get("torch_adam") else {}),
             # torch's AdamW as ds_trainer builds it (optimizer=adamw_torch): the same moments as DeepSpeed's AdamW,
             # in another optimizer's files.
-            **({"optimizer_kernel": "client"} if str(cfg.resolved.optimizer) == "adamw_torch" else {})}
+            **({"optimizer_kernel": "client"} if str(cfg.resolved.optimizer) == "adamw_torch" else {}),
+            # optimi's Kahan-summed optimizer (precision.weight_update=kahan): its state (a compensation beside the
+            # moments) in a client optimizer's files; absent otherwise.
+            **({"optimizer_kernel": "kahan"} if str(cfg.resolved.optimizer).endswith("_kahan") else {})}
 
 
 def identity(cfg: DictConfig) -> dict[str, Any]:

@@ -46,6 +46,11 @@ class Precision(str, Enum):
     fp32 = "fp32"
 
 
+class WeightUpdate(str, Enum):
+    nearest = "nearest"  # the update is added and rounded to the weight's dtype (what DeepSpeed and FSDP do)
+    kahan = "kahan"  # bf16 weights keep a bf16 compensation of what rounding lost (optimi's Kahan summation)
+
+
 class DataSource(str, Enum):
     synthetic = "synthetic"
     folder = "folder"
@@ -233,9 +238,12 @@ class ResolutionConfig:
 @dataclass
 class PrecisionConfig:
     """`precision` group: bf16 (fp32 masters and optimizer state), bf16_pure (bf16 masters, gradients and optimizer
-    state), fp16 with dynamic loss scaling, or fp32."""
+    state), fp16 with dynamic loss scaling, or fp32. `weight_update` (bf16_pure only): `nearest` rounds each update
+    into the bf16 weight, losing what falls below its last bit; `kahan` keeps that remainder in a bf16 compensation
+    buffer and adds it back at the next step (optimi's Kahan-summed optimizers, 2 bytes a parameter more)."""
 
     name: Precision = Precision.bf16
+    weight_update: WeightUpdate = WeightUpdate.nearest
     initial_scale_power: int = 16
     loss_scale_window: int = 1000
     hysteresis: int = 2

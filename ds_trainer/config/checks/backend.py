@@ -106,15 +106,22 @@ def _fsdp_settings(cfg: DictConfig) -> list[Problem]:
 
 def _pure(cfg: DictConfig) -> list[Problem]:
     """precision=bf16_pure: bf16 masters and optimizer state exist under ZeRO 1-3 and FSDP, for Adam's state, off
-    NVMe. (What it costs at the run's LR is `resolve`'s warning.)"""
+    NVMe; its Kahan-compensated update for optimi's Adam, AdamW and Lion, where a client optimizer can step DeepSpeed's
+    bf16 masters. (What it costs at the run's LR is `resolve`'s warning.)"""
+    kahan = cfg.precision.weight_update.value == "kahan"
     if cfg.precision.name.value != "bf16_pure":
-        return []
+        return [Problem("precision.weight_update", "kahan", "Kahan compensation keeps what rounding a bf16 weight "
+                        f"loses; precision={cfg.precision.name.value} keeps fp32 weights (or masters), whose updates "
+                        "do not round away", "precision=bf16_pure_kahan, or precision.weight_update=nearest")
+                ] if kahan else []
     backend, stage, option = cfg.zero.backend.value, int(cfg.zero.stage), ds_config.zero_option(cfg)
     if backend == "ddp" or (backend == "deepspeed" and stage == 0):
         return [Problem("precision", "bf16_pure", f"bf16 master weights and optimizer state are DeepSpeed's ZeRO "
                         f"1-3 feature (bf16_master_weights_and_grads) or FSDP's bf16 parameters; zero={option} "
                         "keeps fp32 masters", "zero=stage1 (or stage2, stage3, fsdp_full_shard), or precision=bf16")]
     name, out = optimizers.resolve(cfg.optimizer.name)[0], []
+    if kahan:
+        return _kahan(cfg, name)
     if name is not None and name not in PURE_OPTIMIZERS:
         out.append(Problem("optimizer.name", name, f"precision=bf16_pure keeps Adam's moments in bf16 "
                            f"(bf16_optimizer_states); {name}'s state has no bf16 form in DeepSpeed (under offload its "
@@ -122,4 +129,22 @@ def _pure(cfg: DictConfig) -> list[Problem]:
     if backend == "deepspeed" and ds_config.placement(cfg)[0] == "nvme":
         out.append(Problem("offload", "nvme", "DeepSpeed's NVMe swapper sizes every optimizer state as fp32; "
                            "precision=bf16_pure keeps it in bf16", "offload=cpu, or precision=bf16"))
+    return out
+
+
+def _kahan(cfg: DictConfig, name: str | None) -> list[Problem]:
+    """precision.weight_update=kahan: optimi's twin of the named optimizer steps the bf16 weights, where DeepSpeed lets
+    a client optimizer step its bf16 masters (not offloaded)."""
+    out = []
+    if name is not None and name not in optimizers.KAHAN:
+        out.append(Problem("optimizer.name", name, "precision.weight_update=kahan steps optimi's Kahan-summed Adam, "
+                           f"AdamW or Lion in place of the optimizer named; {name} has no such form",
+                           "optimizer=adamw, or precision=bf16_pure (rounded updates)"))
+    placed = ds_config.placement(cfg)[0]
+    if cfg.zero.backend.value == "deepspeed" and placed != "gpu":
+        rounded = ", or precision=bf16_pure (DeepSpeed's CPU Adam, rounded updates)" if placed == "cpu" else ""
+        out.append(Problem("offload", cfg.offload.device.value, "DeepSpeed steps bf16 masters under offload only "
+                           "with its own CPU Adam (it refuses any other optimizer there), and "
+                           "precision.weight_update=kahan steps optimi's",
+                           f"offload=none, or zero=fsdp_full_shard (FSDP2 offloads any optimizer){rounded}"))
     return out

@@ -31,6 +31,8 @@ def resolve(cfg: DictConfig, info: hardware.PlatformInfo | None = None) -> tuple
     warnings = _platform(cfg, info) + _nvme_below_stage3(cfg) + _pure(cfg)
     optimizer, substituted = optimizers.resolve(cfg.optimizer.name)
     warnings += [substituted] if substituted else []
+    optimizer = optimizers.stepping(cfg.optimizer.name, cfg.precision.weight_update.value)
+    warnings += _kahan(cfg, optimizer)
     warnings += _global_state(cfg, optimizer, info) + _torch_adam(cfg, optimizer, info)
     optimizer_on, params_on = ds_config.placement(cfg)
     r = cfg.resolved
@@ -64,8 +66,9 @@ def _nvme_below_stage3(cfg: DictConfig) -> list[str]:
 
 
 def _pure(cfg: DictConfig) -> list[str]:
-    """precision=bf16_pure: what bf16 weights cost at the run's LR."""
-    if cfg.precision.name.value != "bf16_pure":
+    """precision=bf16_pure: what bf16 weights cost at the run's LR (not with precision.weight_update=kahan, whose
+    compensation keeps the updates: `_kahan` says so)."""
+    if cfg.precision.name.value != "bf16_pure" or cfg.precision.weight_update.value == "kahan":
         return []
     lr = float(cfg.optimizer.lr)
     # bf16 keeps 8 significant bits: round to nearest drops an update below half a unit in the last place (2^-9
@@ -76,10 +79,22 @@ def _pure(cfg: DictConfig) -> list[str]:
             "0.61 over the same 400 steps). precision=bf16 keeps fp32 masters"]
 
 
+def _kahan(cfg: DictConfig, optimizer: str | None) -> list[str]:
+    """precision.weight_update=kahan: the named optimizer steps as optimi's Kahan-summed twin, said and recorded."""
+    if cfg.precision.weight_update.value != "kahan" or optimizer is None or optimizer not in optimizers.KAHAN.values():
+        return []
+    module, cls = optimizers.CLIENT_CLASS[optimizer]
+    return [f"precision.weight_update=kahan: optimizer={cfg.optimizer.name} steps as {module}.{cls} with Kahan "
+            f"summation (resolved.optimizer={optimizer}; built by ds_trainer, not DeepSpeed's kernel): each "
+            "bf16 weight keeps a bf16 compensation of what rounding lost and gets it back at the next step, 2 bytes "
+            "a trained parameter more than precision=bf16_pure"]
+
+
 def _global_state(cfg: DictConfig, optimizer: str | None, info: hardware.PlatformInfo) -> list[str]:
-    """Prodigy and schedule-free keep state per step, not per element (see `optimizers.GLOBAL_STATE`): ZeRO-3
-    steps them over one sub-group; Prodigy's step size is said. (Under FSDP2 they are refused.)"""
-    if not (optimizers.is_client(optimizer) and optimizer in optimizers.GLOBAL_STATE) \
+    """Prodigy and schedule-free keep state per step, not per element (see `optimizers.GLOBAL_STATE`), and optimi's
+    optimizers count steps per parameter group (`optimizers.ONE_STEP_CALL`): ZeRO-3 steps them over one sub-group;
+    Prodigy's step size is said. (Under FSDP2 Prodigy and schedule-free are refused.)"""
+    if not (optimizers.is_client(optimizer) and optimizer in optimizers.ONE_STEP_CALL) \
             or cfg.zero.backend.value == "fsdp":
         return []
     stage, world, lr, out = int(cfg.zero.stage), world_size_of(cfg), float(cfg.optimizer.lr), []

@@ -87,14 +87,20 @@ def _moment_tensors(cfg: DictConfig, name: str) -> float:
 _BYTES_8BIT = 2 + 2 * 4 / 256
 
 
+# precision.weight_update=kahan: optimi's bf16 compensation buffer, one per trained parameter.
+_KAHAN_BYTES = 2
+
+
 def moments_saved(cfg: DictConfig, zero: str, trained: int, world_size: int) -> int:
     """Bytes per rank the config's optimizer keeps fewer than Adam's moments (which the model states count: 8 bytes
-    a trained parameter, 4 under bf16_pure), sharded as the optimizer state is."""
+    a trained parameter, 4 under bf16_pure), sharded as the optimizer state is; negative where it keeps more
+    (precision.weight_update=kahan's compensation)."""
     from ds_trainer.config import optimizers
 
     name = optimizers.resolve(cfg.optimizer.name)[0] or "adamw"
     adam = 4 if cfg.precision.name.value == "bf16_pure" else 8
     kept = _BYTES_8BIT if name == "adamw8bit" else adam * _moment_tensors(cfg, name) / 2
+    kept += _KAHAN_BYTES if cfg.precision.weight_update.value == "kahan" else 0  # (more than Adam's: a negative saving)
     ranks = 1 if zero in ("ddp", "stage0") else world_size
     return int((adam - kept) * trained) // ranks
 
@@ -113,6 +119,7 @@ def checkpoint_bytes(cfg: DictConfig) -> tuple[int, int]:
     pure = cfg.precision.name.value == "bf16_pure"  # bf16 masters and moments: no separate fp32 copy
     name = optimizers.resolve(cfg.optimizer.name)[0] or "adamw"
     moments = _BYTES_8BIT if name == "adamw8bit" else (2 if pure else 4) * _moment_tensors(cfg, name)
+    moments += _KAHAN_BYTES if cfg.precision.weight_update.value == "kahan" else 0
     engine = int((4 if fp32 else 2) * (module.params + encoders) + ((0 if fp32 or pure else 4) + moments) * trained)
     # The portable state: fp32 weights, and fp32 Adam moments for the optimizers whose moments it holds.
     portable = (4 + (8 if name in (*optimizers.FP32_MOMENTS, "adamw8bit") else 0)) * trained  # 8-bit: dequantized

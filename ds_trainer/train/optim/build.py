@@ -61,7 +61,8 @@ def group_schedules(cfg: DictConfig, optimizer: Any) -> Any:
 
 def optimizer(cfg: DictConfig, params: list[Any], fused: bool = True) -> Any:
     """torch.optim's (with `fused`, where the device has the kernel: one kernel over all tensors instead of a
-    per-tensor loop), bitsandbytes' AdamW8bit, prodigyopt's Prodigy or schedulefree's AdamW."""
+    per-tensor loop), bitsandbytes' AdamW8bit, prodigyopt's Prodigy, schedulefree's AdamW or optimi's Kahan-summed
+    Adam, AdamW and Lion."""
     block = ds_config.optimizer_block(cfg)
     name = str(cfg.resolved.optimizer)
     if name == "adamw8bit":
@@ -77,6 +78,8 @@ def optimizer(cfg: DictConfig, params: list[Any], fused: bool = True) -> Any:
             return Prodigy(params, **block["params"], fsdp_in_use=resolve.partitioned_over_ranks(cfg))
     if name == "schedule_free_adamw":
         return _schedule_free(params, block)
+    if name in optimizers.KAHAN.values():
+        return _kahan(name, params, block)
     torch_class = {"Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW, "Adagrad": torch.optim.Adagrad,
                    "adamw_torch": torch.optim.AdamW}[block["type"]]
     try:
@@ -84,6 +87,18 @@ def optimizer(cfg: DictConfig, params: list[Any], fused: bool = True) -> Any:
     except (RuntimeError, ValueError) as exc:  # a device without the fused kernel: torch's default loop
         log.debug("fused %s unavailable here (%s)", block["type"], exc)
         return torch_class(params, **block["params"])
+
+
+def _kahan(name: str, params: list[Any], block: dict[str, Any]) -> Any:
+    """optimi's Adam, AdamW or Lion with Kahan summation on the bf16 weights (precision.weight_update=kahan). optimi
+    picks its Triton kernel on CUDA tensors and a loop elsewhere (FSDP2's DTensors among them)."""
+    import optimi
+
+    settings = dict(block["params"])
+    if "betas" in settings:
+        settings["betas"] = tuple(settings["betas"])
+    cls = {"adam_kahan": optimi.Adam, "adamw_kahan": optimi.AdamW, "lion_kahan": optimi.Lion}[name]
+    return cls(params, **settings, kahan_sum=True)
 
 
 def _schedule_free(params: list[Any], block: dict[str, Any]) -> Any:

@@ -20,7 +20,7 @@ from omegaconf import DictConfig
 from ds_trainer.config import portability
 from ds_trainer.errors import TrainingError
 from ds_trainer.train.backends import deepspeed, inner, nvme_swap, sharded
-from ds_trainer.train.state import quantized
+from ds_trainer.train.state import kahan, quantized
 from ds_trainer.train.state.portable import KINDS, Reader, trainable
 
 log = logging.getLogger("ds_trainer")
@@ -152,7 +152,10 @@ class Carry:
         self._load_ema(ema)
         if self.rounding:
             into = self.precisions[1] == "bf16_pure"
+            kept = into and moments and kahan.is_kahan(base)
             log.warning("precision %s -> %s: %s", *self.precisions,
+                        "the carried fp32 weights were rounded to bf16 with what rounding lost kept in the Kahan "
+                        "compensation, and the Adam moments rounded to bf16" if kept else
                         "the carried fp32 weights and Adam moments were rounded to bf16 (bf16_pure keeps them so)"
                         if into else "the bf16 weights and moments carry over exactly into fp32 masters")
         how = ("the WEIGHTS ONLY (resume_optimizer=reset: the optimizer starts fresh)" if not moments else
@@ -223,17 +226,24 @@ def _set(p: torch.Tensor, name: str, base: Any, reader: Source, moments: bool, t
 
     values = {kind: reader.get(f"{kind}/{name}") for kind in KINDS
               if kind == "fp32" or moments and f"{kind}/{name}" in reader}
+    compensated = moments and kahan.is_kahan(base)  # the rounding's remainder into optimi's compensation
     if deepspeed.mapped(p):
         safe_set_full_fp32_param(p, values["fp32"].to(p.device))
         for kind in ("exp_avg", "exp_avg_sq"):
             if kind in values:
                 safe_set_full_optimizer_state(p, values[kind].to(p.device), kind)
+        if compensated:
+            rounded = values["fp32"].to(p.dtype)
+            safe_set_full_optimizer_state(p, kahan.remainder(values["fp32"], rounded).to(p.device), kahan.COMP)
         return
+    value = sharded.like(values["fp32"], p)  # FSDP: this rank's shard of it
     with torch.no_grad():
-        p.copy_(sharded.like(values["fp32"], p))  # FSDP: this rank's shard of it
+        p.copy_(value)
     if moments and "exp_avg" in values:
         base.state[p] = {"step": _step_value(base, t, p.device), "exp_avg": sharded.like(values["exp_avg"], p),
                          "exp_avg_sq": sharded.like(values["exp_avg_sq"], p)}
+        if compensated:
+            base.state[p][kahan.COMP] = kahan.remainder(value, p.detach())
 
 
 def _set_flat(name: str, base: Any, reader: Source, moments: bool,
@@ -275,6 +285,8 @@ def _step_value(base: Any, t: int, device: Any = "cpu") -> Any:
 def _prefill(engine: Any, base: Any, t: int) -> None:
     """Create DeepSpeed's optimizer state (zeros, at step t) that its first step would create, and link it to
     the parameters, so `safe_set_full_optimizer_state` has somewhere to write before any step ran."""
+    if kahan.is_kahan(base):
+        kahan.set_clock(base, t)
     if engine is None:
         return
     zero = engine.optimizer
@@ -294,6 +306,8 @@ def _prefill(engine: Any, base: Any, t: int) -> None:
     for flat in flats:
         base.state[flat] = {"step": _step_value(base, t), "exp_avg": torch.zeros_like(flat),
                             "exp_avg_sq": torch.zeros_like(flat)}
+        if kahan.is_kahan(base):
+            kahan.fill(base, flat)
     if hasattr(zero, "_lazy_init_hp_params_optimizer_state"):  # ZeRO-1/2 link lazily, after the first step
         zero._hp_optimizer_states_linked = False
         zero._lazy_init_hp_params_optimizer_state()

@@ -26,7 +26,7 @@ import torch
 
 from ds_trainer.config import portability
 from ds_trainer.train.backends import deepspeed, inner, nvme_swap, sharded
-from ds_trainer.train.state import quantized
+from ds_trainer.train.state import kahan, quantized
 
 if TYPE_CHECKING:
     from ds_trainer.train.run import Run
@@ -46,6 +46,9 @@ def _shape(p: torch.nn.Parameter) -> list[int]:
 
 
 def _step_count(base: Any) -> int:
+    grouped = kahan.step_count(base)
+    if grouped is not None:
+        return grouped
     steps = [int(s["step"]) for s in base.state.values() if isinstance(s, dict) and "step" in s]
     return max(steps) if steps else 0
 
@@ -104,16 +107,23 @@ def _read_flat(p: torch.nn.Parameter, base: Any, place: tuple[torch.Tensor, int,
 def _read(p: torch.Tensor, base: Any, moments: bool) -> tuple[torch.Tensor | None, ...]:
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
+    compensated = moments and kahan.is_kahan(base)  # the weight learned is w + c (kahan.py)
     if deepspeed.mapped(p):
         weight = safe_get_full_fp32_param(p)
         if not moments:
             return weight, None, None
+        if compensated:
+            weight = kahan.with_compensation(weight, safe_get_full_optimizer_state(p, kahan.COMP))
         return (weight, safe_get_full_optimizer_state(p, "exp_avg"),
                 safe_get_full_optimizer_state(p, "exp_avg_sq"))
     state = base.state.get(p, {}) if moments else {}
     # Whole values (collective for FSDP's DTensors: every rank reads every parameter, in the same order).
-    return tuple(sharded.full(t) if t is not None else None
-                 for t in (p.detach(), state.get("exp_avg"), state.get("exp_avg_sq")))
+    weight, exp_avg, exp_avg_sq = (sharded.full(t) if t is not None else None
+                                   for t in (p.detach(), state.get("exp_avg"), state.get("exp_avg_sq")))
+    if compensated and weight is not None:
+        comp = state.get(kahan.COMP)
+        weight = kahan.with_compensation(weight, sharded.full(comp) if comp is not None else None)
+    return weight, exp_avg, exp_avg_sq
 
 
 class Writer:
