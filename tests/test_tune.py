@@ -314,3 +314,31 @@ def test_the_optimizer_is_an_axis_each_cell_checked_and_planned_with_its_own_sta
     assert by["stage2", "adamw8bit"].predicted_gib < by["stage2", "adamw"].predicted_gib
     # A user's optimizer=... holds the axis, like zero=...
     assert {c.optimizer for c in tune_space.space(cfg.tune, {"optimizer": "adamw8bit"}, 2, 1)} == {"adamw8bit"}
+
+
+def test_adapters_and_quantized_bases_are_axes_each_cell_checked_and_planned_with_its_own_bytes() -> None:
+    """tune.adapter and tune.quantize multiply the space: an NF4 base and LoKr's smaller state predict less memory
+    than a bf16 base and LoRA; LoKr on a quantized base (peft has no bitsandbytes LoKr) is invalid, not run."""
+    from ds_trainer.tools.tune import outputs
+    from ds_trainer.tools.tune import space as tune_space
+
+    cfg = make_cfg("model=sdxl_tiny", "world_size=1", "tune.zero=[stage2]", "tune.offload=[none]",
+                   "tune.micro_batch_size=[1]", "tune.gradient_checkpointing=[true]", "tune.adapter=[lora,lokr]",
+                   "tune.quantize=[none,nf4]")
+    cells = tune_space.space(cfg.tune, {}, 1, 1)
+    assert sorted(c.label for c in cells) == sorted(f"stage2/none b1x1 ckpt adapter={a} quantize={q}"
+                                                    for a in ("lora", "lokr") for q in ("none", "nf4"))
+    assert all({f"adapter={dict(c.levers)['adapter']}", f"quantize={dict(c.levers)['quantize']}"}
+               <= set(c.overrides()) for c in cells)
+    tune_space.plan_cells(cells, lambda overrides: make_cfg(*overrides), ["model=sdxl_tiny", "world_size=1"], None,
+                          None, 1.0)
+    by = {tuple(v for _, v in c.levers): c for c in cells}
+    assert by["lokr", "nf4"].status == "invalid" and "quantize" in (by["lokr", "nf4"].message or "")
+    assert by["lora", "nf4"].predicted_gib < by["lora", "none"].predicted_gib
+    assert by["lokr", "none"].predicted_gib < by["lora", "none"].predicted_gib
+    assert {"adapter", "quantize"} <= set(outputs.columns(cells))
+    assert outputs.row(by["lora", "nf4"])["quantize"] == "nf4"
+    # A user's adapter=... holds the axis, as zero=... does; a tune that searches neither shows neither column
+    assert {dict(c.levers)["adapter"] for c in tune_space.space(cfg.tune, {"adapter": "lokr"}, 1, 1)} == {"lokr"}
+    plain = tune_space.space(make_cfg("tune.zero=[stage2]", "tune.offload=[none]").tune, {}, 1, 1)
+    assert not {"adapter", "quantize"} & set(outputs.columns(plain))

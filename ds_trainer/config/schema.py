@@ -605,6 +605,10 @@ class TuneConfig:
     # Optimizers to search too (e.g. [adamw,adamw8bit]: 8-bit moments may let a larger micro batch or a lower ZeRO
     # stage fit); empty: the training's optimizer only.
     optimizer: list[str] = field(default_factory=list)
+    # Adapters and quantized bases to search too (e.g. adapter=[lora,lokr] quantize=[none,nf4]: a LoKr's smaller
+    # state or an NF4 base may let a lower ZeRO stage or a larger micro batch fit); empty: the training's own.
+    adapter: list[str] = field(default_factory=list)
+    quantize: list[str] = field(default_factory=list)
     warmup_steps: int = 2
     timed_steps: int = 5
     # Seconds per cell, start-up included: a cell still running then is stopped and counts as a hang.

@@ -13,18 +13,19 @@ import yaml
 from omegaconf import DictConfig
 
 from ds_trainer.tools.plan.calibration import Calibration
-from ds_trainer.tools.tune.space import GIB, Cell, override_key
+from ds_trainer.tools.tune.space import GIB, LEVERS, Cell, override_key
 
 COLUMNS = ("cell", "zero", "offload", "micro_batch_size", "gradient_accumulation_steps", "gradient_checkpointing",
-           "optimizer", "status", "predicted_peak_gib", "measured_peak_gib", "measure", "s_per_it", "images_per_s",
-           "val_loss", "load_before", "load_after", "others", "message")
+           "optimizer", "adapter", "quantize", "status", "predicted_peak_gib", "measured_peak_gib", "measure",
+           "s_per_it", "images_per_s", "val_loss", "load_before", "load_after", "others", "message")
 
 
 def columns(cells: list[Cell]) -> tuple[str, ...]:
     """The table's columns: `val_loss` only when cells ran to the end with `validation=on` (a tune's cells are
     short; with validation off, or cells stopped at their time limit, there is no value to show, and none is made
-    up)."""
-    return tuple(c for c in COLUMNS if c != "val_loss" or any(row(cell)["val_loss"] is not None for cell in cells))
+    up); `adapter` and `quantize` only when the tune searched them."""
+    return tuple(c for c in COLUMNS if (c != "val_loss" or any(row(cell)["val_loss"] is not None for cell in cells))
+                 and (c not in LEVERS or any(c in dict(cell.levers) for cell in cells)))
 
 
 @dataclass
@@ -56,7 +57,8 @@ def row(cell: Cell) -> dict[str, Any]:
     r = cell.result
     return {"cell": cell.label, "zero": cell.zero, "offload": cell.offload, "micro_batch_size": cell.micro,
             "gradient_accumulation_steps": cell.accum, "gradient_checkpointing": cell.ckpt,
-            "optimizer": cell.optimizer or "", "status": cell.status,
+            "optimizer": cell.optimizer or "", **{g: dict(cell.levers).get(g, "") for g in LEVERS},
+            "status": cell.status,
             "predicted_peak_gib": cell.predicted_gib, "measured_peak_gib": peak, "measure": measure,
             "s_per_it": r.get("s_per_it"), "images_per_s": r.get("images_per_s"),
             "val_loss": r.get("summary", {}).get("val_loss") if cell.status == "ok" else None,

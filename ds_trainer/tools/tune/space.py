@@ -13,7 +13,10 @@ from ds_trainer.config.problems import Problem, first_problem
 
 GIB = 2**30
 AXES = {"zero": "zero", "offload": "offload", "train.micro_batch_size": "micro_batch_size",
-        "train.gradient_checkpointing": "gradient_checkpointing", "optimizer": "optimizer"}
+        "train.gradient_checkpointing": "gradient_checkpointing", "optimizer": "optimizer", "adapter": "adapter",
+        "quantize": "quantize"}
+# Config groups searched as levers (tune.adapter, tune.quantize): a cell's choice of each, when the tune searches it.
+LEVERS = ("adapter", "quantize")
 # Set for measuring only; the winning line leaves them out.
 MEASURE_KEYS = ("train.max_steps", "train.export", "train.final_checkpoint", "train.checkpoint_every",
                 "train.log_every", "resume", "dry_run", "hydra.")
@@ -29,6 +32,7 @@ class Cell:
     accum: int
     ckpt: bool
     optimizer: str | None = None  # None: the training's own (tune.optimizer empty)
+    levers: tuple[tuple[str, str], ...] = ()  # (group, option) of each searched lever (`LEVERS`)
     status: str = "planned"  # invalid | pruned | planned | ok | oom | error | timeout | over budget
     message: str | None = None
     predicted_gib: float | None = None
@@ -39,20 +43,21 @@ class Cell:
     def label(self) -> str:
         """The cell as the tables show it."""
         return (f"{self.zero}/{self.offload} b{self.micro}x{self.accum}" + (" ckpt" if self.ckpt else "")
-                + (f" {self.optimizer}" if self.optimizer else ""))
+                + (f" {self.optimizer}" if self.optimizer else "") + "".join(f" {g}={o}" for g, o in self.levers))
 
     @property
     def name(self) -> str:
         """The cell's folder name."""
         return (f"{self.zero}-{self.offload}-b{self.micro}-a{self.accum}-{'ckpt' if self.ckpt else 'nockpt'}"
-                + (f"-{self.optimizer}" if self.optimizer else ""))
+                + (f"-{self.optimizer}" if self.optimizer else "") + "".join(f"-{g}-{o}" for g, o in self.levers))
 
     def overrides(self) -> list[str]:
         """The training overrides that make this cell."""
         return [f"zero={self.zero}", f"offload={self.offload}", f"train.micro_batch_size={self.micro}",
                 f"train.gradient_accumulation_steps={self.accum}",
                 f"train.gradient_checkpointing={str(self.ckpt).lower()}",
-                *([f"optimizer={self.optimizer}"] if self.optimizer else [])]
+                *([f"optimizer={self.optimizer}"] if self.optimizer else []),
+                *(f"{group}={option}" for group, option in self.levers)]
 
 
 class BadInput(Exception):
@@ -102,8 +107,12 @@ def space(t: DictConfig, fixed: dict[str, str], ranks: int, accumulation: int) -
                                 f"no micro batch of {micros} x accumulation x {ranks} rank(s) makes it (each "
                                 f"micro batch x {ranks} must divide it)",
                                 f"tune.global_batch={nearest} (or one of {makeable}), or tune.global_batch=null")])
-    cells = [Cell(z, o, m, a, c, opt) for z in zeros for o in offloads for m, a in pairs for c in ckpts
-             for opt in optimizers]
+    levers: list[tuple[tuple[str, str], ...]] = [()]
+    for group in LEVERS:
+        options = [fixed[group]] if group in fixed else [str(o) for o in t[group]]
+        levers = [(*chosen, (group, option)) for chosen in levers for option in options] if options else levers
+    cells = [Cell(z, o, m, a, c, opt, lev) for z in zeros for o in offloads for m, a in pairs for c in ckpts
+             for opt in optimizers for lev in levers]
     from ds_trainer.tools.plan import CELLS, FSDP_CELLS
 
     order = CELLS + FSDP_CELLS  # fastest first; FSDP's cells after DeepSpeed's
