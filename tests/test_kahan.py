@@ -126,14 +126,16 @@ def _reloaded_continues(engine: Any, ds: dict[str, Any], folder: Path, zero: str
 def test_a_kahan_run_resumes_under_fsdp2_from_its_learned_weights_and_step(tmp_path: Path) -> None:
     """ZeRO-2 with bf16_pure_kahan, then its step-2 checkpoint resumed under FSDP2: the portable state holds the
     learned weight (w + c) and the moments, the FSDP2 run's first step sees the same weights (the same loss) and its
-    optimi AdamW counts on from step 2."""
+    optimi AdamW counts on from step 2. (Both runs hold the UNet's attention to the math kernel.)"""
     _package("optimi")
+    # train.attention=math in both: the UNet's attention held to one SDPA kernel under ZeRO-2 and FSDP2 alike
     args = ("precision=bf16_pure_kahan", "logger=none", "data.num_samples=8", "train.max_steps=4",
-            "train.checkpoint_every=2", "train.export=false", "train.log_every=1")
+            "train.checkpoint_every=2", "train.export=false", "train.log_every=1", "train.attention=math")
     first = run_cli("zero=stage2", *args, cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]
     assert "optimizer optimi.AdamW steps (a DeepSpeed client optimizer: ZeRO hands it each rank's flat partition)" \
         in first.stderr
+    assert "attention: math kernel only, in 22 attention layers of the trained module" in first.stderr
     (run_a,) = run_dirs(tmp_path)
     saved = run_a / "checkpoints" / "step_00000002"
     meta = json.loads((saved / "portable" / "meta.json").read_text())

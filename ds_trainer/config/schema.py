@@ -46,6 +46,14 @@ class Precision(str, Enum):
     fp32 = "fp32"
 
 
+class Attention(str, Enum):
+    sdpa = "sdpa"  # torch's scaled_dot_product_attention picks the kernel (the fastest that takes the inputs)
+    flash = "flash"  # FlashAttention-2 (CUDA sm80+ in fp16/bf16; torch's own CPU kernel)
+    efficient = "efficient"  # memory-efficient attention (xFormers' kernel; CUDA)
+    cudnn = "cudnn"  # cuDNN's fused attention (CUDA sm80+ with cuDNN 9)
+    math = "math"  # the unfused reference: every device, most memory
+
+
 class WeightUpdate(str, Enum):
     nearest = "nearest"  # the update is added and rounded to the weight's dtype (what DeepSpeed and FSDP do)
     kahan = "kahan"  # bf16 weights keep a bf16 compensation of what rounding lost (optimi's Kahan summation)
@@ -427,6 +435,10 @@ class TrainConfig:
     gradient_clipping: float = 1.0
     seed: int = 0
     gradient_checkpointing: bool = False
+    # The kernel of the trained module's attention layers (torch's scaled_dot_product_attention, which diffusers'
+    # attention calls): `sdpa` lets torch pick; a named one is the only kernel allowed there, in training, samples and
+    # validation (the VAE and the text encoders keep torch's pick).
+    attention: Attention = Attention.sdpa
     # 0: save only at the end.
     checkpoint_every: int = 0
     # Also save when this much wall time has passed since the last checkpoint (0: never by time), so that what no

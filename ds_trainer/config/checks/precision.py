@@ -1,4 +1,5 @@
-"""`precision` on this machine: the dtypes its device computes in. Torch-free, read-only.
+"""`precision` on this machine: the dtypes its device computes in, and the attention kernel it computes with
+(`train.attention`). Torch-free, read-only.
 
 (What each precision means under a backend is `resolve.precision_meaning`; bf16 masters under a backend that keeps
 fp32 ones are `backend`'s rule.)
@@ -27,4 +28,26 @@ def problems(cfg: DictConfig, info: hardware.PlatformInfo) -> list[Problem]:
                            "whole, its hidden states are clamped to about 65504 and cached wrong for good), and "
                            "the SD3/Flux transformers' activations leave fp16's range (diffusers runs them in bf16 "
                            "or fp32)", "precision=bf16 (GPUs from Ampere on), or precision=fp32"))
-    return out
+    return out + _attention(cfg, info)
+
+
+def _attention(cfg: DictConfig, info: hardware.PlatformInfo) -> list[Problem]:
+    """train.attention: a kernel the device has, for the dtype the run computes in (torch would fail at the first
+    attention layer with "No available kernel")."""
+    kernel, kind = cfg.train.attention.value, info.kind
+    if kernel in ("sdpa", "math"):
+        return []
+    fix = "train.attention=sdpa (torch picks), or train.attention=math"
+    if kind != "cuda" and not (kind == "cpu" and kernel == "flash"):
+        has = "flash and math" if kind == "cpu" else "math"
+        return [Problem("train.attention", kernel, f"torch's {kernel} attention kernel runs on CUDA GPUs; on {kind} "
+                        f"scaled_dot_product_attention has {has}", fix)]
+    if kind == "cuda" and not info.bf16:  # compute capability under 8.0 (bf16 is the flag for it: hardware.py)
+        if kernel in ("flash", "cudnn"):
+            return [Problem("train.attention", kernel, f"torch's {kernel} attention needs an Ampere or newer GPU "
+                            f"(compute capability 8.0); this is {info.gpu_name or 'an older GPU'}",
+                            "train.attention=efficient, or " + fix)]
+    if kind == "cuda" and kernel == "flash" and cfg.precision.name.value == "fp32":
+        return [Problem("train.attention", kernel, "FlashAttention computes in fp16 or bf16, and precision=fp32 "
+                        "runs attention in fp32", "precision=bf16, or train.attention=efficient (fp32 too)")]
+    return []
