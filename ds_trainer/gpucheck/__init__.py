@@ -1,4 +1,4 @@
-"""`python -m ds_trainer.gpucheck --out DIR [--budget-s 480] [--cpu]`: check and measure ds_trainer on one GPU.
+"""`python -m ds_trainer.gpucheck --out DIR [--budget-s 500] [--cpu]`: check and measure ds_trainer on one GPU.
 
 A fixed sequence of steps in priority order (the machine, correctness with the tiny models, the real-size SDXL
 UNet, then Flux-dev if time remains), each in a process of its own under its own timeout, the whole within the
