@@ -2,8 +2,8 @@
 
 The GPU sequence's timeouts sum to 500 s (a test holds it): a command of at most ten minutes, less the install and
 the transfers (the machine's start is outside it). The last step (Flux-dev) runs only on the time the others left
-("if time remains"): its timeout is what is left of the budget, at least its own. The CPU sequence (`--cpu`) is the same steps with the tiny models in place
-of the real sizes, so every step's mechanics run on a CPU machine too.
+("if time remains"): its timeout is what is left of the budget, at least its own. The CPU sequence (`--cpu`) is the
+same steps with the tiny models in place of the real sizes, so every step's mechanics run on a CPU machine too.
 """
 
 from __future__ import annotations
