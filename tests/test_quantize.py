@@ -166,3 +166,30 @@ def test_quantized_text_encoders_make_another_latent_cache() -> None:
 
     assert folder("quantize=nf4") != folder() != folder("quantize=int8") != folder("quantize=nf4")
     assert folder("quantize=nf4", "quantize.text_encoders=false") == folder()  # the same embeddings
+
+
+def test_an_nf4_layer_narrower_than_a_block_runs_inference_on_the_cpu() -> None:
+    """Samples and validation run the quantized base without gradients: on a CPU with AVX512-BF16 bitsandbytes 0.50
+    repacks each 4-bit weight then, and failed on a layer 32 inputs wide (the tiny UNet's time embedding: 'shape
+    [128, 0] is invalid'). Every layer computes what its dequantized weight gives, in training and in inference."""
+    from ds_trainer.train.adapters import quantize
+
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.SiLU(), torch.nn.Linear(128, 64))
+    quantize.apply(module, "nf4", torch.float32, torch.device("cpu"))
+    x = torch.randn(3, 32)
+    import bitsandbytes.functional as bnbf
+
+    def dequantized(x: Any) -> Any:
+        for layer in module:
+            if hasattr(layer, "weight") and hasattr(layer.weight, "quant_state"):
+                w = bnbf.dequantize_4bit(layer.weight.data, layer.weight.quant_state)
+                x = torch.nn.functional.linear(x, w, layer.bias)
+            else:
+                x = layer(x)
+        return x
+
+    expected = dequantized(x)
+    assert torch.allclose(module.train()(x), expected, atol=1e-4)
+    with torch.no_grad():
+        assert torch.allclose(module.eval()(x), expected, atol=1e-2)  # the packed kernel computes in bf16

@@ -17,6 +17,7 @@ import torch
 log = logging.getLogger("ds_trainer")
 
 KINDS = {"int8": "LLM.int8 (int8 weights, a scale per row)", "nf4": "4-bit NormalFloat (blocks of 64, QLoRA)"}
+NF4_BLOCK = 64  # bitsandbytes' default 4-bit block (Params4bit's blocksize)
 
 
 @dataclass
@@ -53,6 +54,12 @@ def apply(module: torch.nn.Module, kind: str, compute_dtype: torch.dtype, device
                                           compress_statistics=True, quant_type="nf4", device="meta")
             quantized.weight = bnb.nn.Params4bit(weight.to(compute_dtype), requires_grad=False,
                                                  compress_statistics=True, quant_type="nf4", module=quantized)
+            if linear.in_features % NF4_BLOCK:
+                # On a CPU with AVX512-BF16 bitsandbytes 0.50 repacks a 4-bit weight at its first inference forward
+                # (samples, validation) in rows of whole blocks, and fails on a layer whose input width is not a
+                # multiple of the block ("shape '[128, 0]' is invalid": the tiny models' time embedding, 32 wide):
+                # such a layer keeps the unpacked kernel. (SDXL's, SD3's and Flux's layers are all multiples of 64.)
+                quantized.support_avx512bf16_for_cpu = False
         elif kind == "int8":
             quantized = bnb.nn.Linear8bitLt(*shape, bias=bias is not None, has_fp16_weights=False,
                                             threshold=threshold, device="meta")
