@@ -132,6 +132,9 @@ def test_bad_bucket_input_is_reported(tmp_path: Path) -> None:
         folder_data(few, "train.micro_batch_size=2")
 
 
+# CI budget: two ranks train over these buckets by default in test_a_resume_continues_the_bucket_plan, and a second
+# run reuses a cache in test_train's folder test.
+@pytest.mark.long
 @pytest.mark.slow
 @pytest.mark.multiproc
 def test_two_ranks_train_over_uneven_buckets_then_a_second_run_reuses_the_cache(tmp_path: Path) -> None:

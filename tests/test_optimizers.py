@@ -320,6 +320,9 @@ def test_prodigy_through_accelerate_with_offload_steps_as_itself_and_resumes_its
     assert group(resumed, 4) == group(first, 4)
 
 
+# CI budget: the evaluation weights under ZeRO-3 are checked by default in process
+# (test_schedule_free_samples_and_exports_its_evaluation_weights_under_zero).
+@pytest.mark.long
 @pytest.mark.slow
 @pytest.mark.multiproc
 def test_schedule_free_lora_on_two_zero3_ranks_samples_and_exports_its_evaluation_weights(tmp_path: Path) -> None:
@@ -398,6 +401,9 @@ def test_a_factored_optimizer_is_refused_with_why_its_factorisation_is_lost_unde
     assert "optimizer=adamw8bit" in problem.fix
 
 
+# CI budget (150 s): Muon trains by default in test_deepspeed_engines' engine array, its compile set-up in
+# test_startup.
+@pytest.mark.long
 @pytest.mark.slow
 def test_muon_trains_lora_under_zero3_without_reduce_scatter(tmp_path: Path) -> None:
     """DeepSpeed's Muon on what it can train here: LoRA's adapters (matrices), ZeRO-3 with reduce-scatter off (what
