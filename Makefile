@@ -49,8 +49,7 @@ python:
 	fi
 
 # DeepSpeed's ops (ZeRO's Adam, offload Adam/Adagrad/Lion, NVMe's async_io) built now rather than at the first
-# run of each node, in two processes side by side; set TORCH_EXTENSIONS_DIR to a folder every node sees (see the
-# README).
+# run of each node; set TORCH_EXTENSIONS_DIR to a folder every node sees (see the README).
 ops:
 	$(RUN) $(PY) -m ds_trainer.tools.ops
 
