@@ -97,6 +97,11 @@ class AdapterMethod(str, Enum):
     loha = "loha"  # LyCORIS' Hadamard product of two low-rank pairs (peft's LoHa)
 
 
+# The methods whose file is LyCORIS' layout (lycoris.kohya's module names), not a LoRA's: what writes, loads and
+# describes them differs (config/checks/adapter.py, train/layouts/metadata.py, export/card.py, tools/convert.py).
+LYCORIS_METHODS = frozenset({AdapterMethod.lokr.value, AdapterMethod.loha.value})
+
+
 class QuantizeKind(str, Enum):
     none = "none"
     int8 = "int8"

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ds_trainer import console
+from ds_trainer.config import schema
 
 log = logging.getLogger("ds_trainer.convert")
 
@@ -70,7 +71,6 @@ def _run_config(run_dir: Path) -> Any:
     """The run's config.yaml on the schema (typed as a run's; keys added since take their defaults)."""
     from omegaconf import DictConfig, OmegaConf
 
-    from ds_trainer.config import schema
 
     config = run_dir / "config.yaml"
     if not config.is_file():
@@ -152,7 +152,7 @@ def kohya_files(run_dir: Path) -> list[Path]:
 
     cfg = _run_config(run_dir)
     method = cfg.adapter.method.value
-    if method in ("lokr", "loha"):
+    if method in schema.LYCORIS_METHODS:
         raise ConvertError(f"{run_dir}: adapter={method} writes its LyCORIS-layout file as the run trains "
                            f"(lora/{kohya_file.WEIGHT_NAME}); there is nothing to convert")
     if method == "dora":

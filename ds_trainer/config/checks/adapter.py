@@ -104,7 +104,7 @@ def _method(cfg: DictConfig) -> list[Problem]:
     a = cfg.adapter
     method, fmt = a.method.value, a.format.value
     out: list[Problem] = []
-    if method in ("lokr", "loha"):
+    if method in schema.LYCORIS_METHODS:
         if fmt != "kohya":
             out.append(Problem("adapter.format", fmt, f"diffusers' load_lora_weights loads LoRA and DoRA files only; "
                                f"a {method} file is written in LyCORIS' layout (<run>/lora/kohya.safetensors), which "

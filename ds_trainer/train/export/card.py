@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from ds_trainer.config import schema
 from ds_trainer.train.layouts import metadata
 
 if TYPE_CHECKING:
@@ -150,7 +151,7 @@ def _files(family: str, run_dir: Path, method: str = "lora") -> list[str]:
              "sd3": "ComfyUI (`models/loras`), kohya's sd-scripts (diffusers has no reader of this layout for SD3: "
                     "use `pytorch_lora_weights.safetensors` there)",
              "flux": "ComfyUI (`models/loras`), Forge, kohya's sd-scripts, diffusers' `load_lora_weights`"}[family]
-    if method in ("lokr", "loha"):
+    if method in schema.LYCORIS_METHODS:
         kohya = "ComfyUI (`models/loras`), Forge, kohya's tools with LyCORIS (diffusers does not load LoKr or LoHa)"
     diffusers = "diffusers' `load_lora_weights`" + (", ComfyUI" if family != "sdxl" and method == "lora" else "")
     where = {

@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig
 
+from ds_trainer.config import schema
+
 if TYPE_CHECKING:
     from ds_trainer.train.families import Family
 
@@ -82,7 +84,7 @@ def kohya_lora(cfg: DictConfig, model: Family, run_dir: Path, ema: bool = False)
     lycoris = {"algo": method, **({"factor": str(cfg.adapter.factor)} if method == "lokr" else {})}
     out.update({
         # LoKr and LoHa as LyCORIS' kohya module names them (sd-scripts' --network_module lycoris.kohya)
-        "ss_network_module": "lycoris.kohya" if method in ("lokr", "loha") else "networks.lora",
+        "ss_network_module": "lycoris.kohya" if method in schema.LYCORIS_METHODS else "networks.lora",
         "ss_network_dim": str(rank),
         "ss_network_alpha": str(alpha),
         "ss_base_model_version": kohya_version(cfg, family),
@@ -106,7 +108,7 @@ def kohya_lora(cfg: DictConfig, model: Family, run_dir: Path, ema: bool = False)
         "ss_batch_size_per_device": str(cfg.train.micro_batch_size),
         "ss_noise_offset": str(cfg.train.noise_offset),
         "ss_min_snr_gamma": str(cfg.train.min_snr_gamma),
-        "ss_network_args": json.dumps({**(lycoris if method in ("lokr", "loha") else {}),
+        "ss_network_args": json.dumps({**(lycoris if method in schema.LYCORIS_METHODS else {}),
                                        "targets": list(cfg.adapter.targets), "dropout": cfg.adapter.dropout}),
         "ss_training_comment": "ds_trainer",
     })
