@@ -27,6 +27,7 @@ CLIENT = {"adamwtorch": "adamw_torch", "torchadamw": "adamw_torch", "adamw8bit":
 # precision.weight_update=kahan: the optimizer a user names steps as optimi's Kahan-summed twin (the same update, with a
 # bf16 compensation buffer per weight), built by ds_trainer. Not names a user gives: the resolved name runs record.
 KAHAN = {"adam": "adam_kahan", "adamw": "adamw_kahan", "adamw_torch": "adamw_kahan", "lion": "lion_kahan"}
+KAHAN_OPTIMIZERS = frozenset(KAHAN.values())
 # What each client optimizer is, as the log and config.yaml name it: (module, class).
 CLIENT_CLASS = {"adamw_torch": ("torch.optim", "AdamW"), "adamw8bit": ("bitsandbytes.optim", "AdamW8bit"),
                 "prodigy": ("prodigyopt", "Prodigy"), "schedule_free_adamw": ("schedulefree", "AdamWScheduleFree"),
@@ -36,14 +37,14 @@ _OPTIMI = ("optimi", "pip install -c constraints.txt torch-optimi")
 CLIENT_PACKAGE = {"adamw8bit": ("bitsandbytes", "pip install -c constraints.txt bitsandbytes"),
                   "prodigy": ("prodigyopt", "pip install -c constraints.txt prodigyopt"),
                   "schedule_free_adamw": ("schedulefree", "pip install -c constraints.txt schedulefree"),
-                  **{name: _OPTIMI for name in KAHAN.values()}}
+                  **{name: _OPTIMI for name in KAHAN_OPTIMIZERS}}
 # Optimizers with state kept per step in their param groups, not per element (Prodigy's step size d from sums over
 # every parameter, schedule-free's step count k and average weights): each `step()` call must see every trained
 # parameter once. ZeRO-3 calls `step()` once per sub-group, so they need one sub-group (see config/checks/resolve.py).
 GLOBAL_STATE = frozenset({"prodigy", "schedule_free_adamw"})
 # Optimizers that count their steps in each parameter group (optimi's: one `step` per group, not per tensor): a
 # ZeRO-3 step() per sub-group would count one optimizer step several times, so they too take one sub-group.
-ONE_STEP_CALL = GLOBAL_STATE | frozenset(KAHAN.values())
+ONE_STEP_CALL = GLOBAL_STATE | KAHAN_OPTIMIZERS
 # Optimizers whose state is kept elementwise in fp32 (what DeepSpeed's NVMe swapper and the portable state's Adam
 # moments assume): the Adam family, DeepSpeed's and torch's.
 FP32_MOMENTS = frozenset({"adam", "adamw", "adamw_torch"})
@@ -145,7 +146,7 @@ def is_client(name: str | None) -> bool:
 
 def known() -> tuple[str, ...]:
     """Every optimizer name a user can give: DeepSpeed's and ds_trainer's own."""
-    return (*deepspeed_optimizers(), *(name for name in CLIENT_CLASS if name not in KAHAN.values()))
+    return (*deepspeed_optimizers(), *(name for name in CLIENT_CLASS if name not in KAHAN_OPTIMIZERS))
 
 
 def stepping(optimizer_name: str, update: str) -> str | None:

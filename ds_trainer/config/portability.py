@@ -15,7 +15,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from ds_trainer.config import schema
+from ds_trainer.config import optimizers, schema
 from ds_trainer.config.ds_config import option_name
 from ds_trainer.config.problems import Problem
 
@@ -46,7 +46,7 @@ def layout(cfg: DictConfig) -> dict[str, Any]:
             **({"optimizer_kernel": "client"} if str(cfg.resolved.optimizer) == "adamw_torch" else {}),
             # optimi's Kahan-summed optimizer (precision.weight_update=kahan): its state (a compensation beside the
             # moments) in a client optimizer's files; absent otherwise.
-            **({"optimizer_kernel": "kahan"} if str(cfg.resolved.optimizer).endswith("_kahan") else {})}
+            **({"optimizer_kernel": "kahan"} if str(cfg.resolved.optimizer) in optimizers.KAHAN_OPTIMIZERS else {})}
 
 
 def identity(cfg: DictConfig) -> dict[str, Any]:

@@ -88,7 +88,7 @@ def _client_optimizer(cfg: DictConfig, name: str, info: hardware.PlatformInfo) -
     if package is not None and importlib.util.find_spec(package[0]) is None:
         out.append(Problem("optimizer.name", name, f"needs the {package[0]} package, which is not installed",
                            f"{package[1]} (the README's setup installs it), or optimizer=adamw"))
-    if ds_config.placement(cfg)[0] == "nvme" and name not in optimizers.KAHAN.values():  # (kahan: backend's rule)
+    if ds_config.placement(cfg)[0] == "nvme" and name not in optimizers.KAHAN_OPTIMIZERS:  # (kahan: backend's rule)
         out.append(Problem("offload", "nvme", f"DeepSpeed swaps only its own optimizers' state to NVMe; {name} is "
                            "built by ds_trainer", "offload=cpu, or optimizer=adamw (DeepSpeed's CPU Adam swaps)"))
     if name == "adamw8bit" and cfg.zero.backend.value == "fsdp":

@@ -29,7 +29,7 @@ def resolve(cfg: DictConfig, info: hardware.PlatformInfo | None = None) -> tuple
     cfg.offload.nvme_path = os.path.abspath(cfg.offload.nvme_path)
     info = info or hardware.detect(cfg.platform.value)
     warnings = _platform(cfg, info) + _nvme_below_stage3(cfg) + _pure(cfg)
-    optimizer, substituted = optimizers.resolve(cfg.optimizer.name)
+    _, substituted = optimizers.resolve(cfg.optimizer.name)
     warnings += [substituted] if substituted else []
     optimizer = optimizers.stepping(cfg.optimizer.name, cfg.precision.weight_update.value)
     warnings += _kahan(cfg, optimizer)
@@ -81,7 +81,7 @@ def _pure(cfg: DictConfig) -> list[str]:
 
 def _kahan(cfg: DictConfig, optimizer: str | None) -> list[str]:
     """precision.weight_update=kahan: the named optimizer steps as optimi's Kahan-summed twin, said and recorded."""
-    if cfg.precision.weight_update.value != "kahan" or optimizer is None or optimizer not in optimizers.KAHAN.values():
+    if cfg.precision.weight_update.value != "kahan" or optimizer not in optimizers.KAHAN_OPTIMIZERS:
         return []
     module, cls = optimizers.CLIENT_CLASS[optimizer]
     return [f"precision.weight_update=kahan: optimizer={cfg.optimizer.name} steps as {module}.{cls} with Kahan "

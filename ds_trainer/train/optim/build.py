@@ -78,7 +78,7 @@ def optimizer(cfg: DictConfig, params: list[Any], fused: bool = True) -> Any:
             return Prodigy(params, **block["params"], fsdp_in_use=resolve.partitioned_over_ranks(cfg))
     if name == "schedule_free_adamw":
         return _schedule_free(params, block)
-    if name in optimizers.KAHAN.values():
+    if name in optimizers.KAHAN_OPTIMIZERS:
         return _kahan(name, params, block)
     torch_class = {"Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW, "Adagrad": torch.optim.Adagrad,
                    "adamw_torch": torch.optim.AdamW}[block["type"]]

@@ -303,10 +303,11 @@ def _prefill(engine: Any, base: Any, t: int) -> None:
         for group in base.param_groups:  # ZeRO-0: the basic optimizer holds the module's parameters
             group["step"] = t
         return
+    compensated = kahan.is_kahan(base)
     for flat in flats:
         base.state[flat] = {"step": _step_value(base, t), "exp_avg": torch.zeros_like(flat),
                             "exp_avg_sq": torch.zeros_like(flat)}
-        if kahan.is_kahan(base):
+        if compensated:
             kahan.fill(base, flat)
     if hasattr(zero, "_lazy_init_hp_params_optimizer_state"):  # ZeRO-1/2 link lazily, after the first step
         zero._hp_optimizer_states_linked = False

@@ -17,14 +17,18 @@ import torch
 COMP = "kahan_comp"
 
 
+def _is_optimi(base: Any) -> bool:
+    return type(base).__module__.split(".")[0] == "optimi"
+
+
 def is_kahan(base: Any) -> bool:
     """Whether `base` (the optimizer that holds the state) is one of optimi's, summing with compensation."""
-    return type(base).__module__.split(".")[0] == "optimi" and any(g.get("kahan_sum") for g in base.param_groups)
+    return _is_optimi(base) and any(g.get("kahan_sum") for g in base.param_groups)
 
 
 def step_count(base: Any) -> int | None:
     """optimi's step count (its groups step together), or None for another optimizer."""
-    if type(base).__module__.split(".")[0] != "optimi":
+    if not _is_optimi(base):
         return None
     return max((int(g["step"]) for g in base.param_groups if g.get("setup")), default=0)
 
@@ -53,4 +57,4 @@ def set_clock(base: Any, t: int) -> None:
 def fill(base: Any, tensor: torch.Tensor) -> None:
     """Zero compensation for `tensor` beside the moments a carry made for it (optimi would otherwise take a state
     without one for a fresh one and zero the carried moments at its first step)."""
-    base.state[tensor].setdefault(COMP, torch.zeros_like(tensor))
+    base.state[tensor][COMP] = torch.zeros_like(tensor)
