@@ -54,6 +54,12 @@ class Attention(str, Enum):
     math = "math"  # the unfused reference: every device, most memory
 
 
+class Compile(str, Enum):
+    none = "none"  # eager
+    blocks = "blocks"  # torch.compile each repeated block of the trained module (model.compile_blocks)
+    full = "full"  # torch.compile the whole trained module (one graph where it traces; longer to compile)
+
+
 class WeightUpdate(str, Enum):
     nearest = "nearest"  # the update is added and rounded to the weight's dtype (what DeepSpeed and FSDP do)
     kahan = "kahan"  # bf16 weights keep a bf16 compensation of what rounding lost (optimi's Kahan summation)
@@ -328,6 +334,10 @@ class ModelConfig:
     # The trained module's repeated blocks: FSDP's units (zero.fsdp_wrap follows them), the planner's checkpointed
     # layers. SDXL's UNet: its attention and ResNet blocks; SD3's transformer: JointTransformerBlock.
     blocks: list[str] = field(default_factory=lambda: ["BasicTransformerBlock", "ResnetBlock2D"])
+    # train.compile=blocks: the blocks compiled one by one, each class's instances sharing its compiled code (diffusers'
+    # `_repeated_blocks`). SDXL: its transformer blocks only (its ResNet blocks change width at each level, and every
+    # width would compile again).
+    compile_blocks: list[str] = field(default_factory=lambda: ["BasicTransformerBlock"])
 
 
 # Each family's text encoders, as data.text_encoder_dropout names them (families' text_parts say where each sits).
@@ -444,6 +454,10 @@ class TrainConfig:
     # attention calls): `sdpa` lets torch pick; a named one is the only kernel allowed there, in training, samples and
     # validation (the VAE and the text encoders keep torch's pick).
     attention: Attention = Attention.sdpa
+    # torch.compile (inductor) on the trained module: `blocks` each of its repeated blocks (model.compile_blocks: one
+    # compiled code shared by the blocks of a shape), `full` the whole module. Compilation's time is reported apart
+    # from s/it (summary.json: compile_s); a new shape (a bucket, a sample's batch) compiles again once.
+    compile: Compile = Compile.none
     # 0: save only at the end.
     checkpoint_every: int = 0
     # Also save when this much wall time has passed since the last checkpoint (0: never by time), so that what no
@@ -626,6 +640,9 @@ class TuneConfig:
     # state or an NF4 base may let a lower ZeRO stage or a larger micro batch fit); empty: the training's own.
     adapter: list[str] = field(default_factory=list)
     quantize: list[str] = field(default_factory=list)
+    # train.compile to search too (e.g. [none,blocks]): a cell's s/it leaves its compile time out (measured apart,
+    # the compile_s column), and the winner says whether compiling pays.
+    compile: list[str] = field(default_factory=list)
     warmup_steps: int = 2
     timed_steps: int = 5
     # Seconds per cell, start-up included: a cell still running then is stopped and counts as a hang.

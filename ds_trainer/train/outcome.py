@@ -19,6 +19,7 @@ from omegaconf import DictConfig
 
 from ds_trainer.config import distributed
 from ds_trainer.errors import Stopped, TrainingError
+from ds_trainer.train.families import compiled
 from ds_trainer.train.observe import metrics
 from ds_trainer.train.process import oom, rendezvous, stop
 from ds_trainer.train.process.stop import Interrupted
@@ -61,7 +62,9 @@ class Outcome:
         rows = tracker.rows if tracker else []
         summary = {**metrics.summarize(cfg, rows, self.status, self.message, world, nodes,
                                        validations=tracker.validations if tracker else None),
-                   **(tracker.facts if tracker else {})}
+                   **(tracker.facts if tracker else {}),
+                   **({"compile_s": round(compiled.CLOCK.seconds, 3), "compilations": compiled.CLOCK.count}
+                      if compiled.CLOCK.count else {})}
         if accelerator.is_main_process if accelerator is not None else distributed.is_main():
             metrics.write_summary(run_dir, summary)
             metrics.print_summary(summary, run_dir)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ds_trainer.train.families import compiled
 from ds_trainer.train.observe import metrics
 
 if TYPE_CHECKING:
@@ -58,7 +59,7 @@ class TrainStep:
         self._norm: Any = None  # measured where the backend clips before its optimizer step
 
     def __call__(self, step: int) -> Outcome:
-        start, data_wait = time.perf_counter(), 0.0
+        start, data_wait, compiling = time.perf_counter(), 0.0, compiled.seconds()
         logging = step % self.log_every == 0 or step == self.max_steps
         loss_sum = None
         self._parts.zero_()
@@ -82,9 +83,10 @@ class TrainStep:
         self.stop.announce(self.progress)
         values = torch.cat([(loss_sum.detach().float() / self.accum).reshape(1), self._flags, self._parts])
         mean_loss, stopping, due, *parts = self.accelerator.reduce(values, reduction="mean").tolist()
-        elapsed = time.perf_counter() - start
+        compiling = compiled.seconds() - compiling  # train.compile: reported apart, not in s/it
+        elapsed = time.perf_counter() - start - compiling
         if logging:
-            self._log(step, mean_loss, grad_norm, elapsed, data_wait, parts)
+            self._log(step, mean_loss, grad_norm, elapsed, data_wait, parts, compiling)
         if self.progress is not None:
             self.progress.update(1)
         return Outcome(stop=stopping > 0, save=due > 0)
@@ -107,7 +109,7 @@ class TrainStep:
         return loss
 
     def _log(self, step: int, mean_loss: float, grad_norm: float | None, elapsed: float, data_wait: float,
-             parts: list[float]) -> None:
+             parts: list[float], compiling: float) -> None:
         values: dict[str, Any] = {"loss": mean_loss, "lr": learning_rate(self.optimizer, self.scheduler),
                                   **({"loss_regularization": parts[0] / parts[1]} if parts[1] else {}),
                                   **({"loss_images": parts[2] / parts[3]} if parts[1] and parts[3] else {}),
@@ -118,6 +120,8 @@ class TrainStep:
                                   "host_rss_peak_mib": metrics.host_rss_peak_mib(), **metrics.gpu_memory(self.device)}
         if grad_norm is not None:
             values["grad_norm"] = grad_norm
+        if compiling:
+            values["compile_s"] = compiling
         self.tracker.log(step, values)
         if self.progress is not None:
             self.progress.set_postfix(loss=f"{mean_loss:.4f}", s_it=f"{elapsed:.2f}", mem=_mem_text(values),

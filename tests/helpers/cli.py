@@ -27,7 +27,7 @@ def run_cli(*args: str, cwd: Path, env: dict[str, str] | None = None, timeout: i
 # (indented lines under "ds_trainer: <status>"), W&B's own lines. Anything else (a library's warning, a
 # traceback's first line) is chatter a user should not have to read.
 OUR_LINE = re.compile(r"\[[^]]+\]\[ds_trainer(\.[\w.]+)?\]\[[A-Z]+\] - |ds_trainer: |wandb: |  \S|$")
-PROGRESS_BAR = re.compile(r"train:\s+\d+%\|[^|]*\|\s*\d+/\d+\s*\[[^\]]*\]")
+PROGRESS_BAR = re.compile(r"(?:train|sampling \d+ images?):\s+\d+%\|[^|]*\|\s*\d+/\d+\s*\[[^\]]*\]")
 
 
 def terminal_chatter(stderr: str) -> list[str]:

@@ -1,5 +1,5 @@
-"""`precision` on this machine: the dtypes its device computes in, and the attention kernel it computes with
-(`train.attention`). Torch-free, read-only.
+"""`precision` on this machine: the dtypes its device computes in, the attention kernel it computes with
+(`train.attention`), and the compiler that builds its kernels (`train.compile`). Torch-free, read-only.
 
 (What each precision means under a backend is `resolve.precision_meaning`; bf16 masters under a backend that keeps
 fp32 ones are `backend`'s rule.)
@@ -7,9 +7,12 @@ fp32 ones are `backend`'s rule.)
 
 from __future__ import annotations
 
+import importlib.util
+import shutil
+
 from omegaconf import DictConfig
 
-from ds_trainer.config import hardware
+from ds_trainer.config import ds_config, hardware
 from ds_trainer.config.problems import Problem
 
 
@@ -28,7 +31,7 @@ def problems(cfg: DictConfig, info: hardware.PlatformInfo) -> list[Problem]:
                            "whole, its hidden states are clamped to about 65504 and cached wrong for good), and "
                            "the SD3/Flux transformers' activations leave fp16's range (diffusers runs them in bf16 "
                            "or fp32)", "precision=bf16 (GPUs from Ampere on), or precision=fp32"))
-    return out + _attention(cfg, info)
+    return out + _attention(cfg, info) + _compile(cfg, info)
 
 
 def _attention(cfg: DictConfig, info: hardware.PlatformInfo) -> list[Problem]:
@@ -51,3 +54,35 @@ def _attention(cfg: DictConfig, info: hardware.PlatformInfo) -> list[Problem]:
         return [Problem("train.attention", kernel, "FlashAttention computes in fp16 or bf16, and precision=fp32 "
                         "runs attention in fp32", "precision=bf16, or train.attention=efficient (fp32 too)")]
     return []
+
+
+def _compile(cfg: DictConfig, info: hardware.PlatformInfo) -> list[Problem]:
+    """train.compile: what inductor needs to build kernels here, and the layers whose hooks or state torch.compile
+    cannot trace (every such layer splits the compiled blocks into pieces that compile again for each shape until
+    torch's recompile limit, 8, sends them back to eager: minutes of compiling for no speed)."""
+    mode = cfg.train.compile.value
+    if mode == "none":
+        return []
+    out, fix = [], "train.compile=none"
+    if ds_config.zero_option(cfg) == "stage3":
+        out.append(Problem("train.compile", mode, "ZeRO-3 gathers each submodule's parameters in forward hooks that "
+                           "DeepSpeed marks torch.compiler.disable: every layer of a compiled block is a graph break, "
+                           "each layer compiles again for every parameter shape until torch's recompile limit sends "
+                           "it back to eager (measured on the tiny UNet: 104 compilations, none of the blocks whole)",
+                           "zero=fsdp_full_shard (FSDP2 shards like ZeRO-3 and its hooks trace: whole blocks "
+                           "compile), or zero=stage2, or " + fix))
+    if cfg.quantize.kind.value == "int8":
+        out.append(Problem("train.compile", mode, "bitsandbytes' LLM.int8 layers (quantize=int8) keep a matmul state "
+                           "object torch.compile does not trace: each int8 layer breaks the compiled block and "
+                           "compiles again for every shape until torch's recompile limit sends it back to eager",
+                           "quantize=nf4 (its 4-bit layers trace), or " + fix))
+    if info.kind == "cpu" and not any(shutil.which(cxx) for cxx in ("g++", "c++", "clang++")):
+        out.append(Problem("train.compile", mode, "torch.compile's inductor builds CPU kernels with a C++ compiler, "
+                           "and none is on PATH (g++, c++, clang++)", "apt-get install g++, or " + fix))
+    if info.kind == "cuda" and importlib.util.find_spec("triton") is None:
+        out.append(Problem("train.compile", mode, "torch.compile's inductor writes CUDA kernels in Triton, which is "
+                           "not installed", "pip install triton (the version torch's wheel names), or " + fix))
+    if info.kind not in ("cpu", "cuda"):
+        out.append(Problem("train.compile", mode, f"inductor's kernels are built for CPUs and CUDA GPUs; this run is "
+                           f"on {info.kind}", fix))
+    return out

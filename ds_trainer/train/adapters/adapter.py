@@ -247,7 +247,8 @@ def quantize_base(cfg: DictConfig, model: torch.nn.Module, device: torch.device)
     kind = cfg.quantize.kind.value
     compute = common.lora_base_dtype(cfg) or torch.float32
     model.requires_grad_(False)
-    done = quantize.apply(model, kind, compute, device, float(cfg.quantize.threshold))
+    done = quantize.apply(model, kind, compute, device, float(cfg.quantize.threshold),
+                          compiled=cfg.train.compile.value != "none")
     # peft's bitsandbytes dispatch reads these (transformers sets them when it loads a quantized model)
     model.is_loaded_in_8bit, model.is_loaded_in_4bit = kind == "int8", kind == "nf4"  # type: ignore[assignment]
     log.info("quantize=%s: %d linear layers of the %s's frozen base as %s, %.1f MiB (%.1f MiB before); samples "

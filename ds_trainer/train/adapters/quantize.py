@@ -35,9 +35,10 @@ def linears(module: torch.nn.Module) -> list[tuple[str, torch.nn.Linear]]:
 
 
 def apply(module: torch.nn.Module, kind: str, compute_dtype: torch.dtype, device: torch.device,
-          threshold: float = 6.0) -> Quantized:
+          threshold: float = 6.0, compiled: bool = False) -> Quantized:
     """Replace every `nn.Linear` of `module` by its quantized counterpart on `device`, frozen; `compute_dtype` is
-    what the layer computes in (the training precision's 16-bit type, float32 under fp32)."""
+    what the layer computes in (the training precision's 16-bit type, float32 under fp32); `compiled`: the module
+    will run under torch.compile (train.compile)."""
     import bitsandbytes as bnb
 
     layers = linears(module)
@@ -54,11 +55,13 @@ def apply(module: torch.nn.Module, kind: str, compute_dtype: torch.dtype, device
                                           compress_statistics=True, quant_type="nf4", device="meta")
             quantized.weight = bnb.nn.Params4bit(weight.to(compute_dtype), requires_grad=False,
                                                  compress_statistics=True, quant_type="nf4", module=quantized)
-            if linear.in_features % NF4_BLOCK:
+            if linear.in_features % NF4_BLOCK or compiled:
                 # On a CPU with AVX512-BF16 bitsandbytes 0.50 repacks a 4-bit weight at its first inference forward
                 # (samples, validation) in rows of whole blocks, and fails on a layer whose input width is not a
                 # multiple of the block ("shape '[128, 0]' is invalid": the tiny models' time embedding, 32 wide):
                 # such a layer keeps the unpacked kernel. (SDXL's, SD3's and Flux's layers are all multiples of 64.)
+                # Under torch.compile the repacked weight's fake kernel has the wrong shape ("expected size
+                # 2048==64"): a compiled module keeps the unpacked kernel in every layer.
                 quantized.support_avx512bf16_for_cpu = False
         elif kind == "int8":
             quantized = bnb.nn.Linear8bitLt(*shape, bias=bias is not None, has_fp16_weights=False,

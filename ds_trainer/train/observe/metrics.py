@@ -306,6 +306,9 @@ def print_summary(summary: dict[str, Any], run_dir: Path) -> None:
                      f"{cache['dir']}")
     if "median_s_per_it" in summary:
         lines.append(f"  median {summary['median_s_per_it']:.3f} s/it, {summary['images_per_s']:.2f} images/s")
+    if "compile_s" in summary:
+        lines.append(f"  torch.compile: {summary['compile_s']:.1f} s in {summary['compilations']} compilations "
+                     "(not in s/it)")
     if "gpu_mem_peak_allocated_mib" in summary:
         lines.append(f"  peak GPU memory {summary['gpu_mem_peak_allocated_mib']:.0f} MiB allocated, "
                      f"{summary['gpu_mem_peak_reserved_mib']:.0f} MiB reserved")
