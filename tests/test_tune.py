@@ -342,3 +342,30 @@ def test_adapters_and_quantized_bases_are_axes_each_cell_checked_and_planned_wit
     assert {dict(c.levers)["adapter"] for c in tune_space.space(cfg.tune, {"adapter": "lokr"}, 1, 1)} == {"lokr"}
     plain = tune_space.space(make_cfg("tune.zero=[stage2]", "tune.offload=[none]").tune, {}, 1, 1)
     assert not {"adapter", "quantize"} & set(outputs.columns(plain))
+
+
+def test_compile_is_a_lever_its_seconds_a_column_apart_from_s_per_it() -> None:
+    """tune.compile=[none,blocks] doubles the space; a cell that compiles runs with train.compile=blocks, under ZeRO-3
+    it is invalid with the reason (the check's), and its compile seconds get their own column."""
+    from ds_trainer.tools.tune import outputs
+    from ds_trainer.tools.tune import space as tune_space
+
+    cfg = make_cfg("model=sdxl_tiny", "world_size=1", "tune.zero=[stage2,stage3]", "tune.offload=[none]",
+                   "tune.micro_batch_size=[1]", "tune.gradient_checkpointing=[false]", "tune.compile=[none,blocks]")
+    cells = tune_space.space(cfg.tune, {}, 1, 1)
+    assert sorted(c.label for c in cells) == sorted(f"{z}/none b1x1 compile={m}" for z in ("stage2", "stage3")
+                                                    for m in ("none", "blocks"))
+    tune_space.plan_cells(cells, lambda overrides: make_cfg(*overrides), ["model=sdxl_tiny", "world_size=1"], None,
+                          None, 1.0)
+    by = {(c.zero, dict(c.levers)["compile"]): c for c in cells}
+    assert "train.compile=blocks" in by["stage2", "blocks"].overrides()
+    assert by["stage3", "blocks"].status == "invalid" and "torch.compiler.disable" in (by["stage3", "blocks"].message
+                                                                                       or "")
+    assert by["stage2", "blocks"].status == "planned" and by["stage3", "none"].status == "planned"
+    by["stage2", "blocks"].result = {"summary": {"compile_s": 14.2}, "s_per_it": 0.1, "images_per_s": 10.0}
+    assert {"compile", "compile_s"} <= set(outputs.columns(cells)) and "quantize" not in outputs.columns(cells)
+    assert outputs.row(by["stage2", "blocks"])["compile_s"] == 14.2
+    base, fixed = tune_space.split_overrides(["train.compile=blocks", "zero=stage2"])
+    assert fixed == {"compile": "blocks", "zero": "stage2"} and base == []
+    assert {dict(c.levers)["compile"] for c in tune_space.space(cfg.tune, fixed, 1, 1)} == {"blocks"}
+    assert "compile_s" not in outputs.columns(tune_space.space(make_cfg("tune.zero=[stage2]").tune, {}, 1, 1))

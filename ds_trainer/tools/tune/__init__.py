@@ -1,7 +1,7 @@
 """The fastest configuration that fits, measured: `python -m ds_trainer.tune [training overrides] [tune.*]`.
 
 1. The space: tune.zero x tune.offload x tune.micro_batch_size x tune.gradient_checkpointing (x tune.optimizer,
-   tune.adapter and tune.quantize when given), the
+   tune.adapter, tune.quantize and tune.compile when given), the
    accumulation derived from tune.global_batch (images per optimizer step) or, when that is null, the
    training's own. An axis set on the command line (e.g. `zero=stage3`) is held at that value.
 2. Cells the configuration check rejects are dropped (`invalid`); the planner (tools/plan/, calibrated

@@ -16,16 +16,19 @@ from ds_trainer.tools.plan.calibration import Calibration
 from ds_trainer.tools.tune.space import GIB, LEVERS, Cell, override_key
 
 COLUMNS = ("cell", "zero", "offload", "micro_batch_size", "gradient_accumulation_steps", "gradient_checkpointing",
-           "optimizer", "adapter", "quantize", "status", "predicted_peak_gib", "measured_peak_gib", "measure",
-           "s_per_it", "images_per_s", "val_loss", "load_before", "load_after", "others", "message")
+           "optimizer", "adapter", "quantize", "compile", "status", "predicted_peak_gib", "measured_peak_gib",
+           "measure", "s_per_it", "images_per_s", "compile_s", "val_loss", "load_before", "load_after", "others",
+           "message")
 
 
 def columns(cells: list[Cell]) -> tuple[str, ...]:
     """The table's columns: `val_loss` only when cells ran to the end with `validation=on` (a tune's cells are
     short; with validation off, or cells stopped at their time limit, there is no value to show, and none is made
-    up); `adapter` and `quantize` only when the tune searched them."""
+    up); `adapter`, `quantize` and `compile` only when the tune searched them, `compile_s` (the seconds a cell
+    compiled, not in its s/it) with `compile`."""
+    searched = {lever for cell in cells for lever, _ in cell.levers}
     return tuple(c for c in COLUMNS if (c != "val_loss" or any(row(cell)["val_loss"] is not None for cell in cells))
-                 and (c not in LEVERS or any(c in dict(cell.levers) for cell in cells)))
+                 and (c not in LEVERS or c in searched) and (c != "compile_s" or "compile" in searched))
 
 
 @dataclass
@@ -61,6 +64,7 @@ def row(cell: Cell) -> dict[str, Any]:
             "status": cell.status,
             "predicted_peak_gib": cell.predicted_gib, "measured_peak_gib": peak, "measure": measure,
             "s_per_it": r.get("s_per_it"), "images_per_s": r.get("images_per_s"),
+            "compile_s": r.get("summary", {}).get("compile_s"),
             "val_loss": r.get("summary", {}).get("val_loss") if cell.status == "ok" else None,
             "load_before": r.get("load_before"), "load_after": r.get("load_after"),
             "others": "; ".join(r.get("others") or []), "message": cell.message}

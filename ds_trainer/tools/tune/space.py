@@ -14,9 +14,10 @@ from ds_trainer.config.problems import Problem, first_problem
 GIB = 2**30
 AXES = {"zero": "zero", "offload": "offload", "train.micro_batch_size": "micro_batch_size",
         "train.gradient_checkpointing": "gradient_checkpointing", "optimizer": "optimizer", "adapter": "adapter",
-        "quantize": "quantize"}
-# Config groups searched as levers (tune.adapter, tune.quantize): a cell's choice of each, when the tune searches it.
-LEVERS = ("adapter", "quantize")
+        "quantize": "quantize", "train.compile": "compile"}
+# Levers searched beside the axes (tune.adapter, tune.quantize, tune.compile), each with the override key it sets: a
+# cell's choice of each, when the tune searches it.
+LEVERS = {"adapter": "adapter", "quantize": "quantize", "compile": "train.compile"}
 # Set for measuring only; the winning line leaves them out.
 MEASURE_KEYS = ("train.max_steps", "train.export", "train.final_checkpoint", "train.checkpoint_every",
                 "train.log_every", "resume", "dry_run", "hydra.")
@@ -32,7 +33,7 @@ class Cell:
     accum: int
     ckpt: bool
     optimizer: str | None = None  # None: the training's own (tune.optimizer empty)
-    levers: tuple[tuple[str, str], ...] = ()  # (group, option) of each searched lever (`LEVERS`)
+    levers: tuple[tuple[str, str], ...] = ()  # (lever, option) of each searched lever (`LEVERS`)
     status: str = "planned"  # invalid | pruned | planned | ok | oom | error | timeout | over budget
     message: str | None = None
     predicted_gib: float | None = None
@@ -57,7 +58,7 @@ class Cell:
                 f"train.gradient_accumulation_steps={self.accum}",
                 f"train.gradient_checkpointing={str(self.ckpt).lower()}",
                 *([f"optimizer={self.optimizer}"] if self.optimizer else []),
-                *(f"{group}={option}" for group, option in self.levers)]
+                *(f"{LEVERS[lever]}={option}" for lever, option in self.levers)]
 
 
 class BadInput(Exception):
