@@ -180,6 +180,8 @@ def train_row(step: Step, run: Path) -> dict[str, Any]:
         notes.append(f"final loss {summary['final_loss']:.4g}")
     if summary.get("val_loss") is not None:
         notes.append(f"val loss {summary['val_loss']:.4g}")
+    if summary.get("compile_s") is not None:
+        notes.append(f"torch.compile {summary['compile_s']:.1f} s in {summary['compilations']} compilations")
     images = list(run.glob("samples/**/*.png"))
     if "samples=on" in step.args:
         notes.append(f"{len(images)} sample image(s)")

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-GPU_BUDGET_S = 500
+GPU_BUDGET_S = 540
 CPU_STEP_S = 90  # a tiny run takes 15-40 s on two busy cores
 
 
@@ -117,6 +117,14 @@ def correctness_steps(cpu: bool) -> list[Step]:
                "train.attention=" + ("math" if cpu else "cudnn") + ", adapter=lokr, a checkpoint at step 2",
                overrides={"zero": "stage3", "precision": "bf16_pure_kahan", "train.attention": "math" if cpu else
                           "cudnn", "adapter": "lokr", "train.checkpoint_every": "2"}, needs=("optimi",)),
+        # train.compile on CUDA: inductor's Triton kernels for the UNet's transformer blocks inside FSDP2's units,
+        # forward and backward, then a sample's no-grad forward compiled again; the efficient attention kernel (the
+        # CPU has flash and math only). Its compile seconds are in the row's summary (compile_s), apart from s/it.
+        _train("tiny_compile_fsdp", "correctness", t(40), "SDXL tiny, zero=fsdp_full_shard, train.compile=blocks, "
+               "train.attention=" + ("math" if cpu else "efficient") + ", samples",
+               overrides={"zero": "fsdp_full_shard", "train.compile": "blocks", "train.attention": "math" if cpu else
+                          "efficient", **EXTRAS, "train.ema": "false", "samples.ema": "false",
+                          "validation.ema": "false"}),
     ]
 
 
