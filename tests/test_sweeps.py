@@ -483,6 +483,27 @@ def test_report_says_what_each_cell_trained_and_how_many_parameters_each_part(tm
     assert report.labels(report.rows(tmp_path)) == ["unet", "unet lora + text encoders lora (both)"]
 
 
+def test_report_shows_a_compiled_cell_and_its_compile_seconds_apart(tmp_path: Path) -> None:
+    """+sweep=memory_levers' lora and lora_compile cells train the same thing: the label and a compile column tell
+    them apart, and the compile seconds (not in s/it) have their own column, shown only when a cell compiled."""
+    from ds_trainer.launch import report
+
+    _cell(tmp_path, 0, {"status": "ok", "zero": "stage2", "median_s_per_it": 0.5, "images_per_s": 2.0})
+    _cell(tmp_path, 1, {"status": "ok", "zero": "stage2", "median_s_per_it": 0.4, "images_per_s": 2.5,
+                        "compile_s": 14.25, "compilations": 3})
+    config = yaml.safe_load((tmp_path / "1" / ".hydra" / "config.yaml").read_text())
+    config |= {"train": {**config.get("train", {}), "compile": "blocks"}}
+    (tmp_path / "1" / "config.yaml").write_text(yaml.safe_dump(config))
+    report.write(tmp_path, use_wandb=False)
+    rows = report_rows(tmp_path)
+    assert [(r["compile"], r["compile_s"]) for r in rows] == [("", ""), ("blocks", "14.25")]
+    assert "| compile | compile s |" in (tmp_path / "report.md").read_text()
+    assert report.labels(report.rows(tmp_path)) == ["eager", "compile=blocks"]
+    plain = tmp_path / "plain"
+    _cell(plain, 0, {"status": "ok", "zero": "stage2", "median_s_per_it": 0.5, "images_per_s": 2.0})
+    assert not {"compile", "compile_s"} & set(report.columns(report.rows(plain)))
+
+
 @pytest.mark.slow
 def test_report_goes_to_wandb_when_the_cells_used_it(tmp_path: Path) -> None:
     _cell(tmp_path, 0, {"status": "ok", "zero": "stage2", "median_s_per_it": 0.5, "images_per_s": 2.0})

@@ -22,13 +22,13 @@ from ds_trainer.config.ds_config import option_name
 
 COLUMNS = ("cell", "zero", "offload", "resolution", "micro_batch_size", "world_size", "precision", "optimizer",
            "status", "gpu_mem_peak_allocated_mib", "gpu_mem_peak_reserved_mib", "host_rss_peak_mib", "median_s_per_it",
-           "images_per_s", "val_loss", "val_loss_ema", "gradient_accumulation_steps", "gradient_checkpointing",
-           "model", "trained", "trained_params", "sources", "message")
+           "images_per_s", "compile", "compile_s", "val_loss", "val_loss_ema", "gradient_accumulation_steps",
+           "gradient_checkpointing", "model", "trained", "trained_params", "sources", "message")
 HEADERS = {"micro_batch_size": "micro batch", "gradient_accumulation_steps": "accum", "gradient_checkpointing": "ckpt",
            "world_size": "world", "gpu_mem_peak_allocated_mib": "peak VRAM MiB",
            "gpu_mem_peak_reserved_mib": "reserved MiB", "host_rss_peak_mib": "host RSS MiB",
            "median_s_per_it": "median s/it", "images_per_s": "images/s", "val_loss": "val loss",
-           "val_loss_ema": "val loss EMA", "trained_params": "trained parameters",
+           "val_loss_ema": "val loss EMA", "trained_params": "trained parameters", "compile_s": "compile s",
            "sources": "samples per source (captions dropped, files skipped)"}
 # Quality is compared between cells that finished: a cell that failed or is still running shows no value (its last
 # validation scored weights that did not train to the end), never a zero.
@@ -61,6 +61,8 @@ def _row(cell: Path, root: Path) -> dict[str, Any]:
     if cfg:
         row["model"] = (cfg.get("model") or {}).get("name")
         row["trained"] = trained(cfg)
+        compiled = (cfg.get("train") or {}).get("compile", "none")
+        row["compile"] = None if compiled == "none" else compiled  # train.compile (its seconds: compile_s)
     counts = row.get("trained_parameters")
     if isinstance(counts, dict):
         row["trained_params"] = " + ".join(f"{name} {_count(n)}" for name, n in counts.items())
@@ -127,8 +129,9 @@ def fmt(value: Any) -> str:
 
 
 # Columns shown only when some cell has a value: the quality ones when a cell was validated (`validation=on`), what
-# trained (and the model) when the cells' folders say (runs before it was recorded, or summaries alone, do not).
-OPTIONAL = (*QUALITY, "model", "trained", "trained_params", "sources")
+# trained (and the model) when the cells' folders say (runs before it was recorded, or summaries alone, do not),
+# train.compile and its seconds when a cell compiled.
+OPTIONAL = (*QUALITY, "model", "trained", "trained_params", "sources", "compile", "compile_s")
 
 
 def columns(table: list[dict[str, Any]]) -> tuple[str, ...]:
@@ -162,7 +165,7 @@ def csv_text(table: list[dict[str, Any]]) -> str:
 
 
 AXES = ("model", "zero", "offload", "resolution", "micro_batch_size", "gradient_accumulation_steps",
-        "gradient_checkpointing", "precision", "optimizer", "trained", "world_size")
+        "gradient_checkpointing", "precision", "optimizer", "trained", "compile", "world_size")
 _SHORT = {"micro_batch_size": "b", "gradient_accumulation_steps": "accum ", "world_size": "ranks ",
           "gradient_checkpointing": "ckpt "}
 
@@ -176,6 +179,8 @@ def labels(table: list[dict[str, Any]]) -> list[str]:
             value = r.get(axis)
             if axis == "gradient_checkpointing":
                 parts.append("ckpt" if value else "no ckpt")
+            elif axis == "compile":
+                parts.append(f"compile={value}" if value else "eager")
             else:
                 parts.append(f"{_SHORT.get(axis, '')}{value}")
         return " ".join(parts)
