@@ -70,7 +70,8 @@ def _lora_shape(group: str, node: DictConfig, rank: int, targets: str) -> list[P
 
 
 def _quantize(cfg: DictConfig) -> list[Problem]:
-    """`quantize=int8|nf4`: a LoRA's frozen base, under the backends that keep bitsandbytes' weights whole."""
+    """`quantize=int8|nf4`: a LoRA's frozen base, under the backends that keep bitsandbytes' weights whole (and ZeRO-3,
+    which partitions nf4's packed weights held in the compute dtype)."""
     q = cfg.quantize
     kind = q.kind.value
     if kind == "none":
@@ -85,11 +86,13 @@ def _quantize(cfg: DictConfig) -> list[Problem]:
                            "and bitsandbytes keeps a quantized weight's scales on the parameter object, which the "
                            "shard would not carry", "zero=stage2 or zero=ddp (a LoRA's base is not sharded below "
                            "ZeRO-3; quantized it is a quarter of bf16's size), or quantize=none"))
-    elif option == "stage3":
+    elif option == "stage3" and kind == "int8":
         out.append(Problem("quantize", kind, "ZeRO-3 partitions every parameter of the module and gathers it in the "
-                           "training dtype; bitsandbytes' packed weights and their scales are not partitioned with it",
-                           "zero=stage2 or zero=ddp (a LoRA's base is not sharded below ZeRO-3; quantized it is a "
-                           "quarter of bf16's size), or quantize=none"))
+                           "training dtype; LLM.int8's weights are int8 tensors with their row scales on the parameter "
+                           "(bitsandbytes has no 16-bit storage for them, as it has for nf4)",
+                           "quantize=nf4 (under ZeRO-3 its packed weights are held in the compute dtype and "
+                           "partitioned), or zero=stage2 or zero=ddp (a LoRA's base is not sharded below ZeRO-3; "
+                           "quantized it is a quarter of bf16's size)"))
     if importlib.util.find_spec("bitsandbytes") is None:
         out.append(Problem("quantize", kind, "needs bitsandbytes, which is not installed",
                            "pip install 'bitsandbytes>=0.50' (CPU and CUDA wheels), or quantize=none"))

@@ -93,8 +93,7 @@ def estimate(cfg: DictConfig, zero: str, offload: str, world_size: int, activati
         params, grads, optimizer, host = lora.model_states(zero, offload, frozen, trained, module.largest_layer,
                                                                 world_size, params_offload, precision)
     if frozen and cfg.quantize.kind.value != "none":  # the UNet's frozen linear layers as bitsandbytes holds them
-        base_bytes = 4 if precision == "fp32" else 2
-        params -= quantized.saved(cfg.quantize.kind.value, quantized_layers(architecture(cfg)), base_bytes)
+        params, host = _quantized_base(cfg, zero, offload != "none" and params_offload, params, host, world_size)
     saved = moments_saved(cfg, zero, trained, world_size)
     if offload != "none" and zero not in ("ddp", "stage0"):
         host = max(0, host - int(saved * 1.5))  # the state lives on the host (as counted above, with its margin)
@@ -136,8 +135,23 @@ def estimate(cfg: DictConfig, zero: str, offload: str, world_size: int, activati
     sampling = samples.peak(cfg, params + grads + optimizer + buffers, module.params, architecture(cfg))
     return Estimate(zero, offload, params, grads, optimizer, activations, buffers, host, nvme_bytes, notes, sampling)
 
+def _quantized_base(cfg: DictConfig, zero: str, params_offloaded: bool, params: int, host: int,
+                    world_size: int) -> tuple[int, int]:
+    """(params, host) with the frozen base's linear layers quantized: below ZeRO-3 whole on each GPU; under ZeRO-3 a
+    partition of the packed weights per rank (or all on the host with the parameters offloaded) and every scale."""
+    kind, base_bytes = cfg.quantize.kind.value, 4 if cfg.precision.name.value == "fp32" else 2
+    layers = quantized_layers(architecture(cfg))
+    if zero != "stage3":
+        return params - quantized.saved(kind, layers, base_bytes), host
+    if params_offloaded:
+        return (params + quantized.scale_bytes(kind, layers),
+                max(0, host - int(quantized.packed_saved(layers, base_bytes) * 1.5)))
+    return params - quantized.saved(kind, layers, base_bytes, world_size), host
+
+
 def plan(cfg: DictConfig, world_size: int, activation_factor: float = 1.0) -> list[Estimate]:
-    """The estimate of every cell the config can run in, ZeRO's then FSDP2's (a quantized base: not ZeRO-3's or
-    FSDP2's, which the checks refuse)."""
+    """The estimate of every cell the config can run in, ZeRO's then FSDP2's (a quantized base: not FSDP2's, nor an
+    int8 one ZeRO-3's, which the checks refuse)."""
+    kind = cfg.quantize.kind.value
     return [estimate(cfg, zero, offload, world_size, activation_factor) for zero, offload in CELLS + FSDP_CELLS
-            if cfg.quantize.kind.value == "none" or not (zero == "stage3" or zero.startswith("fsdp"))]
+            if kind == "none" or not (zero.startswith("fsdp") or (zero == "stage3" and kind == "int8"))]

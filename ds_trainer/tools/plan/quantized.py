@@ -27,8 +27,22 @@ def layer_bytes(kind: str, weights: int, rows: int) -> int:
     return math.ceil(weights / 2) + blocks + 4 * math.ceil(blocks / 256) + 4 * (16 + 256) + 4
 
 
-def saved(kind: str, layers: list[tuple[int, int]], dtype_bytes: int) -> int:
-    """What quantizing `layers` takes off their weights held at `dtype_bytes` a weight (0 for quantize=none)."""
+def saved(kind: str, layers: list[tuple[int, int]], dtype_bytes: int, ranks: int = 1) -> int:
+    """What quantizing `layers` takes off their weights held at `dtype_bytes` a weight (0 for quantize=none), per
+    rank. `ranks` > 1: ZeRO-3, which partitions nf4's packed weights (held in 16-bit tensors: the same bytes) over
+    the ranks and leaves their scales and code books whole on each."""
     if kind == "none":
         return 0
-    return sum(dtype_bytes * weights - layer_bytes(kind, weights, rows) for weights, rows in layers)
+    if ranks == 1:
+        return sum(dtype_bytes * weights - layer_bytes(kind, weights, rows) for weights, rows in layers)
+    return packed_saved(layers, dtype_bytes) // ranks - scale_bytes(kind, layers)
+
+
+def packed_saved(layers: list[tuple[int, int]], dtype_bytes: int) -> int:
+    """What nf4's packed weights (half a byte a weight) take off `layers` held at `dtype_bytes` a weight."""
+    return sum(dtype_bytes * weights - math.ceil(weights / 2) for weights, _ in layers)
+
+
+def scale_bytes(kind: str, layers: list[tuple[int, int]]) -> int:
+    """The scales and code books beside nf4's packed weights of `layers` (ZeRO-3 leaves them whole on every rank)."""
+    return sum(layer_bytes(kind, weights, rows) - math.ceil(weights / 2) for weights, rows in layers)

@@ -2,7 +2,10 @@
 
 Every `nn.Linear` of the module (the UNet or transformer before its adapters are added, a frozen text encoder) is
 replaced by bitsandbytes' `Linear8bitLt` (LLM.int8: int8 weights, a scale per row) or `Linear4bit` (NF4 in blocks of
-64, the blocks' scales quantized again), quantized where it is moved to the run's device. peft adds its LoRA layers
+64, the blocks' scales quantized again), quantized where it is moved to the run's device. Under ZeRO-3 the 4-bit
+weights are packed into tensors of the compute dtype (bitsandbytes' `quant_storage`, as PEFT documents for ZeRO-3),
+so that DeepSpeed flattens, partitions and gathers them with the module's other 16-bit parameters; their scales stay
+on the parameter object, whole on every rank. peft adds its LoRA layers
 around them as it does around `nn.Linear` (its bitsandbytes dispatch), so the adapters' names, and the LoRA file
 written from them, are those of the unquantized base. Convolutions, norms and embeddings stay in the 16-bit type.
 """
@@ -34,11 +37,12 @@ def linears(module: torch.nn.Module) -> list[tuple[str, torch.nn.Linear]]:
     return [(name, m) for name, m in module.named_modules() if type(m) is torch.nn.Linear]
 
 
-def apply(module: torch.nn.Module, kind: str, compute_dtype: torch.dtype, device: torch.device,
-          threshold: float = 6.0, compiled: bool = False) -> Quantized:
+def apply(module: torch.nn.Module, kind: str, compute_dtype: torch.dtype, device: torch.device,  # noqa: PLR0913
+          threshold: float = 6.0, compiled: bool = False, storage: torch.dtype = torch.uint8) -> Quantized:
     """Replace every `nn.Linear` of `module` by its quantized counterpart on `device`, frozen; `compute_dtype` is
     what the layer computes in (the training precision's 16-bit type, float32 under fp32); `compiled`: the module
-    will run under torch.compile (train.compile)."""
+    will run under torch.compile (train.compile); `storage`: the dtype of the tensors nf4's packed weights are held
+    in (ZeRO-3: the compute dtype)."""
     import bitsandbytes as bnb
 
     layers = linears(module)
@@ -52,17 +56,21 @@ def apply(module: torch.nn.Module, kind: str, compute_dtype: torch.dtype, device
         quantized: torch.nn.Module
         if kind == "nf4":
             quantized = bnb.nn.Linear4bit(*shape, bias=bias is not None, compute_dtype=compute_dtype,
-                                          compress_statistics=True, quant_type="nf4", device="meta")
+                                          compress_statistics=True, quant_type="nf4", quant_storage=storage,
+                                          device="meta")
             quantized.weight = bnb.nn.Params4bit(weight.to(compute_dtype), requires_grad=False,
-                                                 compress_statistics=True, quant_type="nf4", module=quantized)
-            if linear.in_features % NF4_BLOCK or compiled:
+                                                 compress_statistics=True, quant_type="nf4", quant_storage=storage,
+                                                 module=quantized)
+            if linear.in_features % NF4_BLOCK or compiled or storage != torch.uint8:
                 # On a CPU with AVX512-BF16 bitsandbytes 0.50 repacks a 4-bit weight at its first inference forward
                 # (samples, validation) in rows of whole blocks, and fails on a layer whose input width is not a
                 # multiple of the block ("shape '[128, 0]' is invalid": the tiny models' time embedding, 32 wide):
                 # such a layer keeps the unpacked kernel. (SDXL's, SD3's and Flux's layers are all multiples of 64.)
                 # Under torch.compile the repacked weight's fake kernel has the wrong shape ("expected size
-                # 2048==64"): a compiled module keeps the unpacked kernel in every layer.
+                # 2048==64"): a compiled module keeps the unpacked kernel in every layer. The repack reads a uint8
+                # weight ("packed_weight should be [N, K/2]"): one held in 16-bit storage (ZeRO-3) keeps it too.
                 quantized.support_avx512bf16_for_cpu = False
+            quantized.register_forward_hook(_as_autocast)
         elif kind == "int8":
             quantized = bnb.nn.Linear8bitLt(*shape, bias=bias is not None, has_fp16_weights=False,
                                             threshold=threshold, device="meta")
@@ -73,12 +81,23 @@ def apply(module: torch.nn.Module, kind: str, compute_dtype: torch.dtype, device
         if bias is not None:
             quantized.bias = torch.nn.Parameter(bias.data.to(compute_dtype), requires_grad=False)
         quantized = quantized.to(device)  # bitsandbytes quantizes the weight as it moves
-        if quantized.weight.dtype not in (torch.int8, torch.uint8):
+        if quantized.weight.dtype not in (torch.int8, torch.uint8, storage):
             raise RuntimeError(f"{name}: bitsandbytes left the {kind} weight in {quantized.weight.dtype} on {device}")
         parent, _, child = name.rpartition(".")
         setattr(module.get_submodule(parent) if parent else module, child, quantized)
         after += weight_bytes(quantized.weight)
     return Quantized(len(layers), before, after)
+
+
+def _as_autocast(_module: torch.nn.Module, _args: object, output: torch.Tensor) -> torch.Tensor:
+    """A Linear4bit returns its input's dtype; under autocast (DDP's 16-bit training) nn.Linear returns autocast's.
+    An fp32 output there (the time embedding's projection, added to a ResNet block's bf16 activations) reaches a
+    GroupNorm whose parameters are bf16, which the CPU refuses ("mixed dtype (CPU): expect parameter to have scalar
+    type of Float") and a GPU computes in fp32: the output is cast as autocast casts nn.Linear's."""
+    kind = output.device.type
+    if torch.is_autocast_enabled(kind) and output.is_floating_point():
+        return output.to(torch.get_autocast_dtype(kind))
+    return output
 
 
 def weight_bytes(weight: torch.Tensor) -> int:
@@ -93,6 +112,19 @@ def weight_bytes(weight: torch.Tensor) -> int:
     if isinstance(scale, torch.Tensor):
         total += scale.numel() * scale.element_size()
     return total
+
+
+def partitioned_bytes(module: torch.nn.Module) -> tuple[int, int, int]:
+    """Under ZeRO-3: (this rank's partition of the packed 4-bit weights, all of them, their scales), in bytes."""
+    held = whole = scales = 0
+    for p in module.parameters():
+        if getattr(p, "quant_state", None) is None or not hasattr(p, "ds_tensor"):
+            continue
+        part = p.ds_tensor  # type: ignore[attr-defined]  # DeepSpeed's partition of the parameter
+        held += part.numel() * part.element_size()
+        whole += p.ds_numel * part.element_size()  # type: ignore[attr-defined]
+        scales += weight_bytes(p) - p.numel() * p.element_size()  # the gathered-away data counts 0 here
+    return held, whole, scales
 
 
 def resident_bytes(module: torch.nn.Module) -> int:
