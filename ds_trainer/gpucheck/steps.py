@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-GPU_BUDGET_S = 540
+GPU_BUDGET_S = 560
 CPU_STEP_S = 90  # a tiny run takes 15-40 s on two busy cores
 
 
@@ -117,6 +117,12 @@ def correctness_steps(cpu: bool) -> list[Step]:
                "train.attention=" + ("math" if cpu else "cudnn") + ", adapter=lokr, a checkpoint at step 2",
                overrides={"zero": "stage3", "precision": "bf16_pure_kahan", "train.attention": "math" if cpu else
                           "cudnn", "adapter": "lokr", "train.checkpoint_every": "2"}, needs=("optimi",)),
+        # An NF4 base under ZeRO-3: bitsandbytes' CUDA 4-bit kernels on weights packed in bf16 storage, partitioned
+        # and gathered by DeepSpeed, then a sample and the LoRA file (the CPU runs bitsandbytes' CPU kernels).
+        _train("tiny_nf4_zero3", "correctness", t(20), "SDXL tiny, zero=stage3, adapter=lora, quantize=nf4 (packed "
+               "in bf16, partitioned), samples", overrides={"zero": "stage3", "adapter": "lora", "quantize": "nf4",
+                                                           **EXTRAS, "train.ema": "false", "samples.ema": "false",
+                                                           "validation.ema": "false"}, needs=("bitsandbytes",)),
         # train.compile on CUDA: inductor's Triton kernels for the UNet's transformer blocks inside FSDP2's units,
         # forward and backward, then a sample's no-grad forward compiled again; the efficient attention kernel (the
         # CPU has flash and math only). Its compile seconds are in the row's summary (compile_s), apart from s/it.
