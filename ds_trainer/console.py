@@ -69,6 +69,22 @@ KNOWN = (
     Known("bitsandbytes.backends.cpu.ops", r"^Failed to load CPU gemm_4bit_forward from kernels-community",
           "bitsandbytes looks for an optional 4-bit matmul kernel package when it loads; optimizer=adamw8bit uses "
           "its 8-bit optimizer kernels, which it has"),
+    Known("torchao", r"^Failed to load \S+/torchao/_C_(mxfp8|cutlass_90a)\S*\.so: ",
+          "torchao's MX-format and CUTLASS sm90a kernels are CUDA builds for other torch versions; quantize=fp8's "
+          "weight-only float8 dequantizes in torch and never calls them (its layers are checked when quantized)"),
+    Known("torchao.kernel.intmm", r"^Warning: Detected no triton, on systems without Triton certain kernels will not "
+          r"work$", "torchao's int8 matmul kernels need Triton (CUDA); quantize=fp8's weight-only float8 does not use "
+          "them"),
+    Known("torch.utils._pytree", r"^<enum '(KernelPreference|ScaleCalculationMode)'> is an Enum subclass and is now "
+          r"natively supported by torch\.compile", "torchao 0.18 registers two of its enums with torch's pytree as "
+          "older torch versions needed; torch 2.13 says it no longer must (a deprecation for torchao)"),
+    Known("diffusers.quantizers.torchao.torchao_quantizer", r"^Unable to import `torchao` Tensor objects\. This may "
+          r"affect loading checkpoints serialized with `torchao`$",
+          "diffusers' torchao loader names tensor classes torchao 0.18 moved; it matters for loading a checkpoint "
+          "saved as torchao tensors, which ds_trainer never does (quantize=fp8 quantizes the loaded weights)"),
+    Known("py.warnings", r"peft/tuners/lora/torchao\.py:\d+: UserWarning: TorchaoLoraLinear was instantiated without "
+          r"`get_apply_tensor_subclass`", "peft cannot merge a LoRA into a torchao weight without it; ds_trainer never "
+          "merges: the LoRA files are written from the adapters, against the unquantized base"),
     Known("transformers.utils.import_utils", r"^`\w+ImageProcessor` requires torchvision \(not installed\); "
           r"falling back to `\w+ImageProcessorPil`",
           "the pipeline's image processors (for a safety checker SDXL does not have) fall back to PIL; training, "

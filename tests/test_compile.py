@@ -105,6 +105,23 @@ def test_compiled_blocks_and_the_whole_module_train_as_eager_under_fsdp2_and_ddp
 
 @pytest.mark.long
 @pytest.mark.slow
+@pytest.mark.parametrize(("model", "blocks"), [("sd3_tiny", "2 blocks (JointTransformerBlock)"),
+                                               ("flux_tiny", "2 blocks (FluxSingleTransformerBlock, "
+                                                             "FluxTransformerBlock)")])
+def test_the_flow_transformers_compile_their_blocks_and_train_as_eager(tmp_path: Path, model: str,
+                                                                       blocks: str) -> None:
+    """SD3's joint blocks and Flux's double- and single-stream blocks (model.compile_blocks), then a sample."""
+    eager = _ranks(tmp_path, 1, f"model={model}")
+    done = run_cli(*COMMON, f"model={model}", "train.compile=blocks", "samples=on", "samples.steps=2", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"compile: {blocks} of the trained module" in done.stderr
+    run = next(d for d in run_dirs(tmp_path) if d != eager)
+    losses = [[r["loss"] for r in _rows(d)] for d in (eager, run)]
+    assert losses[1] == pytest.approx(losses[0], rel=1e-4), losses
+
+
+@pytest.mark.long
+@pytest.mark.slow
 @pytest.mark.multiproc
 def test_a_lokr_on_kahan_summed_bf16_weights_compiles_under_fsdp2(tmp_path: Path) -> None:
     """The levers together: FSDP2 on two ranks, LoKr, bf16_pure_kahan (optimi's client optimizer), one SDPA kernel."""

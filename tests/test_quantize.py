@@ -131,7 +131,7 @@ def _unet() -> Any:
     return families.of(make_cfg()).load_trained(make_cfg())
 
 
-@pytest.mark.parametrize("kind", ["nf4", "int8"])
+@pytest.mark.parametrize("kind", ["nf4", "int8", "fp8"])
 def test_the_quantized_bases_bytes_in_memory_are_the_planners(kind: str) -> None:
     from ds_trainer.tools.plan import quantized
     from ds_trainer.train.adapters import quantize
@@ -163,9 +163,41 @@ def test_an_int8_base_trains_a_lora_under_ddp_with_torchs_adamw(workdir: Path) -
     assert (run_dir / "lora" / "pytorch_lora_weights.safetensors").exists()
 
 
+@pytest.mark.slow
+@pytest.mark.multiproc
+@pytest.mark.parametrize("zero", ["ddp", pytest.param("stage2", marks=pytest.mark.long)])
+def test_an_fp8_base_trains_a_lora_on_two_ranks_and_its_file_is_the_plain_bases(tmp_path: Path, zero: str) -> None:
+    """torchao's float8 weight-only base (frozen buffers DDP leaves out of its syncs), peft's torchao LoRA layer: the
+    loss falls over-fitting one batch, a sample is drawn on the fp8 model, the LoRA file names the plain layers, and
+    nothing but ds_trainer's lines reaches the terminal (torchao's and peft's known notes go to the log file)."""
+    from helpers.cli import terminal_chatter
+    from safetensors.torch import load_file
+
+    cmd = [*torchrun(2), "-m", "ds_trainer", *OVERFIT, "quantize=fp8", f"zero={zero}", "train.micro_batch_size=1",
+           "samples=on", "samples.every=0", "samples.steps=2", "samples.prompts=[a red cube]",
+           "train.final_checkpoint=false"]
+    result = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=900,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    (run_dir,) = run_dirs(tmp_path)
+    losses = _losses(run_dir)
+    assert sum(losses[-4:]) / 4 < 0.5 * sum(losses[:4]) / 4, losses
+    log = (run_dir / "ds_trainer.log").read_text()
+    assert "linear layers of the UNet's frozen base as torchao's float8 e4m3" in log
+    assert list((run_dir / "samples").glob("step_*/*.png"))
+    tensors = load_file(run_dir / "lora" / "pytorch_lora_weights.safetensors")
+    assert any(".ff.net.0.proj.lora_A." in key for key in tensors)
+    assert all(t.dtype == torch.float32 for t in tensors.values())
+    ours = [line for line in terminal_chatter(result.stderr) if "ds_trainer" in line or "torchao" in line
+            or "peft" in line or "_pytree" in line]
+    assert ours == [], ours
+
+
 @pytest.mark.parametrize(("change", "says"), [
     (["adapter=none"], "adapter=none trains every weight"),
     (["zero=stage3", "quantize=int8"], "LLM.int8's weights are int8 tensors"),
+    (["zero=stage3", "quantize=fp8"], "torchao's float8 weight is a tensor subclass"),
+    (["quantize=fp8", "adapter=dora"], "peft's LoRA layer on a torchao weight (quantize=fp8) has no DoRA"),
     (["zero=fsdp_full_shard"], "FSDP2 replaces each parameter with a sharded DTensor"),
     (["quantize=int8", "quantize.threshold=-1"], "quantize.threshold=-1"),
 ])

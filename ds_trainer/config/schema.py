@@ -112,6 +112,7 @@ class QuantizeKind(str, Enum):
     none = "none"
     int8 = "int8"
     nf4 = "nf4"
+    fp8 = "fp8"
 
 
 class TextEncoderMode(str, Enum):
@@ -545,7 +546,8 @@ class TextEncodersConfig:
 class QuantizeConfig:
     """`quantize` group: the frozen base of a LoRA run held quantized, with bitsandbytes: `int8`
     (LLM.int8: int8 weights with a scale per row, activation outliers above `threshold` in 16-bit) or `nf4` (4-bit
-    NormalFloat in blocks of 64, the QLoRA format, with the blocks' scales quantized again). Every `nn.Linear` of the
+    NormalFloat in blocks of 64, the QLoRA format, with the blocks' scales quantized again); or with torchao: `fp8`
+    (float8 e4m3 weights with an fp32 scale per row, weight-only). Every `nn.Linear` of the
     UNet or transformer is replaced before the adapters are added (convolutions, norms and embeddings stay 16-bit);
     the LoRA file is written against the unquantized base. Samples and validation run on the quantized model."""
 

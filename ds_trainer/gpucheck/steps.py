@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-GPU_BUDGET_S = 560
+GPU_BUDGET_S = 575
 CPU_STEP_S = 90  # a tiny run takes 15-40 s on two busy cores
 
 
@@ -123,6 +123,12 @@ def correctness_steps(cpu: bool) -> list[Step]:
                "in bf16, partitioned), samples", overrides={"zero": "stage3", "adapter": "lora", "quantize": "nf4",
                                                            **EXTRAS, "train.ema": "false", "samples.ema": "false",
                                                            "validation.ema": "false"}, needs=("bitsandbytes",)),
+        # An fp8 base under DDP: torchao's float8 weights on CUDA (frozen buffers DDP leaves out of its syncs), peft's
+        # torchao LoRA layer, a sample.
+        _train("tiny_fp8_ddp", "correctness", t(15), "SDXL tiny, zero=ddp, adapter=lora, quantize=fp8 (torchao), "
+               "samples", overrides={"zero": "ddp", "adapter": "lora", "quantize": "fp8", "samples": "on",
+                                     "samples.every": "0", "samples.steps": "2", "samples.prompts": "[a red cube]"},
+               needs=("torchao",)),
         # train.compile on CUDA: inductor's Triton kernels for the UNet's transformer blocks inside FSDP2's units,
         # forward and backward, then a sample's no-grad forward compiled again; the efficient attention kernel (the
         # CPU has flash and math only). Its compile seconds are in the row's summary (compile_s), apart from s/it.

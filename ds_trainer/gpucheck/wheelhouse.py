@@ -23,7 +23,7 @@ SETS = {
     # What `python -m ds_trainer` imports on its run path, with what those need that the machine lacks.
     "core": ["deepspeed", "hjson", "pydantic", "pydantic_core", "annotated-types", "typing-inspection",
              "typing_extensions", "diffusers", "importlib_metadata", "lazy-importer", "hydra-core", "omegaconf",
-             "antlr4-python3-runtime", "prodigyopt", "schedulefree", "torch-optimi", "submitit",
+             "antlr4-python3-runtime", "prodigyopt", "schedulefree", "torch-optimi", "torchao", "submitit",
              "hydra-submitit-launcher"],
     "bnb": ["bitsandbytes"],  # optimizer=adamw8bit; 43 MB alone
     "wandb": ["wandb", "cwevals", "opentelemetry-api", "opentelemetry-sdk",  # logger=wandb only

@@ -70,8 +70,8 @@ def _lora_shape(group: str, node: DictConfig, rank: int, targets: str) -> list[P
 
 
 def _quantize(cfg: DictConfig) -> list[Problem]:
-    """`quantize=int8|nf4`: a LoRA's frozen base, under the backends that keep bitsandbytes' weights whole (and ZeRO-3,
-    which partitions nf4's packed weights held in the compute dtype)."""
+    """`quantize=int8|nf4|fp8`: a LoRA's frozen base, under the backends that keep the quantized weights whole (and
+    ZeRO-3, which partitions nf4's packed weights held in the compute dtype)."""
     q = cfg.quantize
     kind = q.kind.value
     if kind == "none":
@@ -83,9 +83,10 @@ def _quantize(cfg: DictConfig) -> list[Problem]:
     option = ds_config.zero_option(cfg)
     if option.startswith("fsdp"):
         out.append(Problem("quantize", kind, f"zero={option}: FSDP2 replaces each parameter with a sharded DTensor, "
-                           "and bitsandbytes keeps a quantized weight's scales on the parameter object, which the "
-                           "shard would not carry", "zero=stage2 or zero=ddp (a LoRA's base is not sharded below "
-                           "ZeRO-3; quantized it is a quarter of bf16's size), or quantize=none"))
+                           "and a quantized weight's scales live on the parameter object (bitsandbytes) or inside "
+                           "its tensor subclass (torchao), which the shard would not carry", "zero=stage2 or zero=ddp "
+                           "(a LoRA's base is not sharded below ZeRO-3; quantized it is a quarter of bf16's size), "
+                           "or quantize=none"))
     elif option == "stage3" and kind == "int8":
         out.append(Problem("quantize", kind, "ZeRO-3 partitions every parameter of the module and gathers it in the "
                            "training dtype; LLM.int8's weights are int8 tensors with their row scales on the parameter "
@@ -93,9 +94,16 @@ def _quantize(cfg: DictConfig) -> list[Problem]:
                            "quantize=nf4 (under ZeRO-3 its packed weights are held in the compute dtype and "
                            "partitioned), or zero=stage2 or zero=ddp (a LoRA's base is not sharded below ZeRO-3; "
                            "quantized it is a quarter of bf16's size)"))
-    if importlib.util.find_spec("bitsandbytes") is None:
-        out.append(Problem("quantize", kind, "needs bitsandbytes, which is not installed",
-                           "pip install 'bitsandbytes>=0.50' (CPU and CUDA wheels), or quantize=none"))
+    elif option == "stage3" and kind == "fp8":
+        out.append(Problem("quantize", kind, "ZeRO-3 partitions every parameter by replacing its data with a flat "
+                           "slice; torchao's float8 weight is a tensor subclass (its e4m3 values and scales inside), "
+                           "which a slice would not carry", "quantize=nf4 (partitioned under ZeRO-3), or zero=stage2 "
+                           "or zero=ddp"))
+    library, install = (("torchao", "pip install 'torchao>=0.16'") if kind == "fp8" else
+                        ("bitsandbytes", "pip install 'bitsandbytes>=0.50' (CPU and CUDA wheels)"))
+    if importlib.util.find_spec(library) is None:
+        out.append(Problem("quantize", kind, f"needs {library}, which is not installed", f"{install}, or "
+                           "quantize=none"))
     if kind == "int8" and (not math.isfinite(q.threshold) or q.threshold < 0):
         out.append(Problem("quantize.threshold", q.threshold, "is the activation magnitude above which LLM.int8 "
                            "computes in 16-bit (0: never)", "quantize.threshold=6.0"))
@@ -124,6 +132,10 @@ def _method(cfg: DictConfig) -> list[Problem]:
     if method == "lokr" and (a.factor == 0 or a.factor < -1):
         out.append(Problem("adapter.factor", a.factor, "LoKr's factor is the size of its smaller Kronecker matrix "
                            "(at least 1), or -1 for as square as the layer allows", "adapter.factor=-1 (or 4, 8, 16)"))
+    if method == "dora" and cfg.quantize.kind.value == "fp8":
+        out.append(Problem("adapter", method, "peft's LoRA layer on a torchao weight (quantize=fp8) has no DoRA: its "
+                           "magnitude is the norm of the dequantized base, which that layer does not compute",
+                           "adapter=lora with quantize=fp8, or adapter=dora with quantize=nf4"))
     if method == "dora" and fmt != "diffusers":
         out.append(Problem("adapter.format", fmt, "ComfyUI's and LyCORIS' DoRA (kohya's layout, dora_scale) scale "
                            "each input column of the weight, peft's each output row: no kohya-layout file makes "

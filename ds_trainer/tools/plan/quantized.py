@@ -1,9 +1,10 @@
-"""The planner's quantized frozen base (`quantize=int8|nf4`): what bitsandbytes holds for each linear layer.
+"""The planner's quantized frozen base (`quantize=int8|nf4|fp8`): what bitsandbytes or torchao holds for each linear
+layer.
 
 nf4 (`Linear4bit`, blocks of 64, the blocks' scales quantized again in blocks of 256): half a byte a weight, a uint8
 scale a block, a float32 scale per 256 blocks, the two code books (16 and 256 float32) and an offset. int8
-(`Linear8bitLt`): a byte a weight and a float32 scale a row. Measured equal on the tiny models
-(tests/test_quantize.py: the run's resident bytes against these).
+(`Linear8bitLt`) and fp8 (torchao's Float8Tensor, e4m3): a byte a weight and a float32 scale a row. Measured equal on
+the tiny models (tests/test_quantize.py: the run's resident bytes against these).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ def linear_layers(module: Any) -> list[tuple[int, int]]:
 
 def layer_bytes(kind: str, weights: int, rows: int) -> int:
     """One quantized linear layer's weight, its scales and code books, in bytes."""
-    if kind == "int8":
+    if kind in ("int8", "fp8"):  # a byte a weight and an fp32 scale a row (bitsandbytes' SCB, torchao's scale)
         return weights + 4 * rows
     blocks = math.ceil(weights / 64)
     return math.ceil(weights / 2) + blocks + 4 * math.ceil(blocks / 256) + 4 * (16 + 256) + 4

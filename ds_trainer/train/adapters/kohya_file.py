@@ -21,8 +21,9 @@ WEIGHT_NAME = "kohya.safetensors"
 
 def base_shapes(part: torch.nn.Module) -> dict[str, tuple[int, ...]]:
     """The shapes of a LoRA-injected module's own weights, by their names without peft's (`.base_layer`, adapters);
-    under ZeRO-3 the full shapes (`ds_shape`)."""
-    return {n.replace(".base_layer", ""): tuple(getattr(p, "ds_shape", p.shape)) for n, p in part.named_parameters()
+    under ZeRO-3 the full shapes (`ds_shape`); quantize=fp8's weights are frozen buffers (adapters/quantize.py)."""
+    weights = [*part.named_parameters(), *((n, b) for n, b in part.named_buffers() if hasattr(b, "qdata"))]
+    return {n.replace(".base_layer", ""): tuple(getattr(p, "ds_shape", p.shape)) for n, p in weights
             if not is_adapter(n)}
 
 

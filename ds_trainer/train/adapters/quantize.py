@@ -1,13 +1,14 @@
-"""`quantize=int8|nf4`: a LoRA's frozen base held as bitsandbytes' quantized weights (QLoRA).
+"""`quantize=int8|nf4|fp8`: a LoRA's frozen base held as quantized weights (QLoRA).
 
 Every `nn.Linear` of the module (the UNet or transformer before its adapters are added, a frozen text encoder) is
 replaced by bitsandbytes' `Linear8bitLt` (LLM.int8: int8 weights, a scale per row) or `Linear4bit` (NF4 in blocks of
-64, the blocks' scales quantized again), quantized where it is moved to the run's device. Under ZeRO-3 the 4-bit
-weights are packed into tensors of the compute dtype (bitsandbytes' `quant_storage`, as PEFT documents for ZeRO-3),
-so that DeepSpeed flattens, partitions and gathers them with the module's other 16-bit parameters; their scales stay
-on the parameter object, whole on every rank. peft adds its LoRA layers
-around them as it does around `nn.Linear` (its bitsandbytes dispatch), so the adapters' names, and the LoRA file
-written from them, are those of the unquantized base. Convolutions, norms and embeddings stay in the 16-bit type.
+64, the blocks' scales quantized again), quantized where it is moved to the run's device, or keeps its class with
+torchao's float8 weight (`fp8`: e4m3 values and an fp32 scale per row, dequantized for each matmul). Under ZeRO-3
+the 4-bit weights are packed into tensors of the compute dtype (bitsandbytes' `quant_storage`, as PEFT documents for
+ZeRO-3), so that DeepSpeed flattens, partitions and gathers them with the module's other 16-bit parameters; their
+scales stay on the parameter object, whole on every rank. peft adds its LoRA layers around them as it does around
+`nn.Linear` (its bitsandbytes and torchao dispatch), so the adapters' names, and the LoRA file written from them,
+are those of the unquantized base. Convolutions, norms and embeddings stay in the 16-bit type.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import torch
 
 log = logging.getLogger("ds_trainer")
 
-KINDS = {"int8": "LLM.int8 (int8 weights, a scale per row)", "nf4": "4-bit NormalFloat (blocks of 64, QLoRA)"}
+KINDS = {"int8": "LLM.int8 (int8 weights, a scale per row)", "nf4": "4-bit NormalFloat (blocks of 64, QLoRA)",
+         "fp8": "torchao's float8 e4m3 (weight-only, an fp32 scale per row)"}
 NF4_BLOCK = 64  # bitsandbytes' default 4-bit block (Params4bit's blocksize)
 
 
@@ -33,8 +35,10 @@ class Quantized:
 
 
 def linears(module: torch.nn.Module) -> list[tuple[str, torch.nn.Linear]]:
-    """The plain `nn.Linear` layers of `module` by name (not a LoRA's wrapper, not one already quantized)."""
-    return [(name, m) for name, m in module.named_modules() if type(m) is torch.nn.Linear]
+    """The plain `nn.Linear` layers of `module` by name (not a LoRA's wrapper, not one already quantized: an fp8
+    layer keeps its class, its weight is torchao's)."""
+    return [(name, m) for name, m in module.named_modules() if type(m) is torch.nn.Linear
+            and not hasattr(m.weight, "qdata")]
 
 
 def apply(module: torch.nn.Module, kind: str, compute_dtype: torch.dtype, device: torch.device,  # noqa: PLR0913
@@ -43,6 +47,8 @@ def apply(module: torch.nn.Module, kind: str, compute_dtype: torch.dtype, device
     what the layer computes in (the training precision's 16-bit type, float32 under fp32); `compiled`: the module
     will run under torch.compile (train.compile); `storage`: the dtype of the tensors nf4's packed weights are held
     in (ZeRO-3: the compute dtype)."""
+    if kind == "fp8":
+        return _float8(module, compute_dtype, device)
     import bitsandbytes as bnb
 
     layers = linears(module)
@@ -89,8 +95,34 @@ def apply(module: torch.nn.Module, kind: str, compute_dtype: torch.dtype, device
     return Quantized(len(layers), before, after)
 
 
+def _float8(module: torch.nn.Module, compute_dtype: torch.dtype, device: torch.device) -> Quantized:
+    """`quantize=fp8`: each linear layer's weight as torchao's Float8Tensor, on `device`; the layer keeps its class
+    (peft wraps it in its torchao LoRA layer) and computes in `compute_dtype`."""
+    from torchao.quantization import Float8WeightOnlyConfig, quantize_
+
+    layers = linears(module)
+    before = after = 0
+    for name, linear in layers:
+        before += linear.weight.numel() * linear.weight.element_size()
+        linear.to(device=device, dtype=compute_dtype)
+        quantize_(linear, Float8WeightOnlyConfig())
+        weight = linear.weight
+        if not hasattr(weight, "qdata"):
+            raise RuntimeError(f"{name}: torchao left the fp8 weight a {type(weight).__name__} on {device}")
+        # A frozen buffer, not a parameter: the backends flatten, broadcast or swap parameters (DDP's first sync,
+        # DeepSpeed's move to its device), which a tensor subclass refuses; `weight` reads the same for the layer
+        # and for peft. Not persistent: checkpoints hold the adapters; a resume quantizes the base again.
+        del linear.weight
+        linear.register_buffer("weight", weight.detach(), persistent=False)
+        linear.requires_grad_(False)
+        linear.register_forward_hook(_as_autocast)
+        after += weight_bytes(linear.weight)
+    return Quantized(len(layers), before, after)
+
+
 def _as_autocast(_module: torch.nn.Module, _args: object, output: torch.Tensor) -> torch.Tensor:
-    """A Linear4bit returns its input's dtype; under autocast (DDP's 16-bit training) nn.Linear returns autocast's.
+    """A Linear4bit (and a Float8Tensor's matmul) returns its input's dtype; under autocast (DDP's 16-bit training)
+    nn.Linear returns autocast's.
     An fp32 output there (the time embedding's projection, added to a ResNet block's bf16 activations) reaches a
     GroupNorm whose parameters are bf16, which the CPU refuses ("mixed dtype (CPU): expect parameter to have scalar
     type of Float") and a GPU computes in fp32: the output is cast as autocast casts nn.Linear's."""
@@ -101,7 +133,10 @@ def _as_autocast(_module: torch.nn.Module, _args: object, output: torch.Tensor) 
 
 
 def weight_bytes(weight: torch.Tensor) -> int:
-    """What a (quantized) weight holds in memory: its data and, for bitsandbytes' weights, the scales beside it."""
+    """What a (quantized) weight holds in memory: its data and, for bitsandbytes' weights, the scales beside it;
+    torchao's float8 weight: its e4m3 values and their scales (it says it is the compute dtype)."""
+    if hasattr(weight, "qdata"):
+        return sum(t.numel() * t.element_size() for t in (weight.qdata, weight.scale))  # type: ignore[attr-defined]
     total = weight.numel() * weight.element_size()
     state = getattr(weight, "quant_state", None)  # Params4bit: absmax (uint8 when nested), code, offset, state2
     while state is not None:
@@ -133,7 +168,7 @@ def resident_bytes(module: torch.nn.Module) -> int:
     total = 0
     for part in module.modules():
         total += sum(weight_bytes(p) for p in part.parameters(recurse=False))
-        total += sum(b.numel() * b.element_size() for b in part.buffers(recurse=False))
+        total += sum(weight_bytes(b) for b in part.buffers(recurse=False))  # fp8's weights are buffers
         scale = getattr(getattr(part, "state", None), "SCB", None)
         if isinstance(scale, torch.Tensor) and getattr(getattr(part, "weight", None), "SCB", None) is None:
             total += scale.numel() * scale.element_size()

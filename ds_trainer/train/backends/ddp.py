@@ -50,7 +50,13 @@ class DDP:
         return None
 
     def before_prepare(self, model: Any) -> None:
-        pass
+        # quantize=fp8: torchao's float8 weights (frozen buffers) cannot be flattened for DDP's first broadcast; each
+        # rank quantized the same base from the same weights, so they are left out of DDP's syncs.
+        quantized = [name for name, b in model.named_buffers() if hasattr(b, "qdata")]
+        if quantized:
+            import torch
+
+            torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, quantized)
 
     def prepare(self, accelerator: Any, model: Any, optimizer: Any, scheduler: Any) -> tuple[Any, Any, Any]:
         return accel.prepare(accelerator, model, optimizer, scheduler)
