@@ -135,10 +135,14 @@ def test_wheelhouse_core_installs_offline_and_runs_the_check(tmp_path: Path) -> 
                         "--constraints", str(REPO / "constraints.txt"), "--sets", "core"], cwd=REPO, check=True)
     target = tmp_path / "site"
     wheels = sorted(str(w) for w in (WHEELHOUSE / "core").glob("*.whl"))
-    # As the GPU machine installs them (CPython 3.12): pip checks every wheel's tags against that interpreter.
+    # As the GPU machine installs them (CPython 3.12 on a glibc the wheelhouse's platforms cover; torchao's wheel is
+    # manylinux_2_28): pip checks every wheel's tags against that interpreter.
+    from ds_trainer.gpucheck.wheelhouse import PLATFORMS
+
+    platforms = [arg for platform in PLATFORMS for arg in ("--platform", platform)]
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target", str(target),
                     "--python-version", "3.12", "--implementation", "cp", "--abi", "cp312", "--only-binary=:all:",
-                    "--platform", "manylinux2014_x86_64", "--platform", "manylinux_2_17_x86_64", *wheels], check=True)
+                    *platforms, *wheels], check=True)
     if sys.version_info[:2] != (3, 12):  # a cp312 extension (pydantic_core) does not load here: this Python's own
         for wheel in (WHEELHOUSE / "core").glob("*-cp312-*.whl"):  # build of the same pinned version stands in
             name, version = wheel.name.split("-")[:2]

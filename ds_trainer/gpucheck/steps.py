@@ -110,6 +110,13 @@ def correctness_steps(cpu: bool) -> list[Step]:
                           "data.keep_tokens": "1", "data.tag_dropout": "0.3", "data.caption_dropout": "0.1",
                           "data.text_encoder_dropout.clip_g": "0.3"},
                needs=("bitsandbytes",), tagged_images=8),
+    ]
+
+
+def lever_steps(cpu: bool) -> list[Step]:
+    """(b, continued) The memory and speed levers of issue #48 on the GPU paths the CPU never takes."""
+    t = _timeouts(cpu)
+    return [
         # Three levers whose GPU paths the CPU never takes: optimi's Triton Kahan AdamW on ZeRO-3's flat bf16
         # partitions, cuDNN's attention kernel (the CPU has flash and math only), LoKr's factors registered with
         # their layers under ZeRO-3 (stop 55), and a checkpoint of all three.
@@ -178,4 +185,5 @@ def flux_steps(cpu: bool) -> list[Step]:
 
 def sequence(cpu: bool) -> list[Step]:
     """The whole check, in priority order."""
-    return machine_steps(cpu) + correctness_steps(cpu) + real_size_steps(cpu) + flux_steps(cpu)
+    return (machine_steps(cpu) + correctness_steps(cpu) + lever_steps(cpu) + real_size_steps(cpu)
+            + flux_steps(cpu))
