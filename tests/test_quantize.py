@@ -263,3 +263,18 @@ def test_an_nf4_layer_narrower_than_a_block_runs_inference_on_the_cpu() -> None:
     assert torch.allclose(module.train()(x), expected, atol=1e-4)
     with torch.no_grad():
         assert torch.allclose(module.eval()(x), expected, atol=1e-2)  # the packed kernel computes in bf16
+
+
+@pytest.mark.parametrize("kind", ["nf4", "fp8"])
+def test_the_adapters_on_a_quantized_base_train_in_fp32(kind: str) -> None:
+    """peft's bitsandbytes and torchao LoRA layers make their adapters in the layer's compute dtype (bf16); DDP's
+    AdamW would step them in bf16, and FSDP2 refuses a unit of mixed trainable dtypes: every adapter is fp32, as on a
+    16-bit base."""
+    from ds_trainer.train import families
+    from ds_trainer.train.adapters import adapter
+
+    cfg = make_cfg("adapter=lora", f"adapter.targets={TARGETS}", f"quantize={kind}", "zero=ddp")
+    trained = adapter.build(cfg, families.of(cfg).load_trained(cfg), None, torch.device("cpu"))
+    dtypes = {p.dtype for p in trained.module.parameters() if p.requires_grad}
+    assert dtypes == {torch.float32}, dtypes
+    assert sum(p.numel() for p in trained.module.parameters() if p.requires_grad) > 0

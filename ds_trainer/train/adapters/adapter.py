@@ -282,6 +282,12 @@ def build(cfg: DictConfig, model: torch.nn.Module, encoders: dict[str, torch.nn.
         if cfg.quantize.kind.value != "none" and device is not None:
             quantize_base(cfg, model, device)
         _inject(cfg, model)
+        if cfg.quantize.kind.value != "none" and device is not None:
+            # peft's bitsandbytes and torchao LoRA layers make their adapters in the quantized layer's compute dtype
+            # (bf16): in fp32, as on a 16-bit base, or DDP's AdamW would step bf16 adapters (small updates round away)
+            for p in model.parameters():
+                if p.requires_grad and p.dtype != torch.float32:
+                    p.data = p.data.float()
         half = common.lora_base_dtype(cfg)
         if half is not None:
             common.cast_frozen(model, half)
