@@ -139,6 +139,8 @@ H100 = hardware.PlatformInfo("cuda", bf16=True, fp16=True, gpu_name="H100")
 @pytest.mark.parametrize(("overrides", "why", "fix"), [
     (["zero=stage3"], "DeepSpeed marks torch.compiler.disable", "zero=fsdp_full_shard"),
     (["zero=stage2", "adapter=lora", "quantize=int8"], "LLM.int8", "quantize=nf4"),
+    (["zero=fsdp_full_shard", "adapter=lora", "quantize=nf4"], "wraps it again in its 4-bit parameter",
+     "zero=stage2 or zero=ddp with quantize=nf4"),
 ])
 def test_layers_torch_compile_cannot_trace_are_refused_before_the_run(overrides: list[str], why: str,
                                                                        fix: str) -> None:

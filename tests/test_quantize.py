@@ -1,8 +1,8 @@
 """`quantize=int8|nf4`: a LoRA's frozen base (and the frozen text encoders) held as bitsandbytes' quantized weights.
 
-A two-rank ZeRO-3 run on an NF4 base (its packed weights in bf16 tensors that ZeRO-3 partitions; ZeRO-2's is `make
-test-long`'s) learns (its loss falls over-fitting one batch), samples and validates on the quantized model, writes a
-LoRA file an unquantized pipeline loads and a checkpoint that resumes under DDP; int8 learns under DDP; what the
+A two-rank ZeRO-3 run and an FSDP2 one on an NF4 base (its packed weights in bf16 tensors that they shard; ZeRO-2's
+is `make test-long`'s) learn (the loss falls over-fitting one batch), sample and validate on the quantized model,
+write a LoRA file an unquantized pipeline loads and a checkpoint that resumes under DDP; int8 learns under DDP; what the
 quantized weights hold in memory is the planner's figure; what cannot hold bitsandbytes' weights is refused before
 the run.
 """
@@ -39,9 +39,10 @@ def _losses(run_dir: Path) -> list[float]:
             if "loss" in row]
 
 
-@pytest.fixture(scope="module", params=["stage3", pytest.param("stage2", marks=pytest.mark.long)])
+@pytest.fixture(scope="module", params=["stage3", "fsdp_full_shard", pytest.param("stage2", marks=pytest.mark.long)])
 def nf4_run(module_tmp: Callable[[str], Path], request: pytest.FixtureRequest) -> tuple[Path, str]:
-    """NF4 under ZeRO-3 (ZeRO-2) on two ranks, a sample and the validation loss at the end, a final checkpoint."""
+    """NF4 under ZeRO-3 (FSDP2, ZeRO-2) on two ranks, a sample and the validation loss at the end, a final
+    checkpoint."""
     cwd = module_tmp(f"nf4_{request.param}")
     cmd = [*torchrun(2), "-m", "ds_trainer", *OVERFIT, "quantize=nf4", f"zero={request.param}",
            "train.micro_batch_size=1", "samples=on", "samples.every=0", "samples.steps=2",
@@ -56,7 +57,7 @@ def nf4_run(module_tmp: Callable[[str], Path], request: pytest.FixtureRequest) -
 @pytest.mark.slow
 @pytest.mark.multiproc
 def test_an_nf4_base_trains_a_lora_on_two_ranks_and_says_so(nf4_run: tuple[Path, str]) -> None:
-    """Under ZeRO-3 each rank holds half the packed weights (what the planner counts) and every scale."""
+    """Under ZeRO-3 and FSDP2 each rank holds half the packed weights (what the planner counts) and every scale."""
     run_dir, stderr = nf4_run
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "ok" and summary["steps"] == 12 and summary["world_size"] == 2
@@ -70,25 +71,26 @@ def test_an_nf4_base_trains_a_lora_on_two_ranks_and_says_so(nf4_run: tuple[Path,
     assert list((run_dir / "samples").glob("step_*/*.png")) and summary.get("val_loss") is not None
     config = (run_dir / "config.yaml").read_text()
     assert "quantize:\n  kind: nf4" in config
-    if summary["zero"] == "stage3":
+    sharder = {"stage3": ("ZeRO-3", "partitions"), "fsdp_full_shard": ("FSDP2", "shards")}.get(summary["zero"])
+    if sharder:
         from ds_trainer.tools.plan import cells, quantized, states
 
-        held = re.search(r"quantize=nf4 under ZeRO-3: this rank holds ([\d.]+) MiB of the packed base weights \(its "
-                         r"partition of ([\d.]+) MiB\) and ([\d.]+) MiB of their scales", log)
+        held = re.search(rf"quantize=nf4 under {sharder[0]}: this rank holds ([\d.]+) MiB of the packed base "
+                         r"weights \(its partition of ([\d.]+) MiB\) and ([\d.]+) MiB of their scales", log)
         assert held, log[-3000:]
         mine, whole, scales = (float(v) for v in held.groups())
         layers = cells.quantized_layers(states.architecture(make_cfg()))
         planned = sum(w for w, _ in layers) / 2 / 2**20  # half a byte a weight
         assert whole == pytest.approx(planned, abs=0.02) and mine == pytest.approx(whole / 2, abs=0.02)
         assert scales == pytest.approx(quantized.scale_bytes("nf4", layers) / 2**20, abs=0.02)
-        assert "packed in bfloat16 tensors that ZeRO-3 partitions over the ranks" in log
+        assert f"packed in bfloat16 tensors that {' '.join(sharder)} over the ranks" in log
 
 
 @pytest.mark.slow
 @pytest.mark.multiproc
 def test_an_nf4_runs_checkpoint_resumes_under_ddp(nf4_run: tuple[Path, str], tmp_path: Path) -> None:
-    """Another layout: the adapters of a two-rank ZeRO-3 (ZeRO-2) run on an NF4 base carried into one DDP rank on an
-    NF4 base held in uint8, its next steps going on from the loss it reached."""
+    """Another layout: the adapters of a two-rank ZeRO-3 (FSDP2, ZeRO-2) run on an NF4 base carried into one DDP rank
+    on an NF4 base held in uint8, its next steps going on from the loss it reached."""
     run_dir, _ = nf4_run
     (saved,) = (run_dir / "checkpoints").glob("step_00000012")
     result = run_cli(*[o for o in OVERFIT if not o.startswith("train.max_steps")], "train.max_steps=14",
@@ -198,7 +200,8 @@ def test_an_fp8_base_trains_a_lora_on_two_ranks_and_its_file_is_the_plain_bases(
     (["zero=stage3", "quantize=int8"], "LLM.int8's weights are int8 tensors"),
     (["zero=stage3", "quantize=fp8"], "torchao's float8 weight is a tensor subclass"),
     (["quantize=fp8", "adapter=dora"], "peft's LoRA layer on a torchao weight (quantize=fp8) has no DoRA"),
-    (["zero=fsdp_full_shard"], "FSDP2 replaces each parameter with a sharded DTensor"),
+    (["zero=fsdp_full_shard", "quantize=int8"], "LLM.int8's weights are int8 tensors"),
+    (["zero=fsdp_shard_grad_op", "quantize=fp8"], "torchao's float8 weight is a tensor subclass"),
     (["quantize=int8", "quantize.threshold=-1"], "quantize.threshold=-1"),
 ])
 def test_what_cannot_hold_a_quantized_base_is_refused_before_the_run(change: list[str], says: str) -> None:
@@ -217,14 +220,21 @@ def test_the_planner_fits_a_flux_lora_with_an_nf4_base_in_a_third_of_the_memory(
     assert 22 * 2**30 < bf16.params < 25 * 2**30  # 11.9B weights in bf16
     assert nf4.params < bf16.params / 3.5, (nf4.params / 2**30, bf16.params / 2**30)
     cells = {e.zero for e in plan.plan(make_cfg("model=flux_dev", "adapter=lora", "quantize=nf4"), 1)}
-    assert cells == {"ddp", "stage0", "stage1", "stage2", "stage3"}  # the refused FSDP2 cells left out
-    int8 = {e.zero for e in plan.plan(make_cfg("model=flux_dev", "adapter=lora", "quantize=int8"), 1)}
-    assert int8 == {"ddp", "stage0", "stage1", "stage2"}
-    # Under ZeRO-3 on 8 ranks each GPU holds an eighth of the packed weights: less than ZeRO-2's whole base
-    zero3, zero2 = (plan.estimate(make_cfg("model=flux_dev", "adapter=lora", f"zero={z}", "quantize=nf4",
-                                           "resolution=px1024", "train.gradient_checkpointing=true"), z, "none", 8)
-                    for z in ("stage3", "stage2"))
-    assert zero3.params < zero2.params / 3, (zero3.params / 2**30, zero2.params / 2**30)
+    assert cells == {"ddp", "stage0", "stage1", "stage2", "stage3", "fsdp_shard_grad_op", "fsdp_full_shard"}
+    for kind in ("int8", "fp8"):  # the refused ZeRO-3 and FSDP2 cells left out
+        refused = {e.zero for e in plan.plan(make_cfg("model=flux_dev", "adapter=lora", f"quantize={kind}"), 1)}
+        assert refused == {"ddp", "stage0", "stage1", "stage2"}, kind
+    # Under ZeRO-3 and FSDP2's full shard on 8 ranks each GPU holds an eighth of the packed weights: less than
+    # ZeRO-2's whole base; shard-grad-op gathers the whole base for the step, its shard beside it
+    by_zero = {z: plan.estimate(make_cfg("model=flux_dev", "adapter=lora", f"zero={z}", "quantize=nf4",
+                                         "resolution=px1024", "train.gradient_checkpointing=true"), z, "none", 8)
+               for z in ("stage3", "stage2", "fsdp_full_shard", "fsdp_shard_grad_op")}
+    for sharded in ("stage3", "fsdp_full_shard"):
+        assert by_zero[sharded].params < by_zero["stage2"].params / 3, sharded
+    assert by_zero["stage2"].params < by_zero["fsdp_shard_grad_op"].params < 1.2 * by_zero["stage2"].params
+    unquantized = plan.estimate(make_cfg("model=flux_dev", "adapter=lora", "zero=fsdp_full_shard", "resolution=px1024",
+                                         "train.gradient_checkpointing=true"), "fsdp_full_shard", "none", 8)
+    assert by_zero["fsdp_full_shard"].params < unquantized.params / 2.5  # the scales whole on every rank
 
 
 def test_quantized_text_encoders_make_another_latent_cache() -> None:

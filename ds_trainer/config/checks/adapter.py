@@ -71,7 +71,7 @@ def _lora_shape(group: str, node: DictConfig, rank: int, targets: str) -> list[P
 
 def _quantize(cfg: DictConfig) -> list[Problem]:
     """`quantize=int8|nf4|fp8`: a LoRA's frozen base, under the backends that keep the quantized weights whole (and
-    ZeRO-3, which partitions nf4's packed weights held in the compute dtype)."""
+    ZeRO-3 and FSDP2, which partition nf4's packed weights held in the compute dtype)."""
     q = cfg.quantize
     kind = q.kind.value
     if kind == "none":
@@ -81,12 +81,14 @@ def _quantize(cfg: DictConfig) -> list[Problem]:
         out.append(Problem("quantize", kind, "quantizes the frozen base of a LoRA; adapter=none trains every weight, "
                            "and a packed integer weight cannot train", "adapter=lora, or quantize=none"))
     option = ds_config.zero_option(cfg)
-    if option.startswith("fsdp"):
-        out.append(Problem("quantize", kind, f"zero={option}: FSDP2 replaces each parameter with a sharded DTensor, "
-                           "and a quantized weight's scales live on the parameter object (bitsandbytes) or inside "
-                           "its tensor subclass (torchao), which the shard would not carry", "zero=stage2 or zero=ddp "
-                           "(a LoRA's base is not sharded below ZeRO-3; quantized it is a quarter of bf16's size), "
-                           "or quantize=none"))
+    if option.startswith("fsdp") and kind != "nf4":
+        out.append(Problem("quantize", kind, f"zero={option}: FSDP2 shards each parameter as a DTensor in one dtype; "
+                           + ("LLM.int8's weights are int8 tensors with their row scales on the parameter "
+                              "(bitsandbytes has no float storage for them, as it has for nf4)" if kind == "int8" else
+                              "torchao's float8 weight is a tensor subclass (its e4m3 values and scales inside), which "
+                              "a shard would not carry"),
+                           "quantize=nf4 (under FSDP2 its packed weights are held in the compute dtype and sharded), "
+                           "or zero=stage2 or zero=ddp (a LoRA's base is not sharded below ZeRO-3)"))
     elif option == "stage3" and kind == "int8":
         out.append(Problem("quantize", kind, "ZeRO-3 partitions every parameter of the module and gathers it in the "
                            "training dtype; LLM.int8's weights are int8 tensors with their row scales on the parameter "

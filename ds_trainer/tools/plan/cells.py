@@ -93,7 +93,8 @@ def estimate(cfg: DictConfig, zero: str, offload: str, world_size: int, activati
         params, grads, optimizer, host = lora.model_states(zero, offload, frozen, trained, module.largest_layer,
                                                                 world_size, params_offload, precision)
     if frozen and cfg.quantize.kind.value != "none":  # the UNet's frozen linear layers as bitsandbytes holds them
-        params, host = _quantized_base(cfg, zero, offload != "none" and params_offload, params, host, world_size)
+        on_host = offload != "none" and (params_offload or zero.startswith("fsdp"))  # FSDP2 offloads them all
+        params, host = _quantized_base(cfg, zero, on_host, params, host, world_size)
     saved = moments_saved(cfg, zero, trained, world_size)
     if offload != "none" and zero not in ("ddp", "stage0"):
         host = max(0, host - int(saved * 1.5))  # the state lives on the host (as counted above, with its margin)
@@ -137,21 +138,25 @@ def estimate(cfg: DictConfig, zero: str, offload: str, world_size: int, activati
 
 def _quantized_base(cfg: DictConfig, zero: str, params_offloaded: bool, params: int, host: int,
                     world_size: int) -> tuple[int, int]:
-    """(params, host) with the frozen base's linear layers quantized: below ZeRO-3 whole on each GPU; under ZeRO-3 a
-    partition of the packed weights per rank (or all on the host with the parameters offloaded) and every scale."""
+    """(params, host) with the frozen base's linear layers quantized: below ZeRO-3 whole on each GPU; under ZeRO-3 and
+    FSDP2 a partition of the packed weights per rank (or all on the host with the parameters offloaded) and every
+    scale; FSDP2's shard-grad-op holds the gathered packed weights beside its shard."""
     kind, base_bytes = cfg.quantize.kind.value, 4 if cfg.precision.name.value == "fp32" else 2
     layers = quantized_layers(architecture(cfg))
-    if zero != "stage3":
+    if zero != "stage3" and not zero.startswith("fsdp"):
         return params - quantized.saved(kind, layers, base_bytes), host
     if params_offloaded:
         return (params + quantized.scale_bytes(kind, layers),
                 max(0, host - int(quantized.packed_saved(layers, base_bytes) * 1.5)))
+    if zero == "fsdp_shard_grad_op":  # the base gathered whole through the step, its shard kept beside it
+        return (params - quantized.saved(kind, layers, base_bytes)
+                - quantized.packed_saved(layers, base_bytes) // world_size), host
     return params - quantized.saved(kind, layers, base_bytes, world_size), host
 
 
 def plan(cfg: DictConfig, world_size: int, activation_factor: float = 1.0) -> list[Estimate]:
-    """The estimate of every cell the config can run in, ZeRO's then FSDP2's (a quantized base: not FSDP2's, nor an
-    int8 one ZeRO-3's, which the checks refuse)."""
+    """The estimate of every cell the config can run in, ZeRO's then FSDP2's (an int8 or fp8 base: not ZeRO-3's nor
+    FSDP2's, which the checks refuse)."""
     kind = cfg.quantize.kind.value
     return [estimate(cfg, zero, offload, world_size, activation_factor) for zero, offload in CELLS + FSDP_CELLS
-            if kind == "none" or not (zero.startswith("fsdp") or (zero == "stage3" and kind == "int8"))]
+            if kind in ("none", "nf4") or not (zero.startswith("fsdp") or zero == "stage3")]

@@ -202,11 +202,12 @@ class Trained:
     def after_prepare(self, run: Run) -> None:
         """Collective, after `accelerator.prepare`: exact fp32 masters from `adapter.init_from`; under ZeRO-3 the
         parameters of DoRA's, LoKr's and LoHa's layers registered with them."""
-        if self.cfg.quantize.kind.value != "none" and ds_config.zero_option(self.cfg) == "stage3":
+        option = ds_config.zero_option(self.cfg)
+        if self.cfg.quantize.kind.value != "none" and (option == "stage3" or option.startswith("fsdp")):
             held = quantize.partitioned_bytes(run.accelerator.unwrap_model(run.model))
-            log.info("quantize=%s under ZeRO-3: this rank holds %.2f MiB of the packed base weights (its partition of "
+            log.info("quantize=%s under %s: this rank holds %.2f MiB of the packed base weights (its partition of "
                      "%.2f MiB) and %.2f MiB of their scales (whole on every rank)", self.cfg.quantize.kind.value,
-                     held[0] / 2**20, held[1] / 2**20, held[2] / 2**20)
+                     "ZeRO-3" if option == "stage3" else "FSDP2", held[0] / 2**20, held[1] / 2**20, held[2] / 2**20)
         if self.lora and enabled(self.cfg) and self.cfg.adapter.method.value != "lora":
             module = run.accelerator.unwrap_model(run.model)
             if any(hasattr(p, "ds_id") for p in module.parameters()):
@@ -253,16 +254,19 @@ def quantize_base(cfg: DictConfig, model: torch.nn.Module, device: torch.device)
     kind = cfg.quantize.kind.value
     compute = common.lora_base_dtype(cfg) or torch.float32
     model.requires_grad_(False)
-    zero3 = ds_config.zero_option(cfg) == "stage3"  # the packed weights in the compute dtype, to be partitioned
+    option = ds_config.zero_option(cfg)
+    sharder = {"stage3": "ZeRO-3 partitions", "fsdp": "FSDP2 shards"}.get(option.split("_")[0])
+    # Sharded, the packed weights are held in the compute dtype: the one ZeRO-3 gathers in and FSDP2's all-gather casts
+    # to, so neither changes their bits; their scales stay on the module, whole on each rank.
     done = quantize.apply(model, kind, compute, device, float(cfg.quantize.threshold),
-                          compiled=cfg.train.compile.value != "none", storage=compute if zero3 else torch.uint8)
+                          compiled=cfg.train.compile.value != "none", storage=compute if sharder else torch.uint8)
     # peft's bitsandbytes dispatch reads these (transformers sets them when it loads a quantized model)
     model.is_loaded_in_8bit, model.is_loaded_in_4bit = kind == "int8", kind == "nf4"  # type: ignore[assignment]
     log.info("quantize=%s: %d linear layers of the %s's frozen base as %s, %.1f MiB (%.1f MiB before); samples "
              "and validation run on the quantized model, the LoRA files are the unquantized base's%s", kind,
              done.layers, families.label_of(model), quantize.KINDS[kind], done.after / 2**20, done.before / 2**20,
-             f"; packed in {str(compute).removeprefix('torch.')} tensors that ZeRO-3 partitions over the ranks "
-             "(their scales whole on each)" if zero3 else "")
+             f"; packed in {str(compute).removeprefix('torch.')} tensors that {sharder} over the ranks "
+             "(their scales whole on each)" if sharder else "")
     return done
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -137,28 +138,46 @@ def weight_bytes(weight: torch.Tensor) -> int:
     torchao's float8 weight: its e4m3 values and their scales (it says it is the compute dtype)."""
     if hasattr(weight, "qdata"):
         return sum(t.numel() * t.element_size() for t in (weight.qdata, weight.scale))  # type: ignore[attr-defined]
-    total = weight.numel() * weight.element_size()
-    state = getattr(weight, "quant_state", None)  # Params4bit: absmax (uint8 when nested), code, offset, state2
-    while state is not None:
-        total += sum(t.numel() * t.element_size() for t in (state.absmax, state.code, state.offset)
-                     if isinstance(t, torch.Tensor))
-        state = state.state2 if getattr(state, "nested", False) else None
+    total = weight.numel() * weight.element_size() + _state_bytes(getattr(weight, "quant_state", None))
     scale = getattr(weight, "SCB", None)  # Int8Params: a float32 scale per row
     if isinstance(scale, torch.Tensor):
         total += scale.numel() * scale.element_size()
     return total
 
 
+def _state_bytes(state: Any) -> int:
+    """A Params4bit's quantization state: its absmax (uint8 when nested), code book and offset, and the nested one's."""
+    total = 0
+    while state is not None:
+        total += sum(t.numel() * t.element_size() for t in (state.absmax, state.code, state.offset)
+                     if isinstance(t, torch.Tensor))
+        state = state.state2 if getattr(state, "nested", False) else None
+    return total
+
+
 def partitioned_bytes(module: torch.nn.Module) -> tuple[int, int, int]:
-    """Under ZeRO-3: (this rank's partition of the packed 4-bit weights, all of them, their scales), in bytes."""
+    """Under ZeRO-3 or FSDP2: (this rank's partition of the packed 4-bit weights, all of them, their scales), in
+    bytes. ZeRO-3 keeps the Params4bit (its data gathered away) and its partition beside it; FSDP2 replaces it with a
+    DTensor shard, and bitsandbytes' layer keeps the quantization state on itself."""
+    from torch.distributed.tensor import DTensor
+
     held = whole = scales = 0
-    for p in module.parameters():
-        if getattr(p, "quant_state", None) is None or not hasattr(p, "ds_tensor"):
+    seen: set[int] = set()  # peft's LoRA layer names its base layer's weight too
+    for part in module.modules():
+        p = getattr(part, "weight", None)
+        state = getattr(p, "quant_state", None) or getattr(part, "quant_state", None)
+        if not isinstance(p, torch.Tensor) or state is None or id(p) in seen:
             continue
-        part = p.ds_tensor  # type: ignore[attr-defined]  # DeepSpeed's partition of the parameter
-        held += part.numel() * part.element_size()
-        whole += p.ds_numel * part.element_size()  # type: ignore[attr-defined]
-        scales += weight_bytes(p) - p.numel() * p.element_size()  # the gathered-away data counts 0 here
+        seen.add(id(p))
+        if hasattr(p, "ds_tensor"):
+            local, numel = p.ds_tensor, p.ds_numel  # type: ignore[attr-defined]  # DeepSpeed's partition
+        elif isinstance(p, DTensor):
+            local, numel = p.to_local(), p.numel()
+        else:
+            continue
+        held += local.numel() * local.element_size()
+        whole += numel * local.element_size()
+        scales += _state_bytes(state)
     return held, whole, scales
 
 
