@@ -12,6 +12,7 @@ from typing import Any, cast
 import torch
 
 from ds_trainer.train import families
+from ds_trainer.train.adapters import quantize
 from ds_trainer.train.adapters.names import is_adapter
 from ds_trainer.train.families import text_encoders
 from ds_trainer.train.layouts import kohya, lycoris
@@ -22,7 +23,7 @@ WEIGHT_NAME = "kohya.safetensors"
 def base_shapes(part: torch.nn.Module) -> dict[str, tuple[int, ...]]:
     """The shapes of a LoRA-injected module's own weights, by their names without peft's (`.base_layer`, adapters);
     under ZeRO-3 the full shapes (`ds_shape`); quantize=fp8's weights are frozen buffers (adapters/quantize.py)."""
-    weights = [*part.named_parameters(), *((n, b) for n, b in part.named_buffers() if hasattr(b, "qdata"))]
+    weights = [*part.named_parameters(), *((n, b) for n, b in part.named_buffers() if quantize.is_float8(b))]
     return {n.replace(".base_layer", ""): tuple(getattr(p, "ds_shape", p.shape)) for n, p in weights
             if not is_adapter(n)}
 

@@ -35,11 +35,16 @@ class Quantized:
     after: int
 
 
+def is_float8(tensor: object) -> bool:
+    """torchao's float8 weight (quantize=fp8): a tensor subclass holding its e4m3 values (`qdata`) and scales."""
+    return hasattr(tensor, "qdata")
+
+
 def linears(module: torch.nn.Module) -> list[tuple[str, torch.nn.Linear]]:
     """The plain `nn.Linear` layers of `module` by name (not a LoRA's wrapper, not one already quantized: an fp8
     layer keeps its class, its weight is torchao's)."""
     return [(name, m) for name, m in module.named_modules() if type(m) is torch.nn.Linear
-            and not hasattr(m.weight, "qdata")]
+            and not is_float8(m.weight)]
 
 
 def apply(module: torch.nn.Module, kind: str, compute_dtype: torch.dtype, device: torch.device,  # noqa: PLR0913
@@ -108,7 +113,7 @@ def _float8(module: torch.nn.Module, compute_dtype: torch.dtype, device: torch.d
         linear.to(device=device, dtype=compute_dtype)
         quantize_(linear, Float8WeightOnlyConfig())
         weight = linear.weight
-        if not hasattr(weight, "qdata"):
+        if not is_float8(weight):
             raise RuntimeError(f"{name}: torchao left the fp8 weight a {type(weight).__name__} on {device}")
         # A frozen buffer, not a parameter: the backends flatten, broadcast or swap parameters (DDP's first sync,
         # DeepSpeed's move to its device), which a tensor subclass refuses; `weight` reads the same for the layer
@@ -136,7 +141,7 @@ def _as_autocast(_module: torch.nn.Module, _args: object, output: torch.Tensor) 
 def weight_bytes(weight: torch.Tensor) -> int:
     """What a (quantized) weight holds in memory: its data and, for bitsandbytes' weights, the scales beside it;
     torchao's float8 weight: its e4m3 values and their scales (it says it is the compute dtype)."""
-    if hasattr(weight, "qdata"):
+    if is_float8(weight):
         return sum(t.numel() * t.element_size() for t in (weight.qdata, weight.scale))  # type: ignore[attr-defined]
     total = weight.numel() * weight.element_size() + _state_bytes(getattr(weight, "quant_state", None))
     scale = getattr(weight, "SCB", None)  # Int8Params: a float32 scale per row

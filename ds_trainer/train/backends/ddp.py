@@ -52,7 +52,7 @@ class DDP:
     def before_prepare(self, model: Any) -> None:
         # quantize=fp8: torchao's float8 weights (frozen buffers) cannot be flattened for DDP's first broadcast; each
         # rank quantized the same base from the same weights, so they are left out of DDP's syncs.
-        quantized = [name for name, b in model.named_buffers() if hasattr(b, "qdata")]
+        quantized = [name for name, b in model.named_buffers() if hasattr(b, "qdata")]  # adapters.quantize.is_float8
         if quantized:
             import torch
 
