@@ -20,15 +20,18 @@ def test_model_yaml_describes_its_trained_module(model: str) -> None:
     sizes = [p.numel() for p in module.parameters()]
     assert (cfg.model.param_count, cfg.model.max_param_numel) == (sum(sizes), max(sizes))
     vae = OmegaConf.create(AutoencoderKL.load_config(f"{cfg.model.architecture}/vae"))
-    vae_factor = 2 ** (len(vae.block_out_channels) - 1)
+    if cfg.model.family.value == "qwen_image":  # a video VAE: its spatial downsamplings are temperal_downsample's
+        vae_factor, channels = 2 ** len(vae.temperal_downsample), vae.z_dim
+    else:
+        vae_factor, channels = 2 ** (len(vae.block_out_channels) - 1), vae.get("latent_channels")
     if cfg.model.family.value == "sdxl":
         assert module.config.addition_embed_type == "text_time"  # SDXL conditioning
         assert cfg.model.downsample_factor == vae_factor * 2 ** (len(module.config.down_block_types) - 1)
     elif cfg.model.family.value == "sd3":  # a transformer: latents cut into patch x patch tokens
         assert cfg.model.downsample_factor == vae_factor * module.config.patch_size
-        assert vae.latent_channels == module.config.in_channels
-    else:  # Flux: latents packed 2 x 2 into tokens
+        assert channels == module.config.in_channels
+    else:  # Flux, Qwen-Image: latents packed 2 x 2 into tokens
         assert cfg.model.downsample_factor == vae_factor * 2
-        assert 4 * vae.latent_channels == module.config.in_channels
+        assert 4 * channels == module.config.in_channels
     classes = {type(m).__name__ for m in module.modules()}
     assert set(cfg.model.blocks) <= classes, (list(cfg.model.blocks), sorted(classes))

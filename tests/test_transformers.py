@@ -1,13 +1,14 @@
-"""The diffusion transformers: SD3 (`model=sd3_tiny`, the sd3 family) and Flux.1 (`model=flux_tiny`). Flow matching
-checked against its formulas, then for each model one chain of runs that shares the work. A full fine-tune on two
-ranks under ZeRO-3 (bf16, 60 steps on two images, samples and export at the end, validation, a checkpoint at step 30)
-is the reference; DDP on one rank (SD3) and FSDP full shard on two (Flux) resume its step 30 checkpoint (its
-portable state) and train the same 30 steps (the other two pairs in `make test-long`); LoRA trains under ZeRO-2 and
-its file loads into the family's diffusers pipeline (StableDiffusion3Pipeline, FluxPipeline), SD3's on a transformer
-read from a single file in Stability's layout (`model.transformer`, whose wrong files are named). A kill -9 mid-save
-resumes to the uninterrupted run's transformer and EMA bit for bit (Flux under ZeRO-3 with CPU offload; SD3 under
-ZeRO-2 mid-step and Flux under FSDP in `make test-long`). SDXL's tests run through the same family layer
-(families/sdxl.py) unchanged."""
+"""The diffusion transformers: SD3 (`model=sd3_tiny`, the sd3 family), Flux.1 (`model=flux_tiny`) and Qwen-Image
+(`model=qwen_image_tiny`). Flow matching checked against its formulas, then for each model one chain of runs that
+shares the work. A full fine-tune on two ranks under ZeRO-3 (bf16, 60 steps on two images, samples and export at the
+end, validation, a checkpoint at step 30) is the reference; DDP on one rank (SD3, Qwen-Image) and FSDP full shard on
+two (Qwen-Image; Flux's and SD3's in `make test-long`, as Flux's DDP) resume its step 30 checkpoint (its portable
+state) and train the same 30 steps; LoRA trains under ZeRO-2 and its file loads into the family's diffusers pipeline
+(StableDiffusion3Pipeline, FluxPipeline, QwenImagePipeline), SD3's on a transformer read from a single file in
+Stability's layout (`model.transformer`, whose wrong files are named). A kill -9 mid-save resumes to the
+uninterrupted run's transformer and EMA bit for bit (Flux under ZeRO-3 with CPU offload; SD3 under ZeRO-2 mid-step
+and Flux under FSDP in `make test-long`). SDXL's tests run through the same family layer (families/sdxl.py)
+unchanged."""
 
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ torch = pytest.importorskip("torch")
 
 PROMPT = "a red square on a blue background"
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # exact pixel comparisons: the same kernels in the run and the reference
-MODELS = ["sd3_tiny", "flux_tiny"]
+MODELS = ["sd3_tiny", "flux_tiny", "qwen_image_tiny"]
 COMMON = ["logger=none", "data.num_samples=2", "scheduler=constant", "optimizer.lr=3e-3",
           "train.max_steps=60", "train.checkpoint_every=30", "validation=on", "validation.every=30"]
 REFERENCE = ["zero=stage3", "train.micro_batch_size=1", "train.export=true", "samples=on", "samples.every=0",
@@ -204,6 +205,49 @@ def test_fluxs_shift_follows_the_image_and_packing_is_the_pipelines() -> None:
     assert torch.equal(flux.image_ids(8, 6), FluxPipeline._prepare_latent_image_ids(2, 4, 3, "cpu", torch.float32))
 
 
+def test_qwen_images_captions_shift_and_latents_are_its_pipelines() -> None:
+    """Qwen-Image's encoding, against QwenImagePipeline's own on the tiny model: the chat template and the tokens it
+    drops (the tiny tokenizer makes the system prefix 34 tokens, as Qwen's does), each caption's hidden states and
+    mask (the pipeline's trimmed to the longest caption, the cache's padded to text_max_length), the shift line of
+    its scheduler (not Flux's), and latents normalised as the pipeline decodes them."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, QwenImagePipeline
+
+    from ds_trainer.train.families import of, qwen_image
+
+    cfg = make_cfg("model=qwen_image_tiny")
+    family = of(cfg)
+    frozen = family.load_frozen(cfg)
+    pipe = QwenImagePipeline(scheduler=None, vae=frozen.vae, text_encoder=frozen.text_encoder,
+                             tokenizer=frozen.tokenizer, transformer=None)
+    assert (qwen_image.TEMPLATE, qwen_image.DROP) == (pipe.prompt_template_encode,
+                                                     pipe.prompt_template_encode_start_idx)
+    prefix = qwen_image.TEMPLATE.split("{}")[0]
+    assert len(frozen.tokenizer(prefix).input_ids) == qwen_image.DROP
+    prompts = ["a red cube", "a small green circle on a dark background at night"]
+    ours = family.text_inputs(frozen, prompts, torch.device("cpu"))
+    theirs, mask = pipe.encode_prompt(prompts, device=torch.device("cpu"), max_sequence_length=32)
+    length = theirs.shape[1]
+    assert ours["prompt_embeds"].shape == (2, 32, 32) and 8 <= length < 32
+    assert torch.equal(ours["prompt_mask"][:, :length], mask) and not ours["prompt_mask"][:, length:].any()
+    assert torch.allclose(ours["prompt_embeds"][:, :length], theirs, atol=1e-6)
+    assert not ours["prompt_embeds"][:, length:].any()
+    # The noise levels shift on the scheduler's line: mu 0.5 at 256 tokens to 0.9 at 8192
+    schedule = family.schedule(cfg)
+    sampler = FlowMatchEulerDiscreteScheduler.from_pretrained(cfg.model.architecture, subfolder="scheduler")
+    index = torch.tensor([0, 300, 500, 900, 999])
+    s = (1000 - index.double()) / 1000
+    for tokens in (64, 1024, 4096):
+        m = 0.5 + (tokens - 256) * 0.4 / (8192 - 256)
+        assert torch.allclose(schedule.sigma(index, tokens).double(), sampler.time_shift(m, 1.0, s), atol=1e-6)
+    # Latents: the pipeline decodes latents * std + mean
+    pixels = torch.rand(1, 3, 32, 32) * 2 - 1
+    latents = family.encode_images(frozen, pixels)
+    raw = frozen.vae.encode(pixels[:, :, None]).latent_dist.mean[:, :, 0]
+    std = torch.tensor(frozen.vae.config.latents_std).view(1, -1, 1, 1)
+    mean = torch.tensor(frozen.vae.config.latents_mean).view(1, -1, 1, 1)
+    assert latents.shape == (1, 4, 4, 4) and torch.allclose(latents * std + mean, raw, atol=1e-5)
+
+
 # --- the chain
 
 
@@ -211,8 +255,10 @@ def test_fluxs_shift_follows_the_image_and_packing_is_the_pipelines() -> None:
 # the pooled text (SD3: CLIP-L and CLIP-G joined; Flux: CLIP-L's), the latents (SD3: 16 channels; Flux: 4, packed
 # into 16 per token in the step).
 CACHED = {"sd3_tiny": {"prompt_embeds": (77 + 32, 64), "pooled": (64,), "latents": (16, 16, 16)},
-          "flux_tiny": {"prompt_embeds": (32, 64), "pooled": (32,), "latents": (4, 16, 16)}}
-PIPELINES = {"sd3_tiny": "StableDiffusion3Pipeline", "flux_tiny": "FluxPipeline"}
+          "flux_tiny": {"prompt_embeds": (32, 64), "pooled": (32,), "latents": (4, 16, 16)},
+          "qwen_image_tiny": {"prompt_embeds": (32, 32), "prompt_mask": (32,), "latents": (4, 16, 16)}}
+PIPELINES = {"sd3_tiny": "StableDiffusion3Pipeline", "flux_tiny": "FluxPipeline",
+             "qwen_image_tiny": "QwenImagePipeline"}
 
 
 @pytest.mark.slow
@@ -237,7 +283,8 @@ def test_trains_under_zero3_on_two_ranks_and_exports_a_pipeline_diffusers_loads(
         assert item["prompt_embeds"].dtype == torch.bfloat16
     # The run says what the cache takes on disk (T5's long sequence makes it large at full size)
     said = re.search(r"cached latents and embeddings of 2 samples \(2 images\) in [\d.]+s: ([\d.]+) MiB on disk "
-                     r"\((\d+) KiB an image; T5's sequence in bf16\), (\S+)", (run_dir / "ds_trainer.log").read_text())
+                     r"\((\d+) KiB an image; (?:T5|Qwen2\.5-VL)'s sequence in bf16\), (\S+)",
+                     (run_dir / "ds_trainer.log").read_text())
     assert said, (run_dir / "ds_trainer.log").read_text()[-2000:]
     on_disk = sum(f.stat().st_size for f in Path(said.group(3)).glob("pack-*"))  # not the empty prompt's
     assert int(said.group(2)) == round(on_disk / 2 / 1024) and float(said.group(1)) == round(on_disk / 2**20, 1)
@@ -272,6 +319,8 @@ def _reference_image(run_dir: Path, bf16: bool) -> Any:
 @pytest.mark.multiproc
 @pytest.mark.parametrize(("model", "layout"), [
     ("sd3_tiny", "ddp"),
+    ("qwen_image_tiny", "ddp"),
+    ("qwen_image_tiny", "fsdp_x2"),
     # The other three pairs in `make test-long` (the CI budget; their figures are in the docstring).
     pytest.param("flux_tiny", "fsdp_x2", marks=pytest.mark.long),
     pytest.param("sd3_tiny", "fsdp_x2", marks=pytest.mark.long),
@@ -304,6 +353,32 @@ def test_zero3_checkpoint_resumes_under_ddp_and_fsdp_within_noise(runs: Callable
         expected = _reference_image(run_dir, bf16=False)
         got = np.asarray(Image.open(run_dir / "samples" / "step_00000060" / "0_0.png").convert("RGB"))
         assert got.std() > 1 and (got == expected).all()
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_qwen_images_single_file_is_its_transformer_and_its_frozen_tail_never_moves(
+        runs: Callable[[str, str], Path]) -> None:
+    """The exported single file (diffusers' names, as ComfyUI's Qwen-Image file) reads back through diffusers'
+    from_single_file to the exported transformer; the last block's text-stream layers, which feed nothing, are the
+    initial weights (in bf16, as ZeRO-3 held them) after 60 steps while the rest moved."""
+    from diffusers import QwenImageTransformer2DModel
+
+    run_dir = runs("qwen_image_tiny", "zero3_x2")
+    exported = _weights(run_dir / "transformer")
+    cfg = make_cfg("model=qwen_image_tiny")
+    read = QwenImageTransformer2DModel.from_single_file(
+        str(run_dir / "single_file" / "model.safetensors"), config=str(cfg.model.architecture),
+        subfolder="transformer", local_files_only=True, torch_dtype=torch.float32).state_dict()
+    assert set(read) == set(exported)
+    assert max((read[k] - exported[k]).abs().max().item() for k in read) <= 1e-2  # the file is bf16 (export.dtype)
+    initial = _transformer("qwen_image_tiny", int(cfg.train.seed)).state_dict()
+    last = ("transformer_blocks.1.attn.to_add_out.", "transformer_blocks.1.txt_mlp.")
+    tail = [k for k in exported if k.startswith(last)]
+    # ZeRO-3 holds a frozen parameter in bf16 alone (no fp32 master): the initial weights rounded once
+    assert len(tail) == 6 and all(torch.equal(exported[k], initial[k].bfloat16().float()) for k in tail)
+    moved = "transformer_blocks.1.attn.to_q.weight"
+    assert not torch.equal(exported[moved], initial[moved])
 
 
 @pytest.mark.slow

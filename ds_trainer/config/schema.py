@@ -149,6 +149,7 @@ class ModelFamily(str, Enum):
     sdxl = "sdxl"  # UNet, DDPM noise (epsilon or v), CLIP-L + OpenCLIP-bigG, micro-conditioning
     sd3 = "sd3"  # MMDiT transformer, flow matching, CLIP-L + CLIP-G + T5 (SD3 and SD3.5)
     flux = "flux"  # Flux.1: packed latents, 3-axis position ids, guidance input, CLIP-L + T5, flow matching
+    qwen_image = "qwen_image"  # Qwen-Image: dual-stream MMDiT, packed latents of a video VAE, Qwen2.5-VL, flow matching
 
 
 class TimestepDensity(str, Enum):
@@ -299,6 +300,9 @@ class FlowConfig:
     guidance: float | None = None
     # Tokens of T5 per caption (the pipeline's max_sequence_length; SD3's own default is 256).
     t5_max_length: int = 256
+    # Qwen-Image: tokens of Qwen2.5-VL's hidden states per caption after the template's system prefix (the
+    # pipeline's max_sequence_length: 512 by default, at most 1024).
+    text_max_length: int = 512
 
 
 @dataclass
@@ -342,7 +346,8 @@ class ModelConfig:
 
 
 # Each family's text encoders, as data.text_encoder_dropout names them (families' text_parts say where each sits).
-TEXT_ENCODER_NAMES = {"sdxl": ("clip_l", "clip_g"), "sd3": ("clip_l", "clip_g", "t5"), "flux": ("clip_l", "t5")}
+TEXT_ENCODER_NAMES = {"sdxl": ("clip_l", "clip_g"), "sd3": ("clip_l", "clip_g", "t5"), "flux": ("clip_l", "t5"),
+                      "qwen_image": ("qwen_vl",)}
 
 
 @dataclass

@@ -152,6 +152,10 @@ def transformer_problems(cfg: DictConfig) -> list[Problem]:
         return [Problem("model.transformer", path, "is for the transformer families (sd3, flux); an SDXL checkpoint "
                         "file is read through model.pretrained",
                         "model.transformer=null model.pretrained=/path/to/sd_xl_base_1.0.safetensors")]
+    if family == "qwen_image":
+        return [Problem("model.transformer", path, "reads a transformer in its makers' single-file layout (SD3.5's, "
+                        "Flux.1's); Qwen-Image ships as a diffusers folder, which model.pretrained reads",
+                        "model.transformer=null model.pretrained=Qwen/Qwen-Image (or a local diffusers folder)")]
     if Path(path).suffix.lower() != ".safetensors":
         return [Problem("model.transformer", path, "is read as one .safetensors file (as SD3.5 and Flux.1 ship)", fix)]
     if not Path(path).is_file():

@@ -251,7 +251,7 @@ def _load_frozen(run: Run) -> tuple[Any, dict[str, torch.nn.Module]]:
                      q.kind.value, sum(d.layers for d in done), quantize.KINDS[q.kind.value],
                      sum(d.after for d in done) / 2**20, sum(d.before for d in done) / 2**20)
     frozen.vae.to(accelerator.device,
-                  torch.float32 if frozen.vae.config.force_upcast or run.kind == "cpu" else dtype)
+                  torch.float32 if frozen.vae.config.get("force_upcast") or run.kind == "cpu" else dtype)
     return frozen, encoders
 
 
@@ -297,7 +297,7 @@ def _build_cache(run: Run, dataset: Any) -> data.LatentCache | None:
     if accelerator.is_main_process and not cache.complete:
         cache.finish()
         size = cache.disk_bytes()
-        t5 = "; T5's sequence in bf16" if run.family.storage_dtype("prompt_embeds") else ""
+        t5 = f"; {run.family.sequence_encoder}'s sequence in bf16" if run.family.storage_dtype("prompt_embeds") else ""
         files = cache.files()
         log.info("cached latents and embeddings of %d samples (%d images) in %.1fs: %s MiB on disk "
                  "(%s KiB an image%s), %s", len(dataset), files, time.time() - start, f"{size / 2**20:.1f}",

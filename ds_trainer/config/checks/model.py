@@ -38,21 +38,22 @@ def _family(cfg: DictConfig) -> list[Problem]:
     if family == "sdxl":
         if flow is not None:
             out.append(Problem("model.flow", "{...}", "model.family=sdxl trains with DDPM noise (its scheduler's "
-                               "epsilon or v-prediction); flow matching is the sd3 and flux families'",
-                               "drop the flow block from the model's yaml, or model.family=sd3|flux for those models"))
+                               "epsilon or v-prediction); flow matching is the sd3, flux and qwen_image families'",
+                               "drop the flow block from the model's yaml, or model.family=sd3|flux|qwen_image for "
+                               "those models"))
         return out
     if flow is None:
         out.append(Problem("model.flow", None, f"model.family={family} trains by flow matching, which model.flow "
                            "sets (timestep density, shift, loss weighting, T5's tokens)",
-                           f"model={'flux' if family == 'flux' else 'sd3'}_tiny shows the block "
-                           f"(conf/model/{'flux' if family == 'flux' else 'sd3'}_tiny.yaml); copy it into your model's "
-                           "yaml"))
+                           f"model={family}_tiny shows the block "
+                           f"(conf/model/{family}_tiny.yaml); copy it into your model's yaml"))
         return out
     return out + _flow(cfg) + _sdxl_levers(cfg)
 
 
 def _flow(cfg: DictConfig) -> list[Problem]:
-    """`model.flow`'s ranges; Flux's resolution-dependent shift and guidance input are Flux's."""
+    """`model.flow`'s ranges; the resolution-dependent shift is Flux's and Qwen-Image's, the guidance input
+    Flux's."""
     family, flow, out = cfg.model.family.value, cfg.model.flow, []
     for key, value, ok, fix in (
             ("shift", flow.shift, flow.shift > 0, "model.flow.shift=3.0 (SD3's), or 1.0 for no shift"),
@@ -61,13 +62,18 @@ def _flow(cfg: DictConfig) -> list[Problem]:
              "model.flow.t5_max_length=256 (SD3's; T5 takes at most 512)")):
         if not (math.isfinite(value) and ok):
             out.append(Problem(f"model.flow.{key}", value, "out of range", fix))
-    if flow.dynamic_shift and family != "flux":
-        out.append(Problem("model.flow.dynamic_shift", True, f"the resolution-dependent shift is Flux's; {family}'s "
+    if family == "qwen_image" and not 1 <= flow.text_max_length <= 1024:
+        out.append(Problem("model.flow.text_max_length", flow.text_max_length, "out of range: QwenImagePipeline "
+                           "takes at most 1024 tokens of a caption", "model.flow.text_max_length=512 (the "
+                           "pipeline's default)"))
+    if flow.dynamic_shift and family == "sd3":
+        out.append(Problem("model.flow.dynamic_shift", True, f"the resolution-dependent shift is Flux's and "
+                           f"Qwen-Image's; {family}'s "
                            "sampler shifts by the fixed model.flow.shift, and training must match it",
                            "model.flow.dynamic_shift=false"))
     if flow.dynamic_shift and flow.shift != 1.0:
         out.append(Problem("model.flow.shift", flow.shift, "model.flow.dynamic_shift=true shifts each level by the "
-                           "image's token count instead; a fixed shift on top would train other levels than Flux's "
+                           "image's token count instead; a fixed shift on top would train other levels than the "
                            "sampler uses", "model.flow.shift=1.0"))
     if flow.guidance is not None and family != "flux":
         out.append(Problem("model.flow.guidance", flow.guidance, f"{family}'s transformer has no guidance input "

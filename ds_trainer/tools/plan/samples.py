@@ -90,31 +90,35 @@ def encoders_quantized(cfg: DictConfig) -> str:
 def frozen_bytes(architecture: str, kind: str, precision: str = "bf16", vae: bool = True,
                  quantize: str = "none") -> int:
     """The VAE (unless `vae` is False) and the text encoders (SDXL's two CLIPs; SD3's two and T5; Flux's CLIP-L and
-    T5) as training loads them (in the precision's dtype on a GPU, float32 on the CPU; the VAE in float32 when its
-    config asks); the encoders' linear layers quantized with `quantize=int8|nf4`."""
+    T5; Qwen-Image's Qwen2.5-VL) as training loads them (in the precision's dtype on a GPU, float32 on the CPU; the
+    VAE in float32 when its config asks); the encoders' linear layers quantized with `quantize=int8|nf4`."""
+    import diffusers
     import torch
-    from diffusers import AutoencoderKL
 
-    with torch.device("meta"):
-        autoencoder = AutoencoderKL.from_config(AutoencoderKL.load_config(architecture, subfolder="vae"))
+    config = diffusers.AutoencoderKL.load_config(architecture, subfolder="vae")
+    with torch.device("meta"):  # AutoencoderKL, or Qwen-Image's video VAE
+        autoencoder = getattr(diffusers, str(config.get("_class_name", "AutoencoderKL"))).from_config(config)
         encoders = [_encoder(architecture, name) for name in ("text_encoder", "text_encoder_2", "text_encoder_3")
-                    if name != "text_encoder_3" or (Path(architecture) / name).is_dir()]
+                    if (Path(architecture) / name).is_dir()]
     half = 4 if kind == "cpu" or precision == "fp32" else 2
-    vae_bytes = 4 if autoencoder.config.force_upcast or kind == "cpu" else half
+    vae_bytes = 4 if autoencoder.config.get("force_upcast") or kind == "cpu" else half
     count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
     fewer = sum(quantized.saved(quantize, quantized.linear_layers(e), half) for e in encoders)
     return (count(autoencoder) * vae_bytes if vae else 0) + sum(count(e) for e in encoders) * half - fewer
 
 
 def _encoder(architecture: str, name: str) -> Any:
-    """A text encoder of the folder on the meta device, by its config: T5 (SD3's third, Flux's second) or CLIP, with
-    the projection where its config names that class (SDXL's second, SD3's first two)."""
+    """A text encoder of the folder on the meta device, by its config: T5 (SD3's third, Flux's second), Qwen2.5-VL
+    (Qwen-Image's, its vision tower too) or CLIP, with the projection where its config names that class (SDXL's
+    second, SD3's first two)."""
     import torch
     from transformers import (
         CLIPTextConfig,
         CLIPTextModel,
         CLIPTextModelWithProjection,
         PretrainedConfig,
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
         T5Config,
         T5EncoderModel,
     )
@@ -123,6 +127,8 @@ def _encoder(architecture: str, name: str) -> Any:
     with torch.device("meta"):
         if found.get("model_type") == "t5":
             return T5EncoderModel(T5Config.from_pretrained(architecture, subfolder=name))
+        if found.get("model_type") == "qwen2_5_vl":
+            return Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig.from_pretrained(architecture, subfolder=name))
         projected = "CLIPTextModelWithProjection" in (found.get("architectures") or []) or name == "text_encoder_2"
         cls = CLIPTextModelWithProjection if projected else CLIPTextModel
         return cls(CLIPTextConfig.from_pretrained(architecture, subfolder=name))

@@ -1,4 +1,4 @@
-"""The trained module the planner measures (SDXL's UNet, or SD3's or Flux's transformer when the architecture folder
+"""The trained module the planner measures (SDXL's UNet, or SD3's, Flux's or Qwen-Image's transformer when the folder
 holds a `transformer/`), built on the meta device from an architecture folder (no memory, no download): its
 parameter count and largest layer, random inputs of a given image size, and a forward of it (`forward_of`). The
 planner (cells.py), its sampling part (samples.py) and the bench's raw loop (tools/bench/cells.py) build on it.
@@ -33,10 +33,12 @@ def unet_stats(architecture: str) -> UNetStats:
 
 def text_tokens(cfg: Any) -> int:
     """The text tokens the trained module attends to: SDXL's CLIP 77, SD3's CLIP 77 and T5's after them, Flux's T5
-    alone (its CLIP gives the pooled vector only)."""
+    alone (its CLIP gives the pooled vector only), Qwen-Image's Qwen2.5-VL sequence."""
     flow = cfg.model.get("flow")
     if flow is None:
         return 77
+    if cfg.model.family.value == "qwen_image":
+        return int(flow.text_max_length)
     return int(flow.t5_max_length) + (77 if cfg.model.family.value == "sd3" else 0)
 
 
@@ -73,6 +75,10 @@ def blocks_of(model: Any) -> tuple[Any, ...]:
         from diffusers.models.transformers.transformer_flux import FluxSingleTransformerBlock, FluxTransformerBlock
 
         return (FluxTransformerBlock, FluxSingleTransformerBlock)
+    if hasattr(model, "img_in"):  # Qwen-Image: dual-stream blocks
+        from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformerBlock
+
+        return (QwenImageTransformerBlock,)
     if hasattr(model, "transformer_blocks"):
         from diffusers.models.attention import JointTransformerBlock
 
@@ -102,6 +108,13 @@ def forward_of(model: Any, batch: int, height: int, width: int, dtype: Any = Non
                 "img_ids": torch.zeros(image, 3, device=device),
                 "guidance": torch.full((batch,), 3.5, device=device) if c.guidance_embeds else None}
         return lambda: model(**flux)
+    if hasattr(model, "img_in"):  # Qwen-Image: 2 x 2 patches of latents as tokens, their (frames, rows, columns)
+        rows, columns = height // 16, width // 16
+        qwen = {"hidden_states": torch.randn(batch, rows * columns, int(c.in_channels), **kw),
+                "encoder_hidden_states": torch.randn(batch, tokens, int(c.joint_attention_dim), **kw),
+                "encoder_hidden_states_mask": torch.ones(batch, tokens, dtype=torch.long, device=device),
+                "timestep": torch.rand(batch, device=device), "img_shapes": [[(1, rows, columns)]] * batch}
+        return lambda: model(**qwen)
     inputs = {"hidden_states": torch.randn(batch, int(c.in_channels), height // 8, width // 8, **kw),
               "encoder_hidden_states": torch.randn(batch, tokens, int(c.joint_attention_dim), **kw),
               "pooled_projections": torch.randn(batch, int(c.pooled_projection_dim), **kw),

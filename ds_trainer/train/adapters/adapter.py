@@ -59,9 +59,12 @@ def peft_config(method: str, rank: int, alpha: int, targets: tuple[str, ...], dr
 
 
 def _inject(cfg: DictConfig, model: torch.nn.Module) -> None:
-    """Freeze the UNet, then add the adapters (peft makes only them trainable)."""
+    """Freeze the UNet, then add the adapters (peft makes only them trainable); those on layers whose output feeds
+    nothing (the family's `unused`) stay frozen."""
     model.requires_grad_(False)
     model.add_adapter(lora_config(cfg))  # type: ignore[operator]
+    for name in families.of_module(model).unused(model):
+        model.get_submodule(name).requires_grad_(False)
 
 
 def _register_external(module: torch.nn.Module) -> int:

@@ -25,12 +25,14 @@ _LICENSES = {
                    "https://huggingface.co/stabilityai/stable-diffusion-3.5-large/blob/main/LICENSE.md"),
     "flux_dev": ("other", "flux-1-dev-non-commercial-license",
                  "https://huggingface.co/black-forest-labs/FLUX.1-dev/blob/main/LICENSE.md"),
+    "qwen_image": ("apache-2.0", None, "https://huggingface.co/Qwen/Qwen-Image/blob/main/LICENSE"),
 }
 _BASE_IDS = {"sdxl_base": "stabilityai/stable-diffusion-xl-base-1.0",
              "sd35_medium": "stabilityai/stable-diffusion-3.5-medium",
-             "sd35_large": "stabilityai/stable-diffusion-3.5-large", "flux_dev": "black-forest-labs/FLUX.1-dev"}
+             "sd35_large": "stabilityai/stable-diffusion-3.5-large", "flux_dev": "black-forest-labs/FLUX.1-dev",
+             "qwen_image": "Qwen/Qwen-Image"}
 _FAMILY_TAGS = {"sdxl": ["stable-diffusion-xl", "text-to-image"], "sd3": ["stable-diffusion-3", "sd3", "text-to-image"],
-                "flux": ["flux", "text-to-image"]}
+                "flux": ["flux", "text-to-image"], "qwen_image": ["qwen-image", "text-to-image"]}
 
 
 def write(run: Run) -> Path:
@@ -150,13 +152,14 @@ def _files(family: str, run_dir: Path, method: str = "lora") -> list[str]:
     kohya = {"sdxl": "ComfyUI (`models/loras`), Forge, kohya's scripts, diffusers' `load_lora_weights`",
              "sd3": "ComfyUI (`models/loras`), kohya's sd-scripts (diffusers has no reader of this layout for SD3: "
                     "use `pytorch_lora_weights.safetensors` there)",
-             "flux": "ComfyUI (`models/loras`), Forge, kohya's sd-scripts, diffusers' `load_lora_weights`"}[family]
+             "flux": "ComfyUI (`models/loras`), Forge, kohya's sd-scripts, diffusers' `load_lora_weights`",
+             "qwen_image": "ComfyUI (`models/loras`), musubi-tuner, diffusers' `load_lora_weights`"}[family]
     if method in schema.LYCORIS_METHODS:
         kohya = "ComfyUI (`models/loras`), Forge, kohya's tools with LyCORIS (diffusers does not load LoKr or LoHa)"
     diffusers = "diffusers' `load_lora_weights`" + (", ComfyUI" if family != "sdxl" and method == "lora" else "")
     where = {
-        "single_file/model.safetensors": "ComfyUI (`models/checkpoints`; Flux: `models/diffusion_models`), Forge, "
-                                         "InvokeAI, diffusers' `from_single_file`",
+        "single_file/model.safetensors": "ComfyUI (`models/checkpoints`; Flux, Qwen-Image: `models/diffusion_models`), "
+                                         "Forge, InvokeAI, diffusers' `from_single_file`",
         "single_file/model_ema.safetensors": "the EMA weights, as above",
         "lora/kohya.safetensors": kohya,
         "lora/pytorch_lora_weights.safetensors": diffusers,

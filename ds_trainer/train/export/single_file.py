@@ -1,6 +1,7 @@
 """`<run>/single_file/model.safetensors` (and `model_ema.safetensors` with EMA): a full fine-tune as the one file its
 makers ship, which ComfyUI, Forge and InvokeAI load: SDXL with its VAE and both text encoders in Stability's SGM
-layout, SD3/SD3.5's MMDiT in Stability's, Flux.1's transformer in Black Forest Labs' (train/layouts). In
+layout, SD3/SD3.5's MMDiT in Stability's, Flux.1's transformer in Black Forest Labs' (train/layouts), Qwen-Image's
+transformer as ComfyUI's file holds it (diffusers' names). In
 `export.dtype`, with Stability's model-spec keys in the header (layouts/metadata.py)."""
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ def tensors(family: str, denoiser: Any, parts: dict[str, Any]) -> dict[str, torc
     `text_encoder` and `text_encoder_2`), as the makers' files hold them: Flux.1's transformer alone, SD3/SD3.5's
     MMDiT and VAE, SDXL's UNet, VAE and both text encoders."""
     out = denoiser_tensors(family, denoiser)
-    if family == "flux":
+    if family in ("flux", "qwen_image"):
         return out
     vae = parts["vae"].state_dict()
     out.update(table.weights(sdxl_layout.vae(vae, len(parts["vae"].config.block_out_channels)), vae, sdxl_layout.VAE))
@@ -43,6 +44,8 @@ def tensors(family: str, denoiser: Any, parts: dict[str, Any]) -> dict[str, torc
 def denoiser_tensors(family: str, denoiser: Any) -> dict[str, torch.Tensor]:
     """The UNet's or transformer's tensors under the file's names."""
     state, config = denoiser.state_dict(), denoiser.config
+    if family == "qwen_image":  # ComfyUI's file (Comfy-Org's qwen_image_bf16) keeps diffusers' names
+        return dict(state)
     if family == "flux":
         return table.weights(transformers.flux(state, config.num_layers, config.num_single_layers), state)
     if family == "sd3":

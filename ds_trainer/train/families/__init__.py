@@ -4,8 +4,8 @@ A family provides its frozen parts and how they encode images and captions into 
 that trains (a UNet, a transformer), its noise schedule and loss, the diffusers pipeline that samples and is
 exported, and the LoRA file's pipeline class. The recipe, the step, validation, samples, the export and the LoRA
 file ask `of(cfg)` (or `of_module`) and never name a model class. `sdxl` (UNet, DDPM noise), `sd3` (SD3 and
-SD3.5's MMDiT, flow matching) and `flux` (Flux.1, flow matching on packed latents) are the families; base.py says
-what each provides.
+SD3.5's MMDiT, flow matching), `flux` (Flux.1, flow matching on packed latents) and `qwen_image` (Qwen-Image's MMDiT
+on a video VAE's packed latents, captions by Qwen2.5-VL) are the families; base.py says what each provides.
 """
 
 from __future__ import annotations
@@ -31,6 +31,10 @@ def of(cfg: DictConfig) -> Family:
         from ds_trainer.train.families.flux import Flux
 
         return Flux(cfg)
+    if name == "qwen_image":
+        from ds_trainer.train.families.qwen_image import QwenImage
+
+        return QwenImage(cfg)
     from ds_trainer.train.families.sdxl import SDXL
 
     return SDXL()
@@ -48,6 +52,10 @@ def of_module(module: Any) -> Family:
         from ds_trainer.train.families.flux import Flux
 
         return Flux()
+    if "QwenImageTransformer2DModel" in kinds:
+        from ds_trainer.train.families.qwen_image import QwenImage
+
+        return QwenImage()
     from ds_trainer.train.families.sdxl import SDXL
 
     return SDXL()

@@ -18,6 +18,7 @@ TextParts = dict[str, list[tuple[str, tuple[slice, ...]]]]
 class Family(Protocol):
     name: str
     component: str  # the trained module's pipeline component: "unet" or "transformer"
+    sequence_encoder: str  # the encoder whose long sequence the cache keeps in bf16 ("T5"; "" for none)
 
     def load_frozen(self, cfg: DictConfig, whole: Whole = nullcontext) -> Any:
         """The VAE, text encoders and tokenizers, eval mode, gradients off, built inside `whole()` (the backend's:
@@ -29,6 +30,10 @@ class Family(Protocol):
 
     def meta_trained(self, cfg: DictConfig) -> torch.nn.Module:
         """The same module on the meta device (no memory): for checks before training."""
+
+    def unused(self, model: torch.nn.Module) -> list[str]:
+        """The names of the trained module's submodules whose output feeds nothing the loss sees: they never get a
+        gradient (DDP refuses that), so they stay frozen, adapters on them too."""
 
     def text_inputs(self, frozen: Any, prompts: list[str], device: torch.device) -> dict[str, torch.Tensor]:
         """What a batch carries for its captions (cached on disk with the latents)."""

@@ -26,17 +26,20 @@ class Schedule:
     logit_std: float
     mode_scale: float
     weighting: str
-    dynamic: bool = False  # Flux: the shift follows the image's token count (`shifted`)
+    dynamic: bool = False  # Flux, Qwen-Image: the shift follows the image's token count (`shifted`)
+    # (base tokens, max tokens, base shift, max shift): the line mu follows, the sampler's (its scheduler config's)
+    line: tuple[int, int, float, float] = (256, 4096, 0.5, 1.15)
 
     @property
     def num_train_timesteps(self) -> int:
         return len(self.sigmas)
 
     @classmethod
-    def of(cls, cfg: DictConfig, num_train_timesteps: int = 1000) -> Schedule:
+    def of(cls, cfg: DictConfig, num_train_timesteps: int = 1000,
+           line: tuple[int, int, float, float] = (256, 4096, 0.5, 1.15)) -> Schedule:
         f = cfg.model.flow
         return cls(table(num_train_timesteps, float(f.shift)), f.density.value, float(f.logit_mean),
-                   float(f.logit_std), float(f.mode_scale), f.weighting.value, bool(f.dynamic_shift))
+                   float(f.logit_std), float(f.mode_scale), f.weighting.value, bool(f.dynamic_shift), line)
 
     def draw(self, gens: list[torch.Generator]) -> torch.Tensor:
         """One table index per sample (int64), u from each sample's generator."""
@@ -49,7 +52,7 @@ class Schedule:
         sigma = self.sigmas[index.long().cpu()]
         if self.dynamic:
             assert image_tokens is not None
-            return shifted(sigma, image_tokens)
+            return shifted(sigma, image_tokens, self.line)
         return sigma
 
     def weights(self, sigma: torch.Tensor) -> torch.Tensor:
@@ -68,10 +71,11 @@ def mu(image_tokens: int, base_tokens: int = 256, max_tokens: int = 4096, base_s
     return base_shift + slope * (image_tokens - base_tokens)
 
 
-def shifted(sigma: torch.Tensor, image_tokens: int) -> torch.Tensor:
+def shifted(sigma: torch.Tensor, image_tokens: int,
+            line: tuple[int, int, float, float] = (256, 4096, 0.5, 1.15)) -> torch.Tensor:
     """sigma' = e^mu / (e^mu + 1/sigma - 1): Flux's resolution-dependent shift (its sampler's, with mu of the
-    image's tokens)."""
-    e = math.exp(mu(image_tokens))
+    image's tokens on the sampler's `line`: Flux's by default, Qwen-Image's from its scheduler config)."""
+    e = math.exp(mu(image_tokens, *line))
     return (e / (e + (1 / sigma.double() - 1))).to(sigma.dtype)
 
 

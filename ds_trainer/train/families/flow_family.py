@@ -28,6 +28,10 @@ class FrozenParts:
 
 class FlowFamily:
     component = "transformer"
+    sequence_encoder = "T5"
+
+    def unused(self, model: torch.nn.Module) -> list[str]:  # noqa: ARG002 - the Family protocol's signature
+        return []  # SD3's last joint block updates no text; Flux's single-stream blocks end on the image tokens
 
     def image_tokens(self, latents: torch.Tensor) -> int | None:  # noqa: ARG002 - the Family protocol's signature
         """The image's token count where the noise levels shift with it (Flux); None for a fixed shift."""

@@ -24,9 +24,13 @@ from ds_trainer.train.families.base import TextParts, Whole
 class SDXL:
     name = "sdxl"
     component = "unet"
+    sequence_encoder = ""  # CLIP's 77 tokens, cached in float32
 
     def load_frozen(self, cfg: DictConfig, whole: Whole = nullcontext) -> Frozen:
         return load_frozen(cfg, whole)
+
+    def unused(self, model: torch.nn.Module) -> list[str]:  # noqa: ARG002 - the Family protocol's signature
+        return []
 
     def load_trained(self, cfg: DictConfig) -> torch.nn.Module:
         return load_unet(cfg)  # type: ignore[no-any-return]

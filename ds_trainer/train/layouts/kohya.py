@@ -4,7 +4,8 @@ tools load: `<prefix><module with . as _>.lora_down.weight` [rank, in], `.lora_u
 SGM names (`lora_unet_input_blocks_4_1_transformer_blocks_0_attn1_to_q`), SD3's MMDiT and Flux's transformer in
 theirs (`lora_unet_joint_blocks_0_x_block_attn_qkv`, `lora_unet_double_blocks_0_img_attn_qkv`: the fused qkv,
 block-diagonal over diffusers' to_q/to_k/to_v), the text encoders in transformers' names (`lora_te1_`: CLIP ViT-L,
-`lora_te2_`: OpenCLIP bigG)."""
+`lora_te2_`: OpenCLIP bigG). Qwen-Image's transformer keeps diffusers' module names (musubi-tuner's layout,
+`lora_unet_transformer_blocks_0_attn_to_q`)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,8 @@ def parts(family: str, component: str, shapes: Mapping[str, tuple[int, ...]], co
         return sdxl.unet(shapes, config.layers_per_block)
     if family == "sd3":
         return transformers.sd3(shapes, config.num_layers)
+    if family == "qwen_image":  # musubi-tuner's names, which ComfyUI reads: diffusers' modules
+        return [table.Part(k, (k,)) for k in shapes]
     return transformers.flux(shapes, config.num_layers, config.num_single_layers)
 
 

@@ -19,7 +19,8 @@ if TYPE_CHECKING:
 SPEC_VERSION = "1.0.1"  # Stability's ModelSpec, as sd-scripts writes it (library/sai_model_spec.py)
 _IMPLEMENTATION = {"sdxl": "https://github.com/Stability-AI/generative-models",
                    "sd3": "https://github.com/Stability-AI/generative-models",
-                   "flux": "https://github.com/black-forest-labs/flux"}
+                   "flux": "https://github.com/black-forest-labs/flux",
+                   "qwen_image": "https://github.com/QwenLM/Qwen-Image"}
 
 
 def value_of(v: object) -> str:
@@ -34,6 +35,8 @@ def architecture(cfg: DictConfig, family: str) -> str:
         return "stable-diffusion-3-5-large" if "large" in name else "stable-diffusion-3-5-medium"
     if family == "flux":
         return "flux-1-schnell" if "schnell" in name else "flux-1-dev"
+    if family == "qwen_image":
+        return "qwen-image-edit" if "edit" in name else "qwen-image"
     return "stable-diffusion-xl-v1-base"
 
 
@@ -41,7 +44,7 @@ def kohya_version(cfg: DictConfig, family: str) -> str:
     """kohya's ss_base_model_version (sdxl_model_util, flux_utils, SD3's mmdit.model_type)."""
     if family == "sd3":
         return "5-large" if "large" in str(cfg.model.name) else "5-medium"
-    return {"flux": "flux1"}.get(family, "sdxl_base_v1-0")
+    return {"flux": "flux1", "qwen_image": "qwen_image"}.get(family, "sdxl_base_v1-0")
 
 
 def _prediction(cfg: DictConfig, family: Family) -> str:

@@ -18,6 +18,7 @@ scheduler, so the exported pipeline reproduces an image with `generate` (see doc
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import logging
 import math
@@ -66,10 +67,15 @@ def generate(pipe: Any, prompt: str, seed: int, s: Settings) -> Any:
     """One image (PIL) from the family's pipeline: the call the sampler makes, and the one that reproduces its
     images from the exported pipeline. The latents come from a CPU generator, so the device does not
     change them; an empty negative prompt means SDXL's zeroed unconditional embedding (SD3's pipeline encodes
-    an empty one)."""
-    return pipe(prompt=prompt, negative_prompt=s.negative_prompt or None, num_inference_steps=s.steps,
-                guidance_scale=s.guidance_scale, width=s.width, height=s.height,
-                generator=torch.Generator().manual_seed(int(seed)), **dict(s.extra)).images[0]
+    an empty one). A pipeline whose classifier-free guidance is `true_cfg_scale` (Qwen-Image's: its
+    `guidance_scale` is a distilled model's input) is given the guidance scale there, and a negative prompt of one
+    space when it is empty (without one it would not guide at all)."""
+    guidance: dict[str, Any] = {"negative_prompt": s.negative_prompt or None, "guidance_scale": s.guidance_scale}
+    if "true_cfg_scale" in inspect.signature(type(pipe).__call__).parameters:
+        guidance = {"negative_prompt": s.negative_prompt or " ", "true_cfg_scale": s.guidance_scale,
+                    "guidance_scale": None}
+    return pipe(prompt=prompt, num_inference_steps=s.steps, width=s.width, height=s.height,
+                generator=torch.Generator().manual_seed(int(seed)), **guidance, **dict(s.extra)).images[0]
 
 
 def _cast(value: Any, dtype: torch.dtype) -> Any:
@@ -89,9 +95,9 @@ def model_in_its_dtype(model: Any) -> Iterator[None]:
     """Run a 16-bit UNet or transformer (as DeepSpeed trains it) inside a float32 pipeline: its latents, text
     embeddings and added conditions are cast to the model's dtype, its prediction back to the latents' dtype; the
     timestep is left alone (Euler's float timesteps would round in bf16). Training casts the same way."""
-    # The input layer of a UNet, SD3's transformer, Flux's transformer
-    first = model.conv_in if hasattr(model, "conv_in") else model.x_embedder if hasattr(model, "x_embedder") \
-        else model.pos_embed.proj
+    # The input layer of a UNet, Flux's transformer, Qwen-Image's, SD3's
+    names = [name for name in ("conv_in", "x_embedder", "img_in") if hasattr(model, name)]
+    first = getattr(model, names[0]) if names else model.pos_embed.proj
     dtype: torch.dtype = first.weight.dtype
     seen: list[torch.dtype] = []
 
@@ -169,7 +175,11 @@ def ema_model(accelerator: Any, model: Any, ema: EMA, key: str) -> Any:
     module = accelerator.unwrap_model(model)
     with torch.device("meta"):
         built = type(module).from_config(module.config)
-    missing = {name for name, _ in built.named_parameters()} - set(ema.names)
+    # What never trains by design (Qwen-Image's last text-stream layers: families' `unused`) is the live module's
+    live_params = dict(module.named_parameters())
+    fixed = {name: live_params[name] for name in sorted(set(live_params) - set(ema.names))
+             if name.startswith(tuple(f"{u}." for u in families.of_module(module).unused(module)))}
+    missing = {name for name, _ in built.named_parameters()} - set(ema.names) - set(fixed)
     if missing:
         raise TrainingError(f"{key}=true: the EMA holds only the trained parameters, not {len(missing)} "
                             f"others of the {families.label_of(module)}; use {key}=false")
@@ -177,8 +187,18 @@ def ema_model(accelerator: Any, model: Any, ema: EMA, key: str) -> Any:
     # live module's.
     live = dict(module.named_buffers())
     buffers = {name: _as_built(live[name]) for name in set(built.state_dict()) - set(ema.names) if name in live}
-    built.load_state_dict({**buffers, **ema.full()}, assign=True)
+    built.load_state_dict({**buffers, **sharded.whole_copies(fixed), **ema.full()}, assign=True)
+    _plain_tensors(built, module)
     return built.to(accelerator.device).eval()
+
+
+def _plain_tensors(built: torch.nn.Module, live: torch.nn.Module) -> None:
+    """The tensors a module keeps as plain attributes (no parameter, no buffer: Qwen-Image's RoPE frequencies), which
+    a module built on the meta device holds empty: the live module's."""
+    for name, part in built.named_modules():
+        for attr, value in list(vars(part).items()):
+            if isinstance(value, torch.Tensor) and value.is_meta:
+                setattr(part, attr, getattr(live.get_submodule(name), attr).detach().clone())
 
 
 def _as_built(buffer: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,175 @@
+"""Qwen-Image: QwenImageTransformer2DModel (a dual-stream MMDiT) trained by flow matching (train/flow.py) with the
+resolution-dependent shift its sampler uses (the line of its scheduler config: mu 0.5 at 256 image tokens to 0.9 at
+8192), on the VAE's latents (AutoencoderKLQwenImage, a video VAE given one frame) normalised by its per-channel mean
+and std, then packed 2 x 2 into tokens as Flux's; the transformer is given sigma as its timestep and each image's
+(frames, rows, columns) of tokens for its 3-axis RoPE.
+
+Captions: Qwen2.5-VL's last hidden state over QwenImagePipeline's chat template, the template's system prefix (its
+first 34 tokens) dropped, as the pipeline encodes them; cached padded to `model.flow.text_max_length` tokens in bf16
+with the mask of the caption's own tokens (`prompt_mask`), which the transformer's joint attention applies.
+QwenImagePipeline samples and is exported.
+
+The text encoder stays frozen (a 7 B vision-language model; peers train the transformer alone).
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from omegaconf import DictConfig
+
+from ds_trainer import console
+from ds_trainer.train.families import common, flow
+from ds_trainer.train.families.base import TextParts, Whole
+from ds_trainer.train.families.common import per_sample_mse
+from ds_trainer.train.families.flow_family import FlowFamily, FrozenParts
+from ds_trainer.train.families.flux import pack
+
+# QwenImagePipeline's prompt template and the tokens of its system prefix it drops (pipeline_qwenimage.py; a test
+# checks both against the pipeline's).
+TEMPLATE = ("<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, "
+            "spatial relationships of the objects and background:<|im_end|>\n<|im_start|>user\n{}<|im_end|>\n"
+            "<|im_start|>assistant\n")
+DROP = 34
+
+
+@dataclass
+class Frozen(FrozenParts):
+    ENCODERS: ClassVar[tuple[str, ...]] = ("text_encoder",)
+    vae: Any  # AutoencoderKLQwenImage
+    text_encoder: Any  # Qwen2_5_VLForConditionalGeneration: its language model's last hidden state
+    tokenizer: Any
+
+
+def image_shapes(latents: torch.Tensor) -> list[list[tuple[int, int, int]]]:
+    """Each sample's (frames, rows, columns) of packed tokens, as QwenImagePipeline passes `img_shapes`."""
+    height, width = latents.shape[-2:]
+    return [[(1, height // 2, width // 2)]] * latents.shape[0]
+
+
+class QwenImage(FlowFamily):
+    name = "qwen_image"
+    sequence_encoder = "Qwen2.5-VL"
+
+    def __init__(self, cfg: DictConfig | None = None) -> None:
+        f = cfg.model.flow if cfg is not None else None
+        self._text_length = int(f.text_max_length) if f is not None else 512
+
+    def load_frozen(self, cfg: DictConfig, whole: Whole = nullcontext) -> Frozen:
+        from diffusers import AutoencoderKLQwenImage
+        from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
+
+        console.adopt()
+        path, kwargs = common.source(cfg)
+        with whole():
+            tokenizer = Qwen2Tokenizer.from_pretrained(path, subfolder="tokenizer", **kwargs)
+            if cfg.model.pretrained:
+                vae = AutoencoderKLQwenImage.from_pretrained(path, subfolder="vae", **kwargs)
+                encoder = Qwen2_5_VLForConditionalGeneration.from_pretrained(path, subfolder="text_encoder", **kwargs)
+            else:
+                torch.manual_seed(int(cfg.train.seed))
+                vae = AutoencoderKLQwenImage.from_config(AutoencoderKLQwenImage.load_config(path, subfolder="vae"))
+                encoder = Qwen2_5_VLForConditionalGeneration(
+                    Qwen2_5_VLConfig.from_pretrained(path, subfolder="text_encoder"))
+        for module in (vae, encoder):
+            module.requires_grad_(False)
+            module.eval()
+        return Frozen(vae, encoder, tokenizer)
+
+    def load_trained(self, cfg: DictConfig) -> torch.nn.Module:
+        from diffusers import QwenImageTransformer2DModel
+
+        model = common.trained_module(cfg, QwenImageTransformer2DModel, "transformer")
+        for name in self.unused(model):
+            model.get_submodule(name).requires_grad_(False)
+        return model  # type: ignore[no-any-return]
+
+    def unused(self, model: torch.nn.Module) -> list[str]:
+        """The last block's text-stream output (its attention's `to_add_out`, its `txt_mlp`): the transformer returns
+        the image tokens alone, so the text stream's last update feeds nothing."""
+        last = f"transformer_blocks.{len(model.transformer_blocks) - 1}"  # type: ignore[arg-type]
+        return [f"{last}.attn.to_add_out", f"{last}.txt_mlp"]
+
+    def meta_trained(self, cfg: DictConfig) -> torch.nn.Module:
+        from diffusers import QwenImageTransformer2DModel
+
+        return common.meta_module(cfg, QwenImageTransformer2DModel, "transformer")
+
+    @torch.no_grad()
+    def encode_images(self, frozen: Frozen, pixels: torch.Tensor) -> torch.Tensor:
+        """One frame through the video VAE; the latents normalised by its per-channel mean and std (the pipeline
+        decodes latents * std + mean)."""
+        vae = frozen.vae
+        latents = vae.encode(pixels.to(vae.device, vae.dtype)[:, :, None]).latent_dist.mean[:, :, 0]
+        mean = torch.tensor(vae.config.latents_mean, device=latents.device).view(1, -1, 1, 1)
+        std = torch.tensor(vae.config.latents_std, device=latents.device).view(1, -1, 1, 1)
+        return ((latents.float() - mean) / std).to(latents.dtype)
+
+    def storage_dtype(self, key: str) -> torch.dtype | None:
+        return torch.bfloat16 if key == "prompt_embeds" else None
+
+    @torch.no_grad()
+    def text_inputs(self, frozen: Frozen, prompts: list[str], device: torch.device) -> dict[str, torch.Tensor]:
+        """`prompt_embeds`: each caption's hidden states after the template's system prefix, padded with zeros to
+        `text_max_length` tokens; `prompt_mask`: 1 on the caption's own tokens."""
+        tokens = frozen.tokenizer([TEMPLATE.format(p) for p in prompts], max_length=self._text_length + DROP,
+                                  padding=True, truncation=True, return_tensors="pt").to(device)
+        hidden = frozen.text_encoder(input_ids=tokens.input_ids, attention_mask=tokens.attention_mask,
+                                     output_hidden_states=True).hidden_states[-1]
+        embeds = hidden.new_zeros(len(prompts), self._text_length, hidden.shape[-1])
+        mask = torch.zeros(len(prompts), self._text_length, dtype=torch.long, device=device)
+        for i, (states, keep) in enumerate(zip(hidden, tokens.attention_mask.bool(), strict=True)):
+            own = states[keep][DROP:]
+            embeds[i, :len(own)], mask[i, :len(own)] = own, 1
+        return {"prompt_embeds": embeds, "prompt_mask": mask}
+
+    def text_parts(self, frozen: Frozen) -> TextParts:  # noqa: ARG002 - the Family protocol's signature
+        """Qwen2.5-VL makes the whole sequence (its mask says which tokens are the caption's)."""
+        return {"qwen_vl": [("prompt_embeds", (slice(None), slice(None)))]}
+
+    def schedule(self, cfg: DictConfig) -> flow.Schedule:
+        """The flow schedule with the sampler's shift line (its scheduler config: Qwen-Image's is not Flux's)."""
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        path, kwargs = common.source(cfg)
+        c = FlowMatchEulerDiscreteScheduler.load_config(path, subfolder="scheduler", **kwargs)
+        line = (int(c["base_image_seq_len"]), int(c["max_image_seq_len"]), float(c["base_shift"]),
+                float(c["max_shift"]))
+        return flow.Schedule.of(cfg, line=line)
+
+    def image_tokens(self, latents: torch.Tensor) -> int:
+        """The packed tokens of the latents (2 x 2 patches): what the noise levels shift with."""
+        return (latents.shape[-2] // 2) * (latents.shape[-1] // 2)
+
+    def losses(self, model: Any, schedule: flow.Schedule, batch: dict[str, torch.Tensor], noise: torch.Tensor,
+               t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        latents = batch["latents"]
+        sigma = schedule.sigma(t, self.image_tokens(latents))
+        noisy = pack(flow.noisy(latents, noise, sigma))
+        pred = model(hidden_states=noisy.to(device, dtype), timestep=sigma.to(device),  # sigma, as sampled
+                     encoder_hidden_states=batch["prompt_embeds"].to(device, dtype),
+                     encoder_hidden_states_mask=batch["prompt_mask"].to(device),
+                     img_shapes=image_shapes(latents)).sample
+        weight = batch.get("weight_map")  # the mask packed as the latents are: one weight per packed value
+        return per_sample_mse(pred, pack(flow.target(latents, noise)),
+                              None if weight is None else pack(weight.expand_as(latents)))
+
+    def pipeline(self, cfg: DictConfig, frozen: Frozen, trained: dict[str, Any]) -> Any:
+        from diffusers import FlowMatchEulerDiscreteScheduler, QwenImagePipeline
+
+        path, kwargs = common.source(cfg)
+        return QwenImagePipeline(
+            transformer=trained["transformer"] if "transformer" in trained else self.load_trained(cfg).eval(),
+            scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(path, subfolder="scheduler", **kwargs),
+            vae=frozen.vae, text_encoder=frozen.text_encoder, tokenizer=frozen.tokenizer)
+
+    def call_kwargs(self, cfg: DictConfig) -> dict[str, Any]:  # noqa: ARG002 - the Family protocol's signature
+        return {"max_sequence_length": self._text_length}
+
+    def lora_pipeline(self) -> Any:
+        from diffusers import QwenImagePipeline
+
+        return QwenImagePipeline
