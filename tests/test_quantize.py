@@ -13,6 +13,7 @@ import json
 import os
 import re
 import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -125,6 +126,45 @@ def test_the_lora_of_a_quantized_base_loads_into_an_unquantized_pipeline(nf4_run
     pipe.unload_lora_weights()
     pipe.load_lora_weights(run_dir / "lora" / "kohya.safetensors")  # kohya's layout of the same adapters
     assert abs(image() - base).max() > 1e-4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("model", "zero", "ranks"), [
+    ("flux_tiny", "stage2", 1), ("qwen_image_tiny", "fsdp_full_shard", 2),
+    pytest.param("flux_tiny", "stage3", 2, marks=pytest.mark.multiproc),
+    pytest.param("qwen_image_tiny", "stage2", 1, marks=pytest.mark.long)])
+def test_a_transformers_nf4_base_trains_samples_and_writes_both_lora_files(tmp_path: Path, model: str, zero: str,
+                                                                          ranks: int) -> None:
+    """Flux's and Qwen-Image's first layer is a linear one, quantized: the engine computes in its 16-bit type (not
+    the packed weight's), a sample runs on the quantized model, and the kohya file's fused qkv is cut by the
+    unpacked shapes (Flux: three projections' rows in one up matrix)."""
+    from diffusers import DiffusionPipeline
+    from safetensors.torch import load_file
+
+    run = [*(torchrun(ranks) if ranks > 1 else [sys.executable]), "-m", "ds_trainer", f"model={model}",
+           f"zero={zero}", "adapter=lora", "quantize=nf4", "logger=none", "data.num_samples=2",
+           "train.micro_batch_size=1", "train.max_steps=4", "samples=on", "samples.every=0", "samples.steps=2",
+           "samples.prompts=[a red cube]"]
+    result = subprocess.run(run, cwd=tmp_path, capture_output=True, text=True, timeout=900,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    (run_dir,) = run_dirs(tmp_path)
+    assert "linear layers of the transformer's frozen base as 4-bit NormalFloat" in (run_dir / "ds_trainer.log") \
+        .read_text()
+    assert list((run_dir / "samples").glob("step_*/*.png"))
+    pipe = DiffusionPipeline.from_pretrained(run_dir / "pipeline")  # the unquantized base
+    width = pipe.transformer.config.num_attention_heads * pipe.transformer.config.attention_head_dim
+    kohya = load_file(run_dir / "lora" / "kohya.safetensors")
+    ups = {k: tuple(v.shape) for k, v in kohya.items() if k.endswith(".lora_up.weight")}
+    if model == "flux_tiny":
+        assert ups["lora_unet_double_blocks_0_img_attn_qkv.lora_up.weight"][0] == 3 * width
+    else:
+        assert ups["lora_unet_transformer_blocks_0_attn_to_q.lora_up.weight"][0] == width
+    call = {"prompt": "a red cube", "num_inference_steps": 2, "height": 64, "width": 64, "max_sequence_length": 32,
+            "output_type": "np"}
+    base = pipe(**call, generator=torch.Generator().manual_seed(0)).images
+    pipe.load_lora_weights(run_dir / "lora")
+    assert abs(pipe(**call, generator=torch.Generator().manual_seed(0)).images - base).max() > 1e-5
 
 
 def _unet() -> Any:

@@ -22,10 +22,12 @@ WEIGHT_NAME = "kohya.safetensors"
 
 def base_shapes(part: torch.nn.Module) -> dict[str, tuple[int, ...]]:
     """The shapes of a LoRA-injected module's own weights, by their names without peft's (`.base_layer`, adapters);
-    under ZeRO-3 the full shapes (`ds_shape`); quantize=fp8's weights are frozen buffers (adapters/quantize.py)."""
+    under ZeRO-3 the full shapes (`ds_shape`); quantize=nf4's as they were before packing (Flux's fused qkv is cut by
+    them); quantize=fp8's weights are frozen buffers (adapters/quantize.py)."""
     weights = [*part.named_parameters(), *((n, b) for n, b in part.named_buffers() if quantize.is_float8(b))]
-    return {n.replace(".base_layer", ""): tuple(getattr(p, "ds_shape", p.shape)) for n, p in weights
-            if not is_adapter(n)}
+    unpacked = quantize.unpacked_shapes(part)
+    return {n.replace(".base_layer", ""): unpacked.get(id(p)) or tuple(getattr(p, "ds_shape", p.shape))
+            for n, p in weights if not is_adapter(n)}
 
 
 def _lora_parts(module: torch.nn.Module) -> Iterable[tuple[str, torch.nn.Module]]:

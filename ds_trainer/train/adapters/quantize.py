@@ -160,6 +160,18 @@ def _state_bytes(state: Any) -> int:
     return total
 
 
+def unpacked_shapes(module: torch.nn.Module) -> dict[int, tuple[int, ...]]:
+    """By the weight's id, the shape of each 4-bit weight of `module` before bitsandbytes packed it (its quantization
+    state keeps it; under FSDP2 the layer keeps the state)."""
+    shapes: dict[int, tuple[int, ...]] = {}
+    for part in module.modules():
+        weight = getattr(part, "weight", None)
+        state = getattr(weight, "quant_state", None) or getattr(part, "quant_state", None)
+        if isinstance(weight, torch.Tensor) and state is not None:
+            shapes[id(weight)] = tuple(state.shape)
+    return shapes
+
+
 def partitioned_bytes(module: torch.nn.Module) -> tuple[int, int, int]:
     """Under ZeRO-3 or FSDP2: (this rank's partition of the packed 4-bit weights, all of them, their scales), in
     bytes. ZeRO-3 keeps the Params4bit (its data gathered away) and its partition beside it; FSDP2 replaces it with a

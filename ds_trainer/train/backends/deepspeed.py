@@ -72,7 +72,9 @@ class DeepSpeed:
         return not resuming and str(self.cfg.precision.name.value) in ("bf16", "fp16")
 
     def compute_dtype(self, model: Any) -> Any:
-        return next(model.parameters()).dtype
+        # The engine's 16-bit (or fp32) parameters; a quantized base's packed integer weights are not what it computes
+        # in (quantize=nf4|int8: Flux's and Qwen-Image's first layer is a quantized linear one)
+        return next(p.dtype for p in model.parameters() if p.is_floating_point())
 
     def clip(self, accelerator: Any, model: Any, limit: float) -> Any:  # noqa: ARG002
         return None  # DeepSpeed clips inside its step (gradient_clipping in its JSON)

@@ -69,6 +69,10 @@ class Family(Protocol):
     def call_kwargs(self, cfg: DictConfig) -> dict[str, Any]:
         """Keyword arguments every pipeline call of this family takes beyond the sampling settings."""
 
+    def guidance_kwargs(self, scale: float, negative: str) -> dict[str, Any]:
+        """The pipeline call's arguments for classifier-free guidance at `scale` with the `negative` prompt ("" for
+        the family's empty one)."""
+
     def lora_pipeline(self) -> Any:
         """The pipeline class whose `save_lora_weights` / `load_lora_weights` the LoRA file is written for."""
 

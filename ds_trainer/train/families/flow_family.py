@@ -33,6 +33,10 @@ class FlowFamily:
     def unused(self, model: torch.nn.Module) -> list[str]:  # noqa: ARG002 - the Family protocol's signature
         return []  # SD3's last joint block updates no text; Flux's single-stream blocks end on the image tokens
 
+    def guidance_kwargs(self, scale: float, negative: str) -> dict[str, Any]:
+        """SD3: classifier-free guidance (an empty negative prompt encoded); Flux.1-dev: the distilled guidance."""
+        return {"guidance_scale": scale, "negative_prompt": negative or None}
+
     def image_tokens(self, latents: torch.Tensor) -> int | None:  # noqa: ARG002 - the Family protocol's signature
         """The image's token count where the noise levels shift with it (Flux); None for a fixed shift."""
         return None

@@ -169,6 +169,11 @@ class QwenImage(FlowFamily):
     def call_kwargs(self, cfg: DictConfig) -> dict[str, Any]:  # noqa: ARG002 - the Family protocol's signature
         return {"max_sequence_length": self._text_length}
 
+    def guidance_kwargs(self, scale: float, negative: str) -> dict[str, Any]:
+        """QwenImagePipeline guides by `true_cfg_scale` and only with a negative prompt (one space when empty); its
+        `guidance_scale` is a distilled model's input, which Qwen-Image has not."""
+        return {"true_cfg_scale": scale, "negative_prompt": negative or " ", "guidance_scale": None}
+
     def lora_pipeline(self) -> Any:
         from diffusers import QwenImagePipeline
 

@@ -32,6 +32,9 @@ class SDXL:
     def unused(self, model: torch.nn.Module) -> list[str]:  # noqa: ARG002 - the Family protocol's signature
         return []
 
+    def guidance_kwargs(self, scale: float, negative: str) -> dict[str, Any]:
+        return {"guidance_scale": scale, "negative_prompt": negative or None}  # None: the zeroed unconditional
+
     def load_trained(self, cfg: DictConfig) -> torch.nn.Module:
         return load_unet(cfg)  # type: ignore[no-any-return]
 

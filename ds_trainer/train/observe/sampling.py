@@ -18,7 +18,6 @@ scheduler, so the exported pipeline reproduces an image with `generate` (see doc
 from __future__ import annotations
 
 import contextlib
-import inspect
 import json
 import logging
 import math
@@ -67,13 +66,9 @@ def generate(pipe: Any, prompt: str, seed: int, s: Settings) -> Any:
     """One image (PIL) from the family's pipeline: the call the sampler makes, and the one that reproduces its
     images from the exported pipeline. The latents come from a CPU generator, so the device does not
     change them; an empty negative prompt means SDXL's zeroed unconditional embedding (SD3's pipeline encodes
-    an empty one). A pipeline whose classifier-free guidance is `true_cfg_scale` (Qwen-Image's: its
-    `guidance_scale` is a distilled model's input) is given the guidance scale there, and a negative prompt of one
-    space when it is empty (without one it would not guide at all)."""
-    guidance: dict[str, Any] = {"negative_prompt": s.negative_prompt or None, "guidance_scale": s.guidance_scale}
-    if "true_cfg_scale" in inspect.signature(type(pipe).__call__).parameters:
-        guidance = {"negative_prompt": s.negative_prompt or " ", "true_cfg_scale": s.guidance_scale,
-                    "guidance_scale": None}
+    an empty one); the family says which arguments carry the guidance scale and the negative prompt."""
+    model = pipe.unet if hasattr(pipe, "unet") else pipe.transformer
+    guidance = families.of_module(model).guidance_kwargs(s.guidance_scale, s.negative_prompt)
     return pipe(prompt=prompt, num_inference_steps=s.steps, width=s.width, height=s.height,
                 generator=torch.Generator().manual_seed(int(seed)), **guidance, **dict(s.extra)).images[0]
 
@@ -98,7 +93,7 @@ def model_in_its_dtype(model: Any) -> Iterator[None]:
     # The input layer of a UNet, Flux's transformer, Qwen-Image's, SD3's
     names = [name for name in ("conv_in", "x_embedder", "img_in") if hasattr(model, name)]
     first = getattr(model, names[0]) if names else model.pos_embed.proj
-    dtype: torch.dtype = first.weight.dtype
+    dtype = _compute_dtype(first)
     seen: list[torch.dtype] = []
 
     def before(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:  # noqa: ARG001 - torch's hook signature
@@ -190,6 +185,19 @@ def ema_model(accelerator: Any, model: Any, ema: EMA, key: str) -> Any:
     built.load_state_dict({**buffers, **sharded.whole_copies(fixed), **ema.full()}, assign=True)
     _plain_tensors(built, module)
     return built.to(accelerator.device).eval()
+
+
+def _compute_dtype(layer: Any) -> torch.dtype:
+    """The dtype a layer computes in: its weight's, or for a quantized base's layer (quantize=: bitsandbytes'
+    integer weights) the compute dtype it was given, else its bias's."""
+    weight = layer.weight
+    if weight.is_floating_point():
+        return weight.dtype  # type: ignore[no-any-return]
+    compute = getattr(layer, "compute_dtype", None)
+    if isinstance(compute, torch.dtype):
+        return compute
+    bias = getattr(layer, "bias", None)
+    return bias.dtype if isinstance(bias, torch.Tensor) and bias.is_floating_point() else torch.float32
 
 
 def _plain_tensors(built: torch.nn.Module, live: torch.nn.Module) -> None:
