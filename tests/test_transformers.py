@@ -248,6 +248,21 @@ def test_qwen_images_captions_shift_and_latents_are_its_pipelines() -> None:
     assert latents.shape == (1, 4, 4, 4) and torch.allclose(latents * std + mean, raw, atol=1e-5)
 
 
+@pytest.mark.parametrize(("change", "says", "fix"), [
+    (["data.text_encoder_dropout.qwen_vl=0.2"], "qwen_image has this one encoder alone", "data.caption_dropout=0.2"),
+    (["model.transformer=/models/qwen_image_bf16.safetensors"], "Qwen-Image ships as a diffusers folder",
+     "model.pretrained=Qwen/Qwen-Image"),
+    (["model.flow.text_max_length=2048"], "at most 1024 tokens", "model.flow.text_max_length=512"),
+    (["model.flow.guidance=3.5"], "has no guidance input", "model.flow.guidance=null"),
+])
+def test_what_qwen_image_cannot_take_is_refused_with_the_fix(change: list[str], says: str, fix: str) -> None:
+    from ds_trainer.config import checks
+
+    report = checks.check(make_cfg("model=qwen_image_tiny", *change))
+    shown = report.render()
+    assert not report.ok and says in shown and fix in shown, shown
+
+
 # --- the chain
 
 

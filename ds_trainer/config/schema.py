@@ -357,6 +357,7 @@ class EncoderDropout:
     clip_l: float = 0.0
     clip_g: float = 0.0
     t5: float = 0.0
+    qwen_vl: float = 0.0  # Qwen-Image's one encoder: refused (data.caption_dropout drops its caption)
 
 
 @dataclass

@@ -117,7 +117,12 @@ def _captions(cfg: DictConfig) -> list[Problem]:
     asked = {name: value for name, value in data.text_encoder_dropout.items() if float(value) != 0.0}
     for name, value in asked.items():
         key = f"data.text_encoder_dropout.{name}"
-        if name not in names:
+        if names == (name,):
+            out.append(Problem(key, value, f"drops one text encoder's output while the others still carry the "
+                               f"caption; {family} has this one encoder alone",
+                               f"{key}=0 data.caption_dropout={value} (the caption dropped: the empty prompt's "
+                               "encoding, as the sampler's unconditional)"))
+        elif name not in names:
             out.append(Problem(key, value, f"{cfg.model.name} has no {name} text encoder ({family}'s: "
                                f"{', '.join(names)})", f"{key}=0, or data.text_encoder_dropout.{names[-1]}={value}"))
         elif not 0.0 <= float(value) <= 1.0:
