@@ -248,6 +248,33 @@ def test_qwen_images_captions_shift_and_latents_are_its_pipelines() -> None:
     assert latents.shape == (1, 4, 4, 4) and torch.allclose(latents * std + mean, raw, atol=1e-5)
 
 
+@pytest.mark.slow
+def test_flux_schnell_trains_on_its_unshifted_levels_without_guidance(tmp_path: Path) -> None:
+    """FLUX.1-schnell (flux_schnell_tiny: flux_tiny without the guidance input): its noise levels are the table's,
+    whatever the image's size (its scheduler does not shift); a LoRA trains, samples without a guidance input and
+    loads into FluxPipeline; the full model is dev's states without the guidance embedder."""
+    from diffusers import FluxPipeline
+
+    from ds_trainer.train.families import flow, of
+
+    cfg = make_cfg("model=flux_schnell_tiny")
+    schedule = of(cfg).schedule(cfg)
+    index = torch.tensor([0, 300, 999])
+    for tokens in (64, 4096):
+        assert torch.equal(schedule.sigma(index, tokens), flow.table(1000, 1.0)[index])
+    result = run_cli("model=flux_schnell_tiny", "adapter=lora", "logger=none", "data.num_samples=2",
+                     "train.max_steps=4", "samples=on", "samples.every=0", "samples.steps=2",
+                     f"samples.prompts=[{PROMPT}]", cwd=tmp_path, env=ONE_THREAD, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (run_dir,) = run_dirs(tmp_path)
+    assert list((run_dir / "samples").glob("step_*/*.png"))
+    pipe = FluxPipeline.from_pretrained(run_dir / "pipeline")
+    assert not pipe.transformer.config.guidance_embeds
+    pipe.load_lora_weights(run_dir / "lora")
+    dev, schnell = (make_cfg(f"model={m}").model.param_count for m in ("flux_dev", "flux_schnell"))
+    assert 0 < dev - schnell < 0.002 * dev  # the guidance embedder alone
+
+
 @pytest.mark.parametrize(("change", "says", "fix"), [
     (["data.text_encoder_dropout.qwen_vl=0.2"], "qwen_image has this one encoder alone", "data.caption_dropout=0.2"),
     (["model.transformer=/models/qwen_image_bf16.safetensors"], "Qwen-Image ships as a diffusers folder",

@@ -25,12 +25,13 @@ _LICENSES = {
                    "https://huggingface.co/stabilityai/stable-diffusion-3.5-large/blob/main/LICENSE.md"),
     "flux_dev": ("other", "flux-1-dev-non-commercial-license",
                  "https://huggingface.co/black-forest-labs/FLUX.1-dev/blob/main/LICENSE.md"),
+    "flux_schnell": ("apache-2.0", None, "https://huggingface.co/black-forest-labs/FLUX.1-schnell"),
     "qwen_image": ("apache-2.0", None, "https://huggingface.co/Qwen/Qwen-Image/blob/main/LICENSE"),
 }
 _BASE_IDS = {"sdxl_base": "stabilityai/stable-diffusion-xl-base-1.0",
              "sd35_medium": "stabilityai/stable-diffusion-3.5-medium",
              "sd35_large": "stabilityai/stable-diffusion-3.5-large", "flux_dev": "black-forest-labs/FLUX.1-dev",
-             "qwen_image": "Qwen/Qwen-Image"}
+             "flux_schnell": "black-forest-labs/FLUX.1-schnell", "qwen_image": "Qwen/Qwen-Image"}
 _FAMILY_TAGS = {"sdxl": ["stable-diffusion-xl", "text-to-image"], "sd3": ["stable-diffusion-3", "sd3", "text-to-image"],
                 "flux": ["flux", "text-to-image"], "qwen_image": ["qwen-image", "text-to-image"]}
 
