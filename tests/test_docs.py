@@ -60,7 +60,7 @@ COMMAND = re.compile(r"^([A-Z_]+=\S+\s+)*(\S*/)?(python3?|torchrun|accelerate)\s
 RUNS_DS_TRAINER = re.compile(r"-m ds_trainer(\.|\s|$)")
 # Keys that name the user's own files and folders: a documented placeholder path may be missing here.
 USER_FILES = {"data.path", "validation.path", "model.pretrained", "model.vae", "model.transformer", "resume",
-              "samples.prompts", "adapter.init_from"}
+              "samples.prompts", "adapter.init_from", "data.control_path", "samples.images"}
 CHECKED_BY_VALIDATION = {"ds_trainer", "ds_trainer.cache", "ds_trainer.plan", "ds_trainer.tune", "ds_trainer.doctor"}
 CHECKED_BY_PARSER = {"ds_trainer.report", "ds_trainer.convert", "ds_trainer.bench", "ds_trainer.slurm_local",
                      "ds_trainer.gpucheck",

@@ -40,7 +40,7 @@ torch = pytest.importorskip("torch")
 
 PROMPT = "a red square on a blue background"
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # exact pixel comparisons: the same kernels in the run and the reference
-MODELS = ["sd3_tiny", "flux_tiny", "qwen_image_tiny"]
+MODELS = ["sd3_tiny", "flux_tiny", "qwen_image_tiny", "flux_kontext_tiny"]
 COMMON = ["logger=none", "data.num_samples=2", "scheduler=constant", "optimizer.lr=3e-3",
           "train.max_steps=60", "train.checkpoint_every=30", "validation=on", "validation.every=30"]
 REFERENCE = ["zero=stage3", "train.micro_batch_size=1", "train.export=true", "samples=on", "samples.every=0",
@@ -78,6 +78,8 @@ def runs(module_tmp: Callable[[str], Path]) -> Callable[[str, str], Path]:
                 "lora": (1, ["zero=stage2", "adapter=lora", "train.micro_batch_size=2", "optimizer.lr=5e-3",
                              "train.max_steps=60", "train.export=true", "validation=none"]),
             }[name]
+            if model == "flux_kontext_tiny":  # an editing model: its samples' reference image
+                overrides = [*overrides, f"samples.images=[{_reference_png(root)}]"]
             if (model, name) == ("sd3_tiny", "lora"):  # SD3's LoRA trains on a transformer read from a single file
                 overrides = [*overrides, f"model.transformer={_single_file(root, SINGLE_FILE_SEED)}"]
             done[model, name] = _train(root / model / name, ranks, f"model={model}", *overrides)
@@ -297,10 +299,12 @@ def test_what_qwen_image_cannot_take_is_refused_with_the_fix(change: list[str], 
 # the pooled text (SD3: CLIP-L and CLIP-G joined; Flux: CLIP-L's), the latents (SD3: 16 channels; Flux: 4, packed
 # into 16 per token in the step).
 CACHED = {"sd3_tiny": {"prompt_embeds": (77 + 32, 64), "pooled": (64,), "latents": (16, 16, 16)},
+          "flux_kontext_tiny": {"prompt_embeds": (32, 64), "pooled": (32,), "latents": (4, 16, 16),
+                                "control_latents": (4, 16, 16)},
           "flux_tiny": {"prompt_embeds": (32, 64), "pooled": (32,), "latents": (4, 16, 16)},
           "qwen_image_tiny": {"prompt_embeds": (32, 32), "prompt_mask": (32,), "latents": (4, 16, 16)}}
 PIPELINES = {"sd3_tiny": "StableDiffusion3Pipeline", "flux_tiny": "FluxPipeline",
-             "qwen_image_tiny": "QwenImagePipeline"}
+             "qwen_image_tiny": "QwenImagePipeline", "flux_kontext_tiny": "FluxKontextPipeline"}
 
 
 @pytest.mark.slow
@@ -345,13 +349,26 @@ def test_trains_under_zero3_on_two_ranks_and_exports_a_pipeline_diffusers_loads(
                                         _weights(run_dir / "pipeline" / "transformer")) == 0
 
 
+def _reference_png(root: Path) -> Path:
+    """An editing model's sample reference: a 96 x 128 picture (another shape than the samples', which the pipeline
+    fits to the sample's size)."""
+    path = root / "reference.png"
+    if not path.exists():
+        image = Image.new("RGB", (96, 128), (40, 80, 220))
+        image.paste((220, 40, 40), (20, 30, 70, 90))
+        image.save(path)
+    return path
+
+
 def _reference_image(run_dir: Path, bf16: bool) -> Any:
     """The exported pipeline's image of PROMPT, seed 0 (its transformer in bf16 as DeepSpeed trained it, or as saved),
-    one thread, the sampler's CPU generator."""
+    one thread, the sampler's CPU generator; an editing model's from the run's reference image."""
     out = run_dir / "reference.npy"
     script = Path(__file__).parent / "scripts" / "sample_reference.py"
+    images = re.search(r"\n  images:\n  - (\S+)", (run_dir / "config.yaml").read_text())
     cmd = [sys.executable, str(script), str(run_dir / "pipeline"), PROMPT, "0", str(out),
-           *(["--bf16-unet"] if bf16 else []), "--max-sequence-length", "32"]
+           *(["--bf16-unet"] if bf16 else []), "--max-sequence-length", "32",
+           *(["--reference", images.group(1)] if images else [])]
     result = subprocess.run(cmd, env={**os.environ, **ONE_THREAD}, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     return np.load(out)
@@ -363,6 +380,8 @@ def _reference_image(run_dir: Path, bf16: bool) -> Any:
     ("sd3_tiny", "ddp"),
     ("qwen_image_tiny", "ddp"),
     ("qwen_image_tiny", "fsdp_x2"),
+    ("flux_kontext_tiny", "ddp"),
+    ("flux_kontext_tiny", "fsdp_x2"),
     # The other three pairs in `make test-long` (the CI budget; their figures are in the docstring).
     pytest.param("flux_tiny", "fsdp_x2", marks=pytest.mark.long),
     pytest.param("sd3_tiny", "fsdp_x2", marks=pytest.mark.long),

@@ -333,6 +333,10 @@ class ModelConfig:
     transformer: str | None = None
     # Folder of diffusers/transformers configs kept in the repo (ds_trainer/assets/<name>).
     architecture: str = MISSING
+    # An editing model (Flux.1 Kontext): each image trains beside its reference (control) image, whose latents are
+    # appended to its tokens; the data pairs the images by name (data.control_path, a source's control_path or
+    # control_column), samples take samples.images.
+    reference_images: bool = False
     param_count: int = MISSING
     max_param_numel: int = MISSING
     downsample_factor: int = MISSING
@@ -386,6 +390,10 @@ class SourceConfig:
     # loss_images); loss_weight weighs any source's samples in the training loss (DreamBooth's prior_loss_weight).
     regularization: bool = False
     loss_weight: float = 1.0
+    # A model that edits a reference image (model.reference_images): folder: the folder of the reference (control)
+    # images, each under its image's relative path and name (any image extension); table: the column of their paths.
+    control_path: str | None = None
+    control_column: str | None = None
 
 
 @dataclass
@@ -394,6 +402,9 @@ class DataConfig:
 
     source: DataSource = DataSource.synthetic
     path: str | None = None
+    # data=folder with a model that edits a reference image (model.reference_images): the folder of the reference
+    # (control) images, each under its image's relative path and name, any image extension.
+    control_path: str | None = None
     sources: list[SourceConfig] = field(default_factory=list)
     # The probability that a sample's caption is dropped (an empty prompt, so classifier-free guidance keeps working):
     # drawn from the seed and the sample's position in the run, so a resume under any layout drops the same ones.
@@ -585,6 +596,9 @@ class SamplesConfig:
     steps: int = 25
     guidance_scale: float = 5.0
     negative_prompt: str = ""
+    # A model that edits a reference image (model.reference_images: Flux.1 Kontext): the reference of each prompt, one
+    # image path per prompt, or one for all of them.
+    images: list[str] = field(default_factory=list)
     # One image per prompt and seed.
     seeds: list[int] = field(default_factory=lambda: [0])
     # None: the training resolution.

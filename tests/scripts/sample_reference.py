@@ -30,6 +30,7 @@ def main() -> None:
     parser.add_argument("--bf16-unet", action="store_true")
     parser.add_argument("--lora")
     parser.add_argument("--max-sequence-length", type=int)
+    parser.add_argument("--reference", help="an editing model's reference image (FluxKontextPipeline)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     pipe = DiffusionPipeline.from_pretrained(args.pipeline)
@@ -46,7 +47,10 @@ def main() -> None:
         pipe.load_lora_weights(args.lora)
     with context:
         extra = (("max_sequence_length", args.max_sequence_length),) if args.max_sequence_length else ()
-        image = sampling.generate(pipe, args.prompt, args.seed, sampling.Settings(2, 5.0, "", 128, 128, extra))
+        if args.reference:  # the sampler's call of an editing model: the reference fitted to the sample's size
+            extra += (("max_area", 128 * 128), ("_auto_resize", False))
+        settings = sampling.Settings(2, 5.0, "", 128, 128, extra, (args.reference,) if args.reference else ())
+        image = sampling.generate(pipe, args.prompt, args.seed, settings, sampling.reference(settings, 0))
     np.save(args.out, np.asarray(image))
 
 

@@ -19,6 +19,7 @@ from ds_trainer.config.checks import (
     optimizer,
     paths,
     precision,
+    reference,
     resolve,
     settings,
     swap,
@@ -36,7 +37,8 @@ def check(cfg: DictConfig, info: hardware.PlatformInfo | None = None) -> Report:
     if not problems:  # the swap is sized, and its disk asked, only for a config that otherwise runs
         resolve.size_swap(cfg)
         problems += swap.problems(cfg, info)
-    problems += [*paths.problems(cfg), *adapter.problems(cfg), *samples.problems(cfg), *holdout.problems(cfg)]
+    problems += [*paths.problems(cfg), *reference.problems(cfg), *adapter.problems(cfg), *samples.problems(cfg),
+                 *holdout.problems(cfg)]
     if not problems:  # the last question, the slowest: can this machine build the DeepSpeed ops the run loads
         problems += ops.problems(cfg)
     return Report(cfg, problems, warnings)

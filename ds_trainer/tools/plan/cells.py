@@ -109,6 +109,8 @@ def estimate(cfg: DictConfig, zero: str, offload: str, world_size: int, activati
                                        quantize=samples.encoders_quantized(cfg))
     act_bytes = 4 if precision == "fp32" else 2
     width, height = buckets.largest(cfg)  # with aspect-ratio buckets the largest one bounds memory
+    if cfg.model.get("reference_images"):  # Kontext: the reference's tokens follow the image's, as a twice-tall one
+        height *= 2
     shape = (architecture(cfg), int(cfg.train.micro_batch_size), width, height, act_bytes,
              bool(cfg.train.gradient_checkpointing))
     activations = disk_cache.cached("activation_bytes", shape + _tokens(cfg), activation_bytes)

@@ -117,12 +117,15 @@ class LatentCache:
                 part = group[start:start + batch_size]
                 chunk = [data[i] for i in part]
                 latents = family.encode_images(frozen, torch.stack([e.pixels for e in chunk]))
+                references = _references(family, frozen, chunk)
                 text = family.text_inputs(frozen, [e.caption for e in chunk], device)
                 for j, i in enumerate(part):
                     pack.add(self.names[i], {
                         "latents": latents[j].to("cpu", torch.float32).clone(),
                         **{key: on_cpu(value[j], family.storage_dtype(key)) for key, value in text.items()},
-                        "time_ids": chunk[j].time_ids.clone(), **_mask(chunk[j], latents[j])})
+                        "time_ids": chunk[j].time_ids.clone(), **_mask(chunk[j], latents[j]),
+                        **({"control_latents": references[j].to("cpu", torch.float32).clone()}
+                           if references is not None else {})})
                     if pack.full:
                         pack.write()
         pack.write()
@@ -156,7 +159,7 @@ class LatentCache:
     def load(self, indices: list[int], drop: list[bool] | None = None, text: bool = True) -> dict[str, torch.Tensor]:
         """The samples' tensors; those `drop` marks with the empty prompt's text tensors; without the text tensors
         where `text` is false (captions encoded now replace them)."""
-        wanted = None if text else ("latents", "time_ids", "mask")
+        wanted = None if text else ("latents", "time_ids", "mask", "control_latents")
         with self._lock:
             index = self._scan()
             items = [self._read(self.names[i], index, wanted) for i in indices]
@@ -317,10 +320,19 @@ def encode_batch(data: SyntheticImages | SourceImages, frozen: Any, indices: lis
     # On the CPU in float32, as the cache holds them: the step draws its noise on the CPU, and on a GPU the
     # encoders' CUDA tensors would meet it there (diffusers' add_noise moves only the schedule's tensors).
     masks = [_mask(e, latents[j]) for j, e in enumerate(examples)]
+    references = _references(family, frozen, examples)
     return {"latents": latents.to("cpu", torch.float32),
             **{key: on_cpu(value, family.storage_dtype(key)) for key, value in text.items()},
             "time_ids": torch.stack([e.time_ids for e in examples]),
-            **({"mask": torch.stack([m["mask"] for m in masks])} if masks[0] else {})}
+            **({"mask": torch.stack([m["mask"] for m in masks])} if masks[0] else {}),
+            **({"control_latents": references.to("cpu", torch.float32)} if references is not None else {})}
+
+
+def _references(family: Family, frozen: Any, examples: list[Any]) -> torch.Tensor | None:
+    """The reference images' latents (model.reference_images), encoded as the images are; None without them."""
+    if examples[0].control is None:
+        return None
+    return family.encode_images(frozen, torch.stack([e.control for e in examples]))
 
 
 def _mask(example: Any, latents: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -38,6 +38,7 @@ class Example:
     caption: str
     time_ids: torch.Tensor  # original (h, w), crop top-left (y, x), target (h, w)
     mask: torch.Tensor | None = None  # 1 x H x W in [0, 1] (data.masked_loss): where the loss counts
+    control: torch.Tensor | None = None  # 3 x H x W in [-1, 1]: the reference image (model.reference_images)
 
 
 def _to_rgb(image: Image.Image) -> Image.Image:
@@ -79,12 +80,15 @@ class SyntheticImages:
         self.n, self.seed = int(cfg.data.num_samples) if n is None else n, int(cfg.train.seed)
         self.first = first
         self.width, self.height = int(cfg.resolution.width), int(cfg.resolution.height)
+        # An editing model's pairs: the same picture with the shape in another colour is the reference
+        self.reference = bool(cfg.model.get("reference_images"))
 
     def __len__(self) -> int:
         return self.n
 
     def identity(self) -> dict[str, Any]:
-        return {"source": "synthetic", "n": self.n, "seed": self.seed, **({"first": self.first} if self.first else {})}
+        return {"source": "synthetic", "n": self.n, "seed": self.seed, **({"first": self.first} if self.first else {}),
+                **({"reference": True} if self.reference else {})}
 
     def names(self) -> list[str]:
         return [f"synthetic #{self.first + i}" for i in range(self.n)]
@@ -98,12 +102,18 @@ class SyntheticImages:
         w = self.width // (2 if shape != "bar" else 6)
         h = self.height // 2
         x, y = rng.randint(0, self.width - w), rng.randint(0, self.height - h)
+        control = image.copy() if self.reference else None
         image.paste(_COLORS[fg], (x, y, x + w, y + h))
         pixels = _pixels(image)
         noise = torch.Generator().manual_seed(self.seed * 7919 + index)
         pixels = (pixels + 0.05 * torch.randn(pixels.shape, generator=noise)).clamp(-1, 1)
         caption = f"a {fg} {shape} on a {bg} background"
-        return Example(pixels, caption, torch.tensor([self.height, self.width, 0, 0, self.height, self.width]))
+        time_ids = torch.tensor([self.height, self.width, 0, 0, self.height, self.width])
+        if control is None:
+            return Example(pixels, caption, time_ids)
+        before = rng.choice(sorted(set(_COLORS) - {fg, bg}))  # the reference: the shape in another colour
+        control.paste(_COLORS[before], (x, y, x + w, y + h))
+        return Example(pixels, caption, time_ids, control=_pixels(control))
 
 
 class SourceImages:
@@ -123,12 +133,19 @@ class SourceImages:
         self.width, self.height = int(cfg.resolution.width), int(cfg.resolution.height)
         self.center, self.flip, self.seed = bool(cfg.data.center_crop), bool(cfg.data.random_flip), int(cfg.train.seed)
         self.masked = bool(cfg.data.masked_loss) and part != "validation" and not self.scoring  # validation: unmasked
+        self.reference = bool(cfg.model.get("reference_images"))  # each image read with its reference
         found = {item.key: item for source in self.sources for item in sources.items(source)}
         checks, checked_now = _check_items(found, _record(cfg, self.sources), accelerator)
         usable = [found[key] for key, (_, _, problem) in sorted(checks.items()) if problem is None]
         self.found = Counter(found[key].source for key in checks)
         self.skipped_by_source = Counter((found[key].source, problem) for key, (_, _, problem) in checks.items()
                                          if problem is not None)
+        if self.reference:  # an image without its reference cannot train an editing model
+            for item in usable:
+                if item.control is None:
+                    where = self.sources[item.source].control_path or self.sources[item.source].control_column
+                    self.skipped_by_source[(item.source, f"no reference image (in {where})")] += 1
+            usable = [item for item in usable if item.control is not None]
         if part in ("all", "train"):  # the held-out part says nothing new about the sources
             self._log_found(checks, checked_now)
             if self.masked:
@@ -242,6 +259,8 @@ class SourceImages:
             identity = f"{item.key}|{item.stat}|{size}|{item.caption}"
             if self.masked:  # the mask is cached with the latents: its own cache file
                 identity += f"|mask {item.mask_stat}"
+            if self.reference:  # so is the reference image's latents
+                identity += f"|control {item.control_stat}"
             names.append(buckets.cache_name(target, identity, crop))
         return names
 
@@ -253,11 +272,22 @@ class SourceImages:
             image = _to_rgb(upright)
         (width, height), rng = self._target(index)
         image, time_ids = _fit(image, width, height, self.center, self.flip, rng)
+        control = self._control(item, width, height, index) if self.reference else None
         if mask is None:
-            return Example(_pixels(image), item.caption, torch.tensor(time_ids))
+            return Example(_pixels(image), item.caption, torch.tensor(time_ids), control=control)
         mask, _ = _fit(mask, width, height, self.center, self.flip, self._target(index)[1])  # the image's crop
         weights = torch.frombuffer(bytearray(mask.tobytes()), dtype=torch.uint8).view(1, height, width)
-        return Example(_pixels(image), item.caption, torch.tensor(time_ids), weights.float() / 255.0)
+        return Example(_pixels(image), item.caption, torch.tensor(time_ids), weights.float() / 255.0, control)
+
+    def _control(self, item: sources.Item, width: int, height: int, index: int) -> torch.Tensor:
+        """The reference image at the image's size, cut as the image is (its own size resized to cover the image's
+        first: a reference of another size or shape is fitted the same way)."""
+        if item.control is None:
+            raise DataError(f"{item.key}: no reference image (model.reference_images)")
+        with item.control() as f, Image.open(f) as raw:
+            control = _to_rgb(raw)
+        control, _ = _fit(control, width, height, self.center, self.flip, self._target(index)[1])
+        return _pixels(control)
 
 
 def _mask_of(image: Image.Image, item: sources.Item) -> Image.Image:

@@ -41,6 +41,9 @@ class Item:
     read: Callable[[], BinaryIO] = field(compare=False, repr=False)
     mask: Callable[[], BinaryIO] | None = field(default=None, compare=False, repr=False)  # a <name>.mask.png
     mask_stat: tuple[int, int] | None = None
+    # Its reference (control) image, for a model that edits one (model.reference_images): paired by name
+    control: Callable[[], BinaryIO] | None = field(default=None, compare=False, repr=False)
+    control_stat: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,8 @@ class Source:
     regularization: bool = False
     loss_weight: float = 1.0
     resolution: int | None = None  # its buckets' side (None: the run's resolution)
+    control_path: str | None = None  # folder: its reference images' folder (model.reference_images)
+    control_column: str | None = None  # table: the column of its reference images' paths
 
     @property
     def caption_dropout(self) -> float:
@@ -77,7 +82,8 @@ def of(cfg: DictConfig) -> list[Source]:
     """The run's sources: `data.sources`, or for `data=folder` the one folder of data.path."""
     if cfg.data.source.value == "folder":
         return [Source(0, Path(str(cfg.data.path)).name or str(cfg.data.path), str(cfg.data.path), "folder", 1,
-                       policy(cfg.data, {}), str(cfg.data.caption_ext), key="data.path", keyed=False)]
+                       policy(cfg.data, {}), str(cfg.data.caption_ext), key="data.path", keyed=False,
+                       control_path=cfg.data.get("control_path"))]
     out, names = [], [_name_of(str(entry.path)) for entry in cfg.data.sources]
     for index, entry in enumerate(cfg.data.sources):
         spec: dict[str, Any] = OmegaConf.to_container(entry, resolve=True)  # type: ignore[assignment]
@@ -88,7 +94,8 @@ def of(cfg: DictConfig) -> list[Source]:
                           float(spec["repeats"]), policy(cfg.data, spec), str(spec.get("caption_ext") or "txt"),
                           spec.get("image_column"), spec.get("caption_column"), str(spec.get("split") or "train"),
                           f"data.sources[{index}]", regularization=bool(spec.get("regularization")),
-                          loss_weight=float(spec.get("loss_weight", 1.0)), resolution=spec.get("resolution")))
+                          loss_weight=float(spec.get("loss_weight", 1.0)), resolution=spec.get("resolution"),
+                          control_path=spec.get("control_path"), control_column=spec.get("control_column")))
     return out
 
 
@@ -163,17 +170,40 @@ def _folder(source: Source) -> list[Item]:
         raise DataError(f"{source.label}: {root} is not a folder; point it at the folder of images")
     metadata = _folder_metadata(root)
     prefix = f"{source.name}/" if source.keyed else ""
+    controls = Path(source.control_path).resolve() if source.control_path else None
     out = []
     for path in sorted(root.rglob("*")):
         if path.suffix.lower() in IMAGE_EXTENSIONS and path.is_file() and not path.name.lower().endswith(MASK_SUFFIX):
+            if controls is not None and path.resolve().is_relative_to(controls):
+                continue  # a reference image inside the images' folder is no training image
             rel = str(path.relative_to(root))
             st = path.stat()
             mask = path.with_name(path.stem + MASK_SUFFIX)
             found = mask.is_file()
+            control = _control_file(controls, Path(rel)) if controls is not None else None
             out.append(Item(source.index, prefix + rel, _folder_caption(path, rel, source.caption_ext, metadata),
                             (st.st_size, st.st_mtime_ns), _file_reader(path), _file_reader(mask) if found else None,
-                            (mask.stat().st_size, mask.stat().st_mtime_ns) if found else None))
+                            (mask.stat().st_size, mask.stat().st_mtime_ns) if found else None,
+                            *_control(control)))
     return out
+
+
+def _control_file(controls: Path, rel: Path) -> Path | None:
+    """The reference image of the image at `rel`: the same relative path and name under `controls`, any image
+    extension (photo.jpg's may be photo.png)."""
+    for suffix in (rel.suffix, *IMAGE_EXTENSIONS):
+        candidate = controls / rel.with_suffix(suffix)
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def _control(path: Path | None) -> tuple[Callable[[], BinaryIO] | None, tuple[int, int] | None]:
+    """An Item's (control, control_stat) for a reference image file, or none."""
+    if path is None or not path.is_file():
+        return None, None
+    st = path.stat()
+    return _file_reader(path), (st.st_size, st.st_mtime_ns)
 
 
 def _folder_metadata(root: Path) -> dict[str, str]:
@@ -227,25 +257,32 @@ def _table(source: Source) -> list[Item]:
     image_col = _image_column(source, columns)
     caption_col = _column(source, columns, source.caption_column, CAPTION_COLUMNS, "captions",
                           f"{source.key}.caption_column")
+    control_col = _column(source, columns, source.control_column, (), "reference images",
+                          f"{source.key}.control_column") if source.control_column else None
     st = path.stat()
     out = []
-    for n, row in rows(image_col, caption_col):
+    for n, row in rows(image_col, caption_col, [control_col] if control_col else []):
+        reference = row.get(control_col) if control_col else None
+        control = _control(Path(str(reference)) if Path(str(reference)).is_absolute() else path.parent /
+                           str(reference)) if reference else (None, None)
         value = row.get(image_col)
         caption = "" if caption_col is None or row.get(caption_col) is None else str(row[caption_col]).strip()
         if isinstance(value, dict) and "read" in value:  # a parquet image's bytes, read when it is used
             out.append(Item(source.index, f"{source.name}/{n:08d}", caption, (value["size"], st.st_mtime_ns),
-                            value["read"]))
+                            value["read"], control=control[0], control_stat=control[1]))
             continue
         rel = value.get("path") if isinstance(value, dict) else value
         if not rel:
             continue
         image = Path(str(rel)) if Path(str(rel)).is_absolute() else path.parent / str(rel)
         size = image.stat().st_size if image.exists() else 0
-        out.append(Item(source.index, f"{source.name}/{rel}", caption, (size, st.st_mtime_ns), _file_reader(image)))
+        out.append(Item(source.index, f"{source.name}/{rel}", caption, (size, st.st_mtime_ns), _file_reader(image),
+                        control=control[0], control_stat=control[1]))
     return out
 
 
-Rows = Callable[[str, str | None], Any]  # (image column, caption column) -> (row number, row) pairs
+# (image column, caption column, other columns) -> (row number, row) pairs
+Rows = Callable[[str, str | None, list[str]], Any]
 
 
 def _rows(path: Path) -> tuple[Rows, list[str]]:
@@ -269,8 +306,8 @@ def _parquet_rows(path: Path) -> tuple[Rows, list[str]]:
     columns = list(pq.ParquetFile(path).schema_arrow.names)
     group = _RowGroups(path)
 
-    def rows(image_col: str, caption_col: str | None) -> Any:
-        wanted = [image_col, *([caption_col] if caption_col else [])]
+    def rows(image_col: str, caption_col: str | None, others: list[str]) -> Any:
+        wanted = [image_col, *([caption_col] if caption_col else []), *others]
         n = 0
         for index in range(group.file.num_row_groups):
             table = group.file.read_row_group(index, columns=wanted)

@@ -39,9 +39,10 @@ def pack(latents: torch.Tensor) -> torch.Tensor:
     return latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(b, (h // 2) * (w // 2), c * 4)
 
 
-def image_ids(height: int, width: int) -> torch.Tensor:
-    """The position ids of the packed tokens of (height x width) latents: (0, row, column) per token."""
-    ids = torch.zeros(height // 2, width // 2, 3)
+def image_ids(height: int, width: int, frame: int = 0) -> torch.Tensor:
+    """The position ids of the packed tokens of (height x width) latents: (frame, row, column) per token (Kontext's
+    reference image: frame 1)."""
+    ids = torch.full((height // 2, width // 2, 3), float(frame))
     ids[..., 1] += torch.arange(height // 2)[:, None]
     ids[..., 2] += torch.arange(width // 2)[None, :]
     return ids.reshape(-1, 3)
@@ -54,6 +55,8 @@ class Flux(FlowFamily):
         f = cfg.model.flow if cfg is not None else None
         self._t5_length = int(f.t5_max_length) if f is not None else 512
         self._guidance = float(f.guidance) if f is not None and f.guidance is not None else None
+        # Flux.1 Kontext: the reference image's tokens follow the image's, at frame 1 of the position ids
+        self.reference = bool(cfg.model.get("reference_images")) if cfg is not None else False
 
     def load_frozen(self, cfg: DictConfig, whole: Whole = nullcontext) -> Frozen:
         from diffusers import AutoencoderKL
@@ -116,32 +119,44 @@ class Flux(FlowFamily):
                t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         latents = batch["latents"]
         height, width = latents.shape[-2:]
-        sigma = schedule.sigma(t, self.image_tokens(latents))
+        sigma = schedule.sigma(t, self.image_tokens(latents))  # Kontext's shift: the image's tokens alone
         noisy = pack(flow.noisy(latents, noise, sigma))
+        ids = image_ids(height, width)
+        if "control_latents" in batch:  # Kontext: the reference's tokens after the image's, at frame 1
+            reference = batch["control_latents"]
+            noisy = torch.cat([noisy, pack(reference.to(noisy.dtype))], dim=1)
+            ids = torch.cat([ids, image_ids(reference.shape[-2], reference.shape[-1], frame=1)])
         text = batch["prompt_embeds"]
         guidance = torch.full((len(t),), self._guidance, device=device) if self._guidance is not None else None
         pred = model(hidden_states=noisy.to(device, dtype), timestep=sigma.to(device),  # Flux's timestep is sigma
                      guidance=guidance, pooled_projections=batch["pooled"].to(device, dtype),
                      encoder_hidden_states=text.to(device, dtype), txt_ids=torch.zeros(text.shape[1], 3, device=device),
-                     img_ids=image_ids(height, width).to(device)).sample
+                     img_ids=ids.to(device)).sample[:, :(height // 2) * (width // 2)]  # the image's own tokens
         weight = batch.get("weight_map")  # the mask packed as the latents are: one weight per packed value
         return per_sample_mse(pred, pack(flow.target(latents, noise)),
                               None if weight is None else pack(weight.expand_as(latents)))
 
     def pipeline(self, cfg: DictConfig, frozen: Frozen, trained: dict[str, Any]) -> Any:
-        from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
+        from diffusers import FlowMatchEulerDiscreteScheduler
 
         path, kwargs = common.source(cfg)
-        return FluxPipeline(
+        return self.lora_pipeline()(
             transformer=trained["transformer"] if "transformer" in trained else self.load_trained(cfg).eval(),
             scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(path, subfolder="scheduler", **kwargs),
             vae=frozen.vae, text_encoder=frozen.text_encoder, tokenizer=frozen.tokenizer,
             text_encoder_2=frozen.text_encoder_2, tokenizer_2=frozen.tokenizer_2)
 
-    def call_kwargs(self, cfg: DictConfig) -> dict[str, Any]:  # noqa: ARG002 - the Family protocol's signature
-        return {"max_sequence_length": self._t5_length}
+    def call_kwargs(self, cfg: DictConfig) -> dict[str, Any]:
+        if not self.reference:
+            return {"max_sequence_length": self._t5_length}
+        from ds_trainer.config import samples
+
+        # Kontext: the reference at the sample's size, not snapped to its preferred resolutions around 1 MP
+        width, height = samples.size(cfg)
+        return {"max_sequence_length": self._t5_length, "max_area": width * height, "_auto_resize": False}
 
     def lora_pipeline(self) -> Any:
-        from diffusers import FluxPipeline
+        """FluxPipeline, or FluxKontextPipeline for a model that edits a reference image (the same LoRA keys)."""
+        from diffusers import FluxKontextPipeline, FluxPipeline
 
-        return FluxPipeline
+        return FluxKontextPipeline if self.reference else FluxPipeline

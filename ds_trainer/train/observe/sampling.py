@@ -53,16 +53,27 @@ class Settings:
     width: int
     height: int
     extra: tuple[tuple[str, Any], ...] = ()  # the family's own arguments (SD3: T5's max_sequence_length)
+    images: tuple[str, ...] = ()  # an editing model's references: one per prompt, or one for all (samples.images)
 
 
 def settings(cfg: DictConfig, family: families.Family) -> Settings:
     width, height = samples.size(cfg)
     s = cfg.samples
     return Settings(int(s.steps), float(s.guidance_scale), str(s.negative_prompt), width, height,
-                    tuple(sorted(family.call_kwargs(cfg).items())))
+                    tuple(sorted(family.call_kwargs(cfg).items())), tuple(str(p) for p in s.get("images") or ()))
 
 
-def generate(pipe: Any, prompt: str, seed: int, s: Settings) -> Any:
+def reference(s: Settings, index: int) -> Any:
+    """The reference image (PIL, RGB) of prompt `index` for an editing model, or None."""
+    if not s.images:
+        return None
+    from PIL import Image
+
+    with Image.open(s.images[index if len(s.images) > 1 else 0]) as image:
+        return image.convert("RGB")
+
+
+def generate(pipe: Any, prompt: str, seed: int, s: Settings, image: Any = None) -> Any:
     """One image (PIL) from the family's pipeline: the call the sampler makes, and the one that reproduces its
     images from the exported pipeline. The latents come from a CPU generator, so the device does not
     change them; an empty negative prompt means SDXL's zeroed unconditional embedding (SD3's pipeline encodes
@@ -70,7 +81,8 @@ def generate(pipe: Any, prompt: str, seed: int, s: Settings) -> Any:
     model = pipe.unet if hasattr(pipe, "unet") else pipe.transformer
     guidance = families.of_module(model).guidance_kwargs(s.guidance_scale, s.negative_prompt)
     return pipe(prompt=prompt, num_inference_steps=s.steps, width=s.width, height=s.height,
-                generator=torch.Generator().manual_seed(int(seed)), **guidance, **dict(s.extra)).images[0]
+                generator=torch.Generator().manual_seed(int(seed)), **guidance, **dict(s.extra),
+                **({"image": image} if image is not None else {})).images[0]
 
 
 def _cast(value: Any, dtype: torch.dtype) -> Any:
@@ -293,7 +305,7 @@ class Sampler:
             for k in range(calls):
                 u = k * world + rank
                 index, seed = self.units[u] if u < len(self.units) else self.units[0]  # padding: same work
-                image = generate(pipe, self.prompts[index], seed, self.settings)
+                image = generate(pipe, self.prompts[index], seed, self.settings, reference(self.settings, index))
                 if u < len(self.units):
                     out.append((index, seed, image))
         return out

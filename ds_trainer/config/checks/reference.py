@@ -1,0 +1,95 @@
+"""An editing model's reference images (`model.reference_images`: Flux.1 Kontext): the data must pair each image
+with its reference (synthetic pairs, a folder's data.control_path, a source's control_path or control_column), the
+samples must name theirs (samples.images); a model that reads none is not given any. Torch-free."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from ds_trainer.config.problems import Problem
+
+
+def problems(cfg: DictConfig) -> list[Problem]:
+    if not cfg.model.get("reference_images"):
+        return _unread(cfg)
+    out: list[Problem] = []
+    family = cfg.model.family.value
+    if family != "flux":
+        out.append(Problem("model.reference_images", True, f"model.family={family} has no reference-image input; "
+                           "Flux.1 Kontext's (the flux family) is the one built", "model=flux_kontext_tiny (or "
+                           "flux_kontext_dev), or model.reference_images=false"))
+    out += _data(cfg)
+    if cfg.validation.get("path"):
+        out.append(Problem("validation.path", cfg.validation.path, "a folder of other images has no reference images "
+                           "paired with them", "validation.split=0.05 (pairs held out of the data), or "
+                           "validation.path=null"))
+    return out + _samples(cfg)
+
+
+def _data(cfg: DictConfig) -> list[Problem]:
+    """Where each training image's reference comes from."""
+    source = cfg.data.source.value
+    if source == "folder" and not cfg.data.get("control_path"):
+        return [Problem("data.control_path", None, f"model={cfg.model.name} edits a reference image: each image "
+                        "needs its own, under the same relative path and name in another folder",
+                        "data.control_path=/path/to/references")]
+    if source == "folder" and not Path(str(cfg.data.control_path)).is_dir():
+        return [Problem("data.control_path", cfg.data.control_path, "is not a folder",
+                        "data.control_path=/path/to/references")]
+    out = []
+    for index, entry in enumerate(cfg.data.sources if source == "sources" else []):
+        key, path = f"data.sources[{index}]", str(entry.path)
+        kind = str(getattr(entry.kind, "value", entry.kind))
+        table = kind == "table" or (kind == "auto" and Path(path).suffix.lower() in (".jsonl", ".csv", ".parquet"))
+        folder = kind == "folder" or (kind == "auto" and Path(path).is_dir() and not table)
+        if table and not entry.get("control_column"):
+            out.append(Problem(f"{key}.control_column", None, f"model={cfg.model.name} edits a reference image: the "
+                               "table names each image's reference in a column of paths", f"{key}.control_column="
+                               "control_image (the column's name)"))
+        elif folder and not entry.get("control_path"):
+            out.append(Problem(f"{key}.control_path", None, f"model={cfg.model.name} edits a reference image: each "
+                               "image needs its own, under the same relative path and name in another folder",
+                               f"{key}.control_path=/path/to/references"))
+        elif not table and not folder:
+            out.append(Problem(f"{key}.kind", kind, "reference images are paired by name from folders and tables; "
+                               "tar shards and saved datasets do not carry them here", f"{key}.path=<a folder or a "
+                               ".jsonl/.csv/.parquet table> with its control_path or control_column"))
+    return out
+
+
+def _samples(cfg: DictConfig) -> list[Problem]:
+    """Each sample prompt's reference image."""
+    s = cfg.samples
+    images = list(s.get("images") or [])
+    if not s.enabled:
+        return []
+    if not images:
+        return [Problem("samples.images", [], f"model={cfg.model.name} edits a reference image: each sample prompt "
+                        "needs one", "samples.images=[/path/to/reference.png] (one for every prompt, or one each)")]
+    out = [Problem("samples.images", image, "no such image file", "samples.images=[/path/to/reference.png]")
+           for image in images if not Path(str(image)).is_file()]
+    prompts = s.prompts if not isinstance(s.prompts, str) else None
+    if prompts is not None and len(images) not in (1, len(prompts)):
+        out.append(Problem("samples.images", f"[{len(images)} images]", f"pairs with samples.prompts' {len(prompts)} "
+                           "prompts one to one, or one image serves them all", "one image, or one per prompt"))
+    return out
+
+
+def _unread(cfg: DictConfig) -> list[Problem]:
+    """Reference images given to a model that reads none: said, not ignored."""
+    fix = "model=flux_kontext_tiny (an editing model), or drop it"
+    out = []
+    if cfg.data.get("control_path"):
+        out.append(Problem("data.control_path", cfg.data.control_path, f"model={cfg.model.name} reads no reference "
+                           "images (model.reference_images=false)", fix))
+    for index, entry in enumerate(cfg.data.sources if cfg.data.source.value == "sources" else []):
+        for key in ("control_path", "control_column"):
+            if entry.get(key):
+                out.append(Problem(f"data.sources[{index}].{key}", entry[key], f"model={cfg.model.name} reads no "
+                                   "reference images (model.reference_images=false)", fix))
+    if cfg.samples.enabled and cfg.samples.get("images"):
+        out.append(Problem("samples.images", list(cfg.samples.images), f"model={cfg.model.name} samples from its "
+                           "prompts alone (model.reference_images=false)", "samples.images=[]"))
+    return out
