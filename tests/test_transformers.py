@@ -225,6 +225,13 @@ def test_qwen_images_captions_shift_and_latents_are_its_pipelines() -> None:
                                                      pipe.prompt_template_encode_start_idx)
     prefix = qwen_image.TEMPLATE.split("{}")[0]
     assert len(frozen.tokenizer(prefix).input_ids) == qwen_image.DROP
+    # The editing pipeline's template too (the tiny tokenizer is ready for Qwen-Image-Edit's 64-token prefix)
+    from diffusers import QwenImageEditPipeline
+
+    edit = QwenImageEditPipeline(scheduler=None, vae=None, text_encoder=None, tokenizer=None, processor=None,
+                                 transformer=None)
+    edit_prefix = edit.prompt_template_encode.split("<|vision_start|>")[0]
+    assert len(frozen.tokenizer(edit_prefix).input_ids) == edit.prompt_template_encode_start_idx == 64
     prompts = ["a red cube", "a small green circle on a dark background at night"]
     ours = family.text_inputs(frozen, prompts, torch.device("cpu"))
     theirs, mask = pipe.encode_prompt(prompts, device=torch.device("cpu"), max_sequence_length=32)
