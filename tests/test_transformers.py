@@ -110,7 +110,7 @@ def _single_file(root: Path, seed: int, model: str = "sd3_tiny", name: str = "",
     from ds_trainer.train.export import single_file
 
     module = _transformer(model, seed, **config)
-    state = single_file.denoiser_tensors("sd3" if model == "sd3_tiny" else "flux", module)
+    state = single_file.denoiser_tensors(model.removesuffix("_tiny"), module)
     path = root / f"{name or model}_{seed}.safetensors"
     save_file({k: v.contiguous() for k, v in state.items()}, path)
     return path
@@ -286,8 +286,6 @@ def test_flux_schnell_trains_on_its_unshifted_levels_without_guidance(tmp_path: 
 
 @pytest.mark.parametrize(("change", "says", "fix"), [
     (["data.text_encoder_dropout.qwen_vl=0.2"], "qwen_image has this one encoder alone", "data.caption_dropout=0.2"),
-    (["model.transformer=/models/qwen_image_bf16.safetensors"], "Qwen-Image ships as a diffusers folder",
-     "model.pretrained=Qwen/Qwen-Image"),
     (["model.flow.text_max_length=2048"], "at most 1024 tokens", "model.flow.text_max_length=512"),
     (["model.flow.guidance=3.5"], "has no guidance input", "model.flow.guidance=null"),
 ])
@@ -510,6 +508,21 @@ def test_a_transformer_reads_from_its_makers_single_file_and_other_files_are_nam
     assert "reads Flux.1's width (3072) only" in flux.why and flux.fix.startswith("model=flux_dev")
     (sdxl,) = checks.check(make_cfg(f"model.transformer={path}")).problems
     assert "model.pretrained=" in sdxl.fix
+    # Qwen-Image's file (ComfyUI's, diffusers' names) reads back; one under a checkpoint's prefix, or Flux's, is named
+    qwen = _single_file(tmp_path, 5, "qwen_image_tiny")
+    cfg = make_cfg("model=qwen_image_tiny", f"model.transformer={qwen}")
+    assert not checks.check(cfg).problems
+    loaded = families.of(cfg).load_trained(cfg)
+    assert numerics.mean_abs_difference(loaded.state_dict(), _transformer("qwen_image_tiny", 5).state_dict()) == 0
+    prefixed = tmp_path / "qwen_checkpoint.safetensors"
+    save_file({f"model.diffusion_model.{k}": v.contiguous() for k, v in
+               _transformer("qwen_image_tiny", 5).state_dict().items()}, prefixed)
+    for file, why in {prefixed: "a whole checkpoint's model.diffusion_model.* names",
+                      _single_file(tmp_path, 5, "flux_tiny"): "a Flux.1 transformer (Black Forest Labs' layout)",
+                      path: "an SD3/SD3.5 transformer (Stability's MMDiT layout), not qwen_image's"}.items():
+        problems = checks.check(make_cfg("model=qwen_image_tiny", f"model.transformer={file}")).problems
+        assert [p.key for p in problems] == ["model.transformer"] and why in problems[0].why, (file, problems)
+        assert problems[0].fix.startswith("model.transformer=/path/to/qwen_image_bf16.safetensors")
 
 
 @pytest.mark.long

@@ -89,9 +89,10 @@ def problems(cfg: DictConfig) -> list[Problem]:
 
 # A key each family's original layout has (diffusers' single-file loaders detect the families by these).
 TRANSFORMER_MARKS = {"sd3": "joint_blocks.0.context_block.adaLN_modulation.1.bias",
-                     "flux": "double_blocks.0.img_attn.norm.key_norm.scale"}
+                     "flux": "double_blocks.0.img_attn.norm.key_norm.scale", "qwen_image": "txt_norm.weight"}
 FAMILY_NAMES = {"sd3": "an SD3/SD3.5 transformer (Stability's MMDiT layout)",
-                "flux": "a Flux.1 transformer (Black Forest Labs' layout)"}
+                "flux": "a Flux.1 transformer (Black Forest Labs' layout)",
+                "qwen_image": "a Qwen-Image transformer (diffusers' names, as ComfyUI's file)"}
 # diffusers' Flux single-file converter splits the single-stream blocks' fused projection at Flux.1's width.
 FLUX_WIDTH = 3072
 
@@ -117,7 +118,13 @@ def transformer_mismatch(header: dict[str, Any], family: str, arch: dict[str, An
     if found != family:
         return f"{FAMILY_NAMES[found]}, not {family}'s"
     width = int(arch["num_attention_heads"]) * int(arch["attention_head_dim"])
-    if family == "sd3":
+    if family == "qwen_image":  # diffusers reads its file's names as they are (no checkpoint prefix)
+        if any(k.startswith(UNET) for k in header):
+            return (f"a Qwen-Image transformer under a whole checkpoint's {UNET}* names, which diffusers' Qwen-Image "
+                    "loader does not strip: the transformer's own file (ComfyUI's models/diffusion_models one)")
+        layers = {"transformer_blocks": (len(_blocks(keys, "transformer_blocks.")), int(arch["num_layers"]))}
+        file_width = shapes.get("img_in.weight", [0])[0]
+    elif family == "sd3":
         layers = {"joint_blocks": (len(_blocks(keys, "joint_blocks.")), int(arch["num_layers"]))}
         file_width = shapes.get("x_embedder.proj.weight", [0])[0]
         dual = sorted(_blocks({k for k in keys if ".attn2." in k}, "joint_blocks."))
@@ -146,18 +153,16 @@ def transformer_mismatch(header: dict[str, Any], family: str, arch: dict[str, An
 def transformer_problems(cfg: DictConfig) -> list[Problem]:
     """A `model.transformer` file that cannot be loaded as the model's transformer (`config.checks.model`)."""
     path, family = cfg.model.transformer, cfg.model.family.value
-    example = {"sd3": "sd3.5_medium.safetensors", "flux": "flux1-dev.safetensors"}.get(family, "<file>.safetensors")
+    example = {"sd3": "sd3.5_medium.safetensors", "flux": "flux1-dev.safetensors",
+               "qwen_image": "qwen_image_bf16.safetensors"}.get(family, "<file>.safetensors")
     fix = f"model.transformer=/path/to/{example} (for model={cfg.model.name}), or model.transformer=null"
     if family == "sdxl":
         return [Problem("model.transformer", path, "is for the transformer families (sd3, flux); an SDXL checkpoint "
                         "file is read through model.pretrained",
                         "model.transformer=null model.pretrained=/path/to/sd_xl_base_1.0.safetensors")]
-    if family == "qwen_image":
-        return [Problem("model.transformer", path, "reads a transformer in its makers' single-file layout (SD3.5's, "
-                        "Flux.1's); Qwen-Image ships as a diffusers folder, which model.pretrained reads",
-                        "model.transformer=null model.pretrained=Qwen/Qwen-Image (or a local diffusers folder)")]
     if Path(path).suffix.lower() != ".safetensors":
-        return [Problem("model.transformer", path, "is read as one .safetensors file (as SD3.5 and Flux.1 ship)", fix)]
+        return [Problem("model.transformer", path, "is read as one .safetensors file (as SD3.5, Flux.1 and ComfyUI's "
+                        "Qwen-Image ship)", fix)]
     if not Path(path).is_file():
         return [Problem("model.transformer", path, "no such file", fix)]
     arch = json.loads((Path(cfg.model.architecture) / "transformer" / "config.json").read_text())

@@ -15,7 +15,7 @@ from ds_trainer.config import overrides, rundir, schema
 
 GIB = 2**30
 MODELS = [("sdxl_base", "SDXL UNet"), ("sd35_medium", "SD3.5 Medium"), ("sd35_large", "SD3.5 Large"),
-          ("flux_dev", "FLUX.1-dev"), ("qwen_image", "Qwen-Image")]  # schnell: dev's states
+          ("flux_dev", "FLUX.1-dev"), ("flux_kontext_dev", "FLUX.1 Kontext-dev"), ("qwen_image", "Qwen-Image")]
 # (label, zero, offload, parameters offloaded too, GPUs)
 CELLS = [("ZeRO-2, 8 GPUs", "stage2", "none", False, 8), ("ZeRO-2 + CPU offload, 8 GPUs", "stage2", "cpu", False, 8),
          ("ZeRO-3, 8 GPUs", "stage3", "none", False, 8),

@@ -82,7 +82,7 @@ class QwenImage(FlowFamily):
     def load_trained(self, cfg: DictConfig) -> torch.nn.Module:
         from diffusers import QwenImageTransformer2DModel
 
-        model = common.trained_module(cfg, QwenImageTransformer2DModel, "transformer")
+        model = common.trained_module(cfg, QwenImageTransformer2DModel, "transformer", cfg.model.get("transformer"))
         for name in self.unused(model):
             model.get_submodule(name).requires_grad_(False)
         return model  # type: ignore[no-any-return]
