@@ -107,6 +107,28 @@ def test_a_killed_tune_continues_without_running_finished_cells_again(tuned: dic
     assert not leftover
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the dropped SystemExit, on purpose
+def test_a_sigterm_that_lands_in_a_finalizer_still_stops_the_tune() -> None:
+    """Python drops (prints as "Exception ignored") the SystemExit a signal handler raises inside a finalizer; a CI
+    run's killed tune went on to its end that way. The tune remembers the signal and stops at its next step."""
+    import os
+
+    from ds_trainer.tools.tune import cell
+
+    class Finalized:
+        def __del__(self) -> None:
+            os.kill(os.getpid(), signal.SIGTERM)
+            for _ in range(1000):  # the handler runs here, between two bytecodes of the finalizer
+                time.sleep(0.001)
+
+    with pytest.raises(SystemExit) as stopped, cell.terminate_as_exit():
+        Finalized()  # collected at once: its finalizer gets the signal
+        carried_on = True
+    assert carried_on and stopped.value.code == 128 + signal.SIGTERM
+    with pytest.raises(SystemExit):
+        cell.raise_if_stopped()  # what each next cell asks first
+
+
 def _cmdline(p: Path) -> str:
     try:
         return (p / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")

@@ -83,17 +83,32 @@ def command(overrides: list[str], cell_dir: Path, launcher: str | None) -> tuple
             "hydra.sweep.subdir=run"], cell_dir / "run"
 
 
+_STOPPED: list[int] = []  # the signal that stopped the tune, once one did
+
+
 @contextlib.contextmanager
 def terminate_as_exit() -> Iterator[None]:
-    """SIGTERM raises SystemExit in the tune, so a running cell (in a session of its own) is stopped too."""
+    """SIGTERM raises SystemExit in the tune, so a running cell (in a session of its own) is stopped too. The signal
+    is also remembered: one that lands in a finalizer (a `__del__`, a garbage collector's callback) has its
+    SystemExit printed as "Exception ignored" and dropped by Python, and `raise_if_stopped` raises it again at the
+    tune's next step."""
     def handler(signum: int, frame: Any) -> None:  # noqa: ARG001 - signal's handler signature
+        _STOPPED.append(signum)
         raise SystemExit(128 + signum)
 
+    _STOPPED.clear()
     previous = signal.signal(signal.SIGTERM, handler)
     try:
         yield
+        raise_if_stopped()
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def raise_if_stopped() -> None:
+    """SystemExit if a SIGTERM reached the tune (even one whose own SystemExit Python dropped)."""
+    if _STOPPED:
+        raise SystemExit(128 + _STOPPED[0])
 
 
 def _stop(proc: subprocess.Popen[bytes], launcher: str | None) -> None:

@@ -71,6 +71,7 @@ def _record(cfg: DictConfig, cell: Cell, device: str) -> dict[str, Any] | None:
 
 
 def _measure(cell: Cell, cfg: DictConfig, cmd: list[str], tune_dir: Path, device: str) -> None:
+    tune_cell.raise_if_stopped()  # a stop that fell in a finalizer: no next cell
     t = cfg.tune
     cell_dir = tune_dir / "cells" / cell.name
     earlier = _previous(cell_dir, cmd)
