@@ -63,6 +63,12 @@ def _inject(cfg: DictConfig, model: torch.nn.Module) -> None:
     nothing (the family's `unused`) stay frozen."""
     model.requires_grad_(False)
     model.add_adapter(lora_config(cfg))  # type: ignore[operator]
+    _freeze_unused(model)
+
+
+def _freeze_unused(model: torch.nn.Module) -> None:
+    """The layers whose output feeds nothing the loss sees (the family's `unused`: Qwen-Image's last text-stream
+    layers), and any adapters on them, frozen: they would never get a gradient, which DDP refuses."""
     for name in families.of_module(model).unused(model):
         model.get_submodule(name).requires_grad_(False)
 
@@ -283,7 +289,7 @@ def build(cfg: DictConfig, model: torch.nn.Module, encoders: dict[str, torch.nn.
     the training precision's 16-bit type (the adapters stay fp32), and load `adapter.init_from`; with trained text
     encoders (`text_encoders.take` made them trainable) the UNet and them as one module. With `quantize=int8|nf4`
     and a `device` (the run's; without one the module only names the adapters) the base's linear layers are
-    quantized on it first."""
+    quantized on it first. Either way the layers whose output feeds nothing (the family's `unused`) stay frozen."""
     if enabled(cfg):
         base = sum(p.numel() for p in model.parameters())  # before quantization packs two 4-bit weights a byte
         if cfg.quantize.kind.value != "none" and device is not None:
@@ -307,6 +313,8 @@ def build(cfg: DictConfig, model: torch.nn.Module, encoders: dict[str, torch.nn.
                  cfg.adapter.method.value, count, total, families.label_of(model), 100 * count / total,
                  cfg.adapter.rank, cfg.adapter.alpha, list(cfg.adapter.targets),
                  f", factor {cfg.adapter.factor}" if cfg.adapter.method.value == "lokr" else "")
+    else:
+        _freeze_unused(model)
     module: torch.nn.Module = text_encoders.Denoiser(model, encoders) if encoders else model
     if enabled(cfg) and cfg.adapter.init_from is not None:  # the file's encoder adapters too (inspect checked them)
         for name, part in (encoders or {}).items():

@@ -82,10 +82,8 @@ class QwenImage(FlowFamily):
     def load_trained(self, cfg: DictConfig) -> torch.nn.Module:
         from diffusers import QwenImageTransformer2DModel
 
-        model = common.trained_module(cfg, QwenImageTransformer2DModel, "transformer", cfg.model.get("transformer"))
-        for name in self.unused(model):
-            model.get_submodule(name).requires_grad_(False)
-        return model  # type: ignore[no-any-return]
+        return common.trained_module(  # type: ignore[no-any-return]
+            cfg, QwenImageTransformer2DModel, "transformer", cfg.model.get("transformer"))
 
     def unused(self, model: torch.nn.Module) -> list[str]:
         """The last block's text-stream output (its attention's `to_add_out`, its `txt_mlp`): the transformer returns
