@@ -13,7 +13,7 @@ from ds_trainer.config.sampling import tags_vary
 from ds_trainer.tools.plan import cache as disk_cache
 from ds_trainer.tools.plan import lora, quantized, samples
 from ds_trainer.tools.plan.states import architecture, model_states, moments_saved, stats, trained_module
-from ds_trainer.tools.plan.unet import blocks_of, forward_of, meta_unet, saved_bytes, text_tokens
+from ds_trainer.tools.plan.unet import blocks_of, forward_of, meta_unet, saved_bytes, text_tokens, token_height
 
 GIB = 2**30
 CELLS = [("ddp", "none"), ("stage0", "none"), ("stage1", "none"), ("stage2", "none"), ("stage3", "none"),
@@ -109,8 +109,7 @@ def estimate(cfg: DictConfig, zero: str, offload: str, world_size: int, activati
                                        quantize=samples.encoders_quantized(cfg))
     act_bytes = 4 if precision == "fp32" else 2
     width, height = buckets.largest(cfg)  # with aspect-ratio buckets the largest one bounds memory
-    if cfg.model.get("reference_images"):  # Kontext: the reference's tokens follow the image's, as a twice-tall one
-        height *= 2
+    height = token_height(cfg, height)
     shape = (architecture(cfg), int(cfg.train.micro_batch_size), width, height, act_bytes,
              bool(cfg.train.gradient_checkpointing))
     activations = disk_cache.cached("activation_bytes", shape + _tokens(cfg), activation_bytes)

@@ -22,7 +22,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from ds_trainer.tools.plan import quantized
-from ds_trainer.tools.plan.unet import text_tokens
+from ds_trainer.tools.plan.unet import text_tokens, token_height
 
 GIB = 2**30
 
@@ -151,7 +151,7 @@ def _validation(cfg: DictConfig, resident: int, unet_params: int, architecture: 
     from ds_trainer.config import buckets
 
     width, height = buckets.largest(cfg)
-    height *= 2 if cfg.model.get("reference_images") else 1  # Kontext: the reference's tokens follow the image's
+    height = token_height(cfg, height)
     batch = int(cfg.validation.batch_size) or int(cfg.train.micro_batch_size)
     ema = 4 * unet_params if cfg.train.ema and cfg.validation.ema and cfg.adapter.method.value == "none" else 0
     dtype_bytes = 4 if cfg.precision.name.value == "fp32" or ema else 2
@@ -164,7 +164,7 @@ def _sampling(cfg: DictConfig, resident: int, unet_params: int, architecture: st
     from ds_trainer.config import samples
 
     width, height = samples.size(cfg)
-    height *= 2 if cfg.model.get("reference_images") else 1  # Kontext: the reference's tokens follow the image's
+    height = token_height(cfg, height)
     batch = 2 if float(cfg.samples.guidance_scale) > 1 else 1
     # DDP's module keeps its fp32 weights and the sampler runs no autocast: it samples in fp32 whatever the precision
     fp32 = cfg.precision.name.value == "fp32" or cfg.zero.backend.value == "ddp"

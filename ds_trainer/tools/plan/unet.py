@@ -42,6 +42,12 @@ def text_tokens(cfg: Any) -> int:
     return int(flow.t5_max_length) + (77 if cfg.model.family.value == "sd3" else 0)
 
 
+def token_height(cfg: Any, height: int) -> int:
+    """The height of an image of as many tokens as the trained module sees for one of `height` pixels: an editing
+    model's reference image (Kontext) follows the image's tokens, as an image twice as tall."""
+    return height * 2 if cfg.model.get("reference_images") else height
+
+
 def is_transformer(architecture: str) -> bool:
     """Whether the folder's trained module is a diffusion transformer (SD3's `transformer/`), not a UNet."""
     from pathlib import Path

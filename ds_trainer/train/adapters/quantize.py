@@ -14,6 +14,7 @@ are those of the unquantized base. Convolutions, norms and embeddings stay in th
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -160,16 +161,22 @@ def _state_bytes(state: Any) -> int:
     return total
 
 
-def unpacked_shapes(module: torch.nn.Module) -> dict[int, tuple[int, ...]]:
-    """By the weight's id, the shape of each 4-bit weight of `module` before bitsandbytes packed it (its quantization
-    state keeps it; under FSDP2 the layer keeps the state)."""
-    shapes: dict[int, tuple[int, ...]] = {}
+def _four_bit(module: torch.nn.Module) -> Iterator[tuple[torch.Tensor, Any]]:
+    """Each 4-bit weight of `module` once, with its quantization state: on the Params4bit, or on bitsandbytes' layer
+    when FSDP2 replaced the parameter with its DTensor shard (peft's LoRA layer names its base layer's weight too)."""
+    seen: set[int] = set()
     for part in module.modules():
         weight = getattr(part, "weight", None)
         state = getattr(weight, "quant_state", None) or getattr(part, "quant_state", None)
-        if isinstance(weight, torch.Tensor) and state is not None:
-            shapes[id(weight)] = tuple(state.shape)
-    return shapes
+        if isinstance(weight, torch.Tensor) and state is not None and id(weight) not in seen:
+            seen.add(id(weight))
+            yield weight, state
+
+
+def unpacked_shapes(module: torch.nn.Module) -> dict[int, tuple[int, ...]]:
+    """By the weight's id, the shape of each 4-bit weight of `module` before bitsandbytes packed it (its quantization
+    state keeps it)."""
+    return {id(weight): tuple(state.shape) for weight, state in _four_bit(module)}
 
 
 def partitioned_bytes(module: torch.nn.Module) -> tuple[int, int, int]:
@@ -179,13 +186,7 @@ def partitioned_bytes(module: torch.nn.Module) -> tuple[int, int, int]:
     from torch.distributed.tensor import DTensor
 
     held = whole = scales = 0
-    seen: set[int] = set()  # peft's LoRA layer names its base layer's weight too
-    for part in module.modules():
-        p = getattr(part, "weight", None)
-        state = getattr(p, "quant_state", None) or getattr(part, "quant_state", None)
-        if not isinstance(p, torch.Tensor) or state is None or id(p) in seen:
-            continue
-        seen.add(id(p))
+    for p, state in _four_bit(module):
         if hasattr(p, "ds_tensor"):
             local, numel = p.ds_tensor, p.ds_numel  # type: ignore[attr-defined]  # DeepSpeed's partition
         elif isinstance(p, DTensor):

@@ -263,8 +263,7 @@ def _table(source: Source) -> list[Item]:
     out = []
     for n, row in rows(image_col, caption_col, [control_col] if control_col else []):
         reference = row.get(control_col) if control_col else None
-        control = _control(Path(str(reference)) if Path(str(reference)).is_absolute() else path.parent /
-                           str(reference)) if reference else (None, None)
+        control = _control(_beside(path, reference)) if reference else (None, None)
         value = row.get(image_col)
         caption = "" if caption_col is None or row.get(caption_col) is None else str(row[caption_col]).strip()
         if isinstance(value, dict) and "read" in value:  # a parquet image's bytes, read when it is used
@@ -274,11 +273,17 @@ def _table(source: Source) -> list[Item]:
         rel = value.get("path") if isinstance(value, dict) else value
         if not rel:
             continue
-        image = Path(str(rel)) if Path(str(rel)).is_absolute() else path.parent / str(rel)
+        image = _beside(path, rel)
         size = image.stat().st_size if image.exists() else 0
         out.append(Item(source.index, f"{source.name}/{rel}", caption, (size, st.st_mtime_ns), _file_reader(image),
                         control=control[0], control_stat=control[1]))
     return out
+
+
+def _beside(table: Path, value: object) -> Path:
+    """A path a table names: absolute, or relative to the table's folder."""
+    named = Path(str(value))
+    return named if named.is_absolute() else table.parent / named
 
 
 # (image column, caption column, other columns) -> (row number, row) pairs
