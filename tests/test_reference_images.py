@@ -1,8 +1,10 @@
-"""An editing model's reference images (`model.reference_images`: Flux.1 Kontext, `model=flux_kontext_tiny`): paired
-by name from a folder (`data.control_path`: the same relative path and name, any extension) or a table's column
-(`control_column`), fitted and cut as their image is, skipped with the image (and said) when missing, cached as
-latents beside the image's; a run from a folder trains, validates and samples; what cannot hold them is refused with
-the fix. The chain of ZeRO-3, DDP and FSDP2 runs with the exported FluxKontextPipeline's image is test_transformers'.
+"""An editing model's reference images (`model.reference_images`: Flux.1 Kontext, `model=flux_kontext_tiny`, and
+Qwen-Image-Edit, `model=qwen_image_edit_tiny`): paired by name from a folder (`data.control_path`: the same relative
+path and name, any extension) or a table's column (`control_column`), fitted and cut as their image is, skipped with
+the image (and said) when missing, cached as latents beside the image's (Qwen-Image-Edit's captions encoded with
+them); a run from a folder trains, validates and samples; what cannot hold them is refused with the fix. The chains
+of ZeRO-3, DDP and FSDP2 runs with the exported FluxKontextPipeline's and QwenImageEditPipeline's images are
+test_transformers'.
 """
 
 from __future__ import annotations
@@ -64,10 +66,11 @@ def test_references_pair_by_name_and_an_image_without_one_is_skipped(pairs: Path
 
 
 @pytest.mark.slow
-def test_an_editing_model_trains_validates_and_samples_from_a_folder_of_pairs(pairs: Path) -> None:
+@pytest.mark.parametrize("model", ["flux_kontext_tiny", "qwen_image_edit_tiny"])
+def test_an_editing_model_trains_validates_and_samples_from_a_folder_of_pairs(pairs: Path, model: str) -> None:
     from ds_trainer.train.data import cache as latent_cache
 
-    result = run_cli("model=flux_kontext_tiny", "data=folder", f"data.path={pairs / 'images'}",
+    result = run_cli(f"model={model}", "data=folder", f"data.path={pairs / 'images'}",
                      f"data.control_path={pairs / 'references'}", "logger=none", "train.max_steps=3",
                      "validation=on", "validation.split=1", "samples=on", "samples.steps=2",
                      "samples.prompts=[make the square red]", f"samples.images=[{pairs / 'references' / 'a.png'}]",
@@ -77,16 +80,25 @@ def test_an_editing_model_trains_validates_and_samples_from_a_folder_of_pairs(pa
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "ok" and summary.get("val_loss") is not None
     assert list((run_dir / "samples").glob("step_*/*.png"))
-    cached = [latent_cache.read(folder) for folder in (pairs / "outputs" / "cache").glob("flux_kontext_tiny-*")]
+    cached = [latent_cache.read(folder) for folder in (pairs / "outputs" / "cache").glob(f"{model}-*")]
     assert cached and all(item["control_latents"].shape == item["latents"].shape for c in cached for item in c.values())
+    if model == "qwen_image_edit_tiny":  # each caption's sequence holds its reference's 25 vision tokens, 2 and 32
+        assert {tuple(item["prompt_embeds"].shape) for c in cached for item in c.values()} == {(59, 32)}
+        # no empty prompt is cached: a dropped caption would be each image's own (refused below)
+        assert not list((pairs / "outputs" / "cache").glob(f"{model}-*/empty*"))
 
 
 @pytest.mark.parametrize(("change", "says", "fix"), [
     (["data=folder", "data.path=/tmp"], "each image needs its own", "data.control_path=/path/to/references"),
     (["samples=on", "samples.prompts=[a]"], "each sample prompt needs one", "samples.images=[/path/to/reference.png]"),
     (["validation=on", "validation.path=/tmp"], "no reference images paired", "validation.split=0.05"),
-    (["model=qwen_image_tiny", "model.reference_images=true"], "has no reference-image input",
-     "model=flux_kontext_tiny"),
+    (["model=sd3_tiny", "model.reference_images=true"], "has no reference-image input", "model=flux_kontext_dev"),
+    (["model=qwen_image_edit_tiny", "data.caption_dropout=0.1"], "encodes each caption with its reference image",
+     "data.caption_dropout=0"),
+    (["model=qwen_image_edit_tiny", "data=folder", "data.path=/tmp", "data.control_path=/tmp", "data.tag_shuffle=true"],
+     "tags shuffled or dropped", "data.tag_shuffle=false"),
+    (["model=qwen_image_edit_tiny", "data.text_encoder_dropout.qwen_vl=0.2"], "has this one encoder alone",
+     "fix: data.text_encoder_dropout.qwen_vl=0"),
     (["model=flux_tiny", "samples=on", "samples.prompts=[a]", "samples.images=[/tmp/x.png]"],
      "samples from its prompts alone", "samples.images=[]"),
 ])
@@ -94,3 +106,20 @@ def test_what_cannot_hold_reference_images_is_refused_with_the_fix(change: list[
     report = checks.check(make_cfg("model=flux_kontext_tiny", *change))
     shown = report.render()
     assert not report.ok and says in shown and fix in shown, shown
+    # no fix sends Qwen-Image-Edit's user to a caption dropout it refuses
+    assert "caption_dropout" not in shown or any("caption_dropout" in c for c in change), shown
+
+
+def test_an_editing_models_card_names_its_base_and_the_image_to_image_task() -> None:
+    """The model card's front matter of a Kontext or Qwen-Image-Edit fine-tune: the makers' base model and license,
+    tagged image-to-image (as their own cards are); a text-to-image model's card keeps its tag."""
+    from ds_trainer.train.export import card
+
+    for model, family, base, license_ in (("flux_kontext_dev", "flux", "black-forest-labs/FLUX.1-Kontext-dev",
+                                           "license_name: flux-1-dev-non-commercial-license"),
+                                          ("qwen_image_edit", "qwen_image", "Qwen/Qwen-Image-Edit",
+                                           "license: apache-2.0")):
+        text = card._front_matter(make_cfg(f"model={model}"), family, lora=True)
+        assert f"base_model: {base}" in text and license_ in text, text
+        assert "- image-to-image" in text and "text-to-image" not in text, text
+    assert "- text-to-image" in card._front_matter(make_cfg("model=qwen_image"), "qwen_image", lora=False)

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from helpers import numerics
+from helpers import numerics, pipelines
 from helpers.cfg import make_cfg
 from helpers.cli import run_cli, run_dirs
 from helpers.deps import require
@@ -40,7 +40,8 @@ torch = pytest.importorskip("torch")
 
 PROMPT = "a red square on a blue background"
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # exact pixel comparisons: the same kernels in the run and the reference
-MODELS = ["sd3_tiny", "flux_tiny", "qwen_image_tiny", "flux_kontext_tiny"]
+MODELS = ["sd3_tiny", "flux_tiny", "qwen_image_tiny", "flux_kontext_tiny", "qwen_image_edit_tiny"]
+EDITING = ("flux_kontext_tiny", "qwen_image_edit_tiny")  # their samples and pipelines take a reference image
 COMMON = ["logger=none", "data.num_samples=2", "scheduler=constant", "optimizer.lr=3e-3",
           "train.max_steps=60", "train.checkpoint_every=30", "validation=on", "validation.every=30"]
 REFERENCE = ["zero=stage3", "train.micro_batch_size=1", "train.export=true", "samples=on", "samples.every=0",
@@ -78,7 +79,7 @@ def runs(module_tmp: Callable[[str], Path]) -> Callable[[str, str], Path]:
                 "lora": (1, ["zero=stage2", "adapter=lora", "train.micro_batch_size=2", "optimizer.lr=5e-3",
                              "train.max_steps=60", "train.export=true", "validation=none"]),
             }[name]
-            if model == "flux_kontext_tiny":  # an editing model: its samples' reference image
+            if model in EDITING:  # an editing model: its samples' reference image
                 overrides = [*overrides, f"samples.images=[{_reference_png(root)}]"]
             if (model, name) == ("sd3_tiny", "lora"):  # SD3's LoRA trains on a transformer read from a single file
                 overrides = [*overrides, f"model.transformer={_single_file(root, SINGLE_FILE_SEED)}"]
@@ -225,13 +226,6 @@ def test_qwen_images_captions_shift_and_latents_are_its_pipelines() -> None:
                                                      pipe.prompt_template_encode_start_idx)
     prefix = qwen_image.TEMPLATE.split("{}")[0]
     assert len(frozen.tokenizer(prefix).input_ids) == qwen_image.DROP
-    # The editing pipeline's template too (the tiny tokenizer is ready for Qwen-Image-Edit's 64-token prefix)
-    from diffusers import QwenImageEditPipeline
-
-    edit = QwenImageEditPipeline(scheduler=None, vae=None, text_encoder=None, tokenizer=None, processor=None,
-                                 transformer=None)
-    edit_prefix = edit.prompt_template_encode.split("<|vision_start|>")[0]
-    assert len(frozen.tokenizer(edit_prefix).input_ids) == edit.prompt_template_encode_start_idx == 64
     prompts = ["a red cube", "a small green circle on a dark background at night"]
     ours = family.text_inputs(frozen, prompts, torch.device("cpu"))
     theirs, mask = pipe.encode_prompt(prompts, device=torch.device("cpu"), max_sequence_length=32)
@@ -255,6 +249,59 @@ def test_qwen_images_captions_shift_and_latents_are_its_pipelines() -> None:
     std = torch.tensor(frozen.vae.config.latents_std).view(1, -1, 1, 1)
     mean = torch.tensor(frozen.vae.config.latents_mean).view(1, -1, 1, 1)
     assert latents.shape == (1, 4, 4, 4) and torch.allclose(latents * std + mean, raw, atol=1e-5)
+
+
+def test_qwen_image_edits_captions_are_its_pipelines_with_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Qwen-Image-Edit's encoding, against QwenImageEditPipeline's own with transformers' Qwen2VLProcessor (built
+    here beside no video processor: transformers' check of that part needs torchvision): its template and dropped
+    prefix, the processor's inputs (the reference's `<|image_pad|>` once per merged patch), each caption's hidden
+    states with the reference's vision tokens and the mask, padded to those tokens, 2 and text_max_length. The
+    transformer sees the image's tokens, then the reference's (a second entry of img_shapes), and predicts the
+    image's alone."""
+    from diffusers import QwenImageEditPipeline
+    from transformers import ProcessorMixin, Qwen2VLProcessor
+
+    from ds_trainer.tools.plan import unet as plan_unet
+    from ds_trainer.train.families import of, qwen_image
+
+    cfg = make_cfg("model=qwen_image_edit_tiny")
+    family = of(cfg)
+    frozen = family.load_frozen(cfg)
+    monkeypatch.setattr(ProcessorMixin, "check_argument_for_proper_class", lambda _self, _name, arg: type(arg))
+    real = Qwen2VLProcessor(image_processor=frozen.processor.image_processor, tokenizer=frozen.tokenizer,
+                            video_processor=None)
+    pipe = QwenImageEditPipeline(scheduler=None, vae=frozen.vae, text_encoder=frozen.text_encoder,
+                                 tokenizer=frozen.tokenizer, processor=real, transformer=None)
+    assert (qwen_image.EDIT_TEMPLATE, qwen_image.EDIT_DROP) == (pipe.prompt_template_encode,
+                                                               pipe.prompt_template_encode_start_idx)
+    # the tiny tokenizer makes the system prefix 64 tokens, as Qwen's does: the caption's states are what is kept
+    assert len(frozen.tokenizer(qwen_image.EDIT_TEMPLATE.split("<|vision_start|>")[0]).input_ids) == 64
+    prompts = ["make the square red", "turn the small blue circle into a green cube at night"]
+    references = torch.rand(2, 3, 64, 96) * 2 - 1
+    pictures = qwen_image._pictures(references)
+    texts = [qwen_image.EDIT_TEMPLATE.format(p) for p in prompts]
+    ours_in, theirs_in = (p(text=texts, images=pictures, padding=True, return_tensors="pt")
+                          for p in (frozen.processor, real))
+    assert all(torch.equal(ours_in[k], theirs_in[k]) for k in ("input_ids", "attention_mask", "pixel_values",
+                                                                "image_grid_thw"))
+    ours = family.text_inputs(frozen, prompts, torch.device("cpu"), references)
+    theirs, mask = pipe._get_qwen_prompt_embeds(prompts, pictures, torch.device("cpu"))
+    seen = plan_unet.vision_tokens(str(cfg.model.architecture), 64, 96)  # the planner's count: 2 x 3 merged patches
+    length = theirs.shape[1]
+    assert seen == 6 and ours["prompt_embeds"].shape == (2, seen + 2 + 32, 32) and seen + 2 < length < seen + 34
+    assert torch.equal(ours["prompt_mask"][:, :length], mask) and not ours["prompt_mask"][:, length:].any()
+    assert torch.allclose(ours["prompt_embeds"][:, :length], theirs, atol=1e-6)
+    # The transformer's call: the image's tokens and the reference's, its prediction the image's alone
+    latents, reference = torch.randn(2, 4, 4, 6), torch.randn(2, 4, 6, 4)
+    assert qwen_image.image_shapes(latents, reference) == [[(1, 2, 3), (1, 3, 2)]] * 2
+    seen_by: dict[str, Any] = {}
+    model = family.load_trained(cfg)
+    model.register_forward_hook(lambda _m, _args, kwargs, out: seen_by.update(kwargs, out=out), with_kwargs=True)
+    batch = {"latents": latents, "control_latents": reference, **ours}
+    losses = family.losses(model, family.schedule(cfg), batch, torch.randn_like(latents), torch.tensor([10, 900]),
+                           torch.device("cpu"), torch.float32)
+    assert losses.shape == (2,) and seen_by["hidden_states"].shape == (2, 6 + 6, 16)
+    assert seen_by["out"].sample.shape == (2, 12, 16) and seen_by["img_shapes"] == [[(1, 2, 3), (1, 3, 2)]] * 2
 
 
 @pytest.mark.slow
@@ -307,9 +354,14 @@ CACHED = {"sd3_tiny": {"prompt_embeds": (77 + 32, 64), "pooled": (64,), "latents
           "flux_kontext_tiny": {"prompt_embeds": (32, 64), "pooled": (32,), "latents": (4, 16, 16),
                                 "control_latents": (4, 16, 16)},
           "flux_tiny": {"prompt_embeds": (32, 64), "pooled": (32,), "latents": (4, 16, 16)},
-          "qwen_image_tiny": {"prompt_embeds": (32, 32), "prompt_mask": (32,), "latents": (4, 16, 16)}}
+          "qwen_image_tiny": {"prompt_embeds": (32, 32), "prompt_mask": (32,), "latents": (4, 16, 16)},
+          # the reference's 5 x 5 merged patches of Qwen2.5-VL's vision tower (128 pixels: 140 in its 28-pixel ones),
+          # their start and end, then the caption's 32
+          "qwen_image_edit_tiny": {"prompt_embeds": (25 + 2 + 32, 32), "prompt_mask": (59,), "latents": (4, 16, 16),
+                                   "control_latents": (4, 16, 16)}}
 PIPELINES = {"sd3_tiny": "StableDiffusion3Pipeline", "flux_tiny": "FluxPipeline",
-             "qwen_image_tiny": "QwenImagePipeline", "flux_kontext_tiny": "FluxKontextPipeline"}
+             "qwen_image_tiny": "QwenImagePipeline", "flux_kontext_tiny": "FluxKontextPipeline",
+             "qwen_image_edit_tiny": "QwenImageEditPipeline"}
 
 
 @pytest.mark.slow
@@ -387,6 +439,8 @@ def _reference_image(run_dir: Path, bf16: bool) -> Any:
     ("qwen_image_tiny", "fsdp_x2"),
     ("flux_kontext_tiny", "ddp"),
     ("flux_kontext_tiny", "fsdp_x2"),
+    ("qwen_image_edit_tiny", "ddp"),
+    ("qwen_image_edit_tiny", "fsdp_x2"),
     # The other three pairs in `make test-long` (the CI budget; their figures are in the docstring).
     pytest.param("flux_tiny", "fsdp_x2", marks=pytest.mark.long),
     pytest.param("sd3_tiny", "fsdp_x2", marks=pytest.mark.long),
@@ -459,14 +513,16 @@ def test_lora_trains_and_loads_with_load_lora_weights(runs: Callable[[str, str],
     lora = load_file(run_dir / "lora" / "pytorch_lora_weights.safetensors")
     assert lora and all(k.startswith("transformer.") for k in lora)
     assert any(k.endswith("lora_B.weight") and v.abs().max() > 0 for k, v in lora.items())  # B starts at zero
-    pipe = getattr(diffusers, PIPELINES[model]).from_pretrained(run_dir / "pipeline")  # the untrained base
+    pipe = pipelines.load(run_dir / "pipeline")  # the untrained base
+    assert type(pipe) is getattr(diffusers, PIPELINES[model])
     pipe.set_progress_bar_config(disable=True)
     if model == "sd3_tiny":  # its base is the single file's transformer: what was written, not the seed's own
         written = _transformer(model, SINGLE_FILE_SEED).state_dict()
         assert f"/sd3_tiny_{SINGLE_FILE_SEED}.safetensors" in (run_dir / "config.yaml").read_text()
         assert numerics.mean_abs_difference(pipe.transformer.state_dict(), written) == 0
     call = {"prompt": PROMPT, "num_inference_steps": 2, "height": 64, "width": 64, "max_sequence_length": 32,
-            "output_type": "np"}
+            "output_type": "np", **({"image": Image.new("RGB", (64, 48), (40, 80, 220))}
+                                    if model == "qwen_image_edit_tiny" else {})}
     base = pipe(**call, generator=torch.Generator().manual_seed(0)).images[0]
     pipe.load_lora_weights(run_dir / "lora")
     adapted = pipe(**call, generator=torch.Generator().manual_seed(0)).images[0]

@@ -1,8 +1,8 @@
 """The image an exported pipeline makes with the sampler's settings, computed in a fresh process.
 
 `python tests/scripts/sample_reference.py <pipeline> <prompt> <seed> <out.npy> [--bf16-unet] [--lora <folder>]
-[--max-sequence-length N]`: any family's pipeline (DiffusionPipeline picks its class from the folder); the
-bf16 flag casts its UNet or transformer.
+[--max-sequence-length N] [--reference <image>]`: any family's pipeline (DiffusionPipeline picks its class from the
+folder; helpers/pipelines.py reads Qwen-Image-Edit's processor); the bf16 flag casts its UNet or transformer.
 
 A fresh process, because the pytest process is not a clean one: its in-process ZeRO-3 engines
 (test_deepspeed_engines, test_lora) replace `torch.nn.functional.linear` for good, which changes the
@@ -13,12 +13,16 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import sys
+from pathlib import Path
 
 import numpy as np
 import torch
-from diffusers import DiffusionPipeline
 
 from ds_trainer.train.observe import sampling
+
+sys.path.insert(0, str(Path(__file__).parents[1]))
+from helpers import pipelines  # noqa: E402 - the tests' helpers, beside this folder
 
 
 def main() -> None:
@@ -33,7 +37,7 @@ def main() -> None:
     parser.add_argument("--reference", help="an editing model's reference image (FluxKontextPipeline)")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    pipe = DiffusionPipeline.from_pretrained(args.pipeline)
+    pipe = pipelines.load(Path(args.pipeline))
     pipe.set_progress_bar_config(disable=True)
     model = pipe.unet if hasattr(pipe, "unet") else pipe.transformer
     context: contextlib.AbstractContextManager = contextlib.nullcontext()
@@ -47,8 +51,8 @@ def main() -> None:
         pipe.load_lora_weights(args.lora)
     with context:
         extra = (("max_sequence_length", args.max_sequence_length),) if args.max_sequence_length else ()
-        if args.reference:  # the sampler's call of an editing model: the reference fitted to the sample's size
-            extra += (("max_area", 128 * 128), ("_auto_resize", False))
+        if args.reference and type(pipe).__name__ == "FluxKontextPipeline":  # the sampler's call of Kontext: the
+            extra += (("max_area", 128 * 128), ("_auto_resize", False))  # reference fitted to the sample's size
         settings = sampling.Settings(2, 5.0, "", 128, 128, extra, (args.reference,) if args.reference else ())
         image = sampling.generate(pipe, args.prompt, args.seed, settings, sampling.reference(settings, 0))
     np.save(args.out, np.asarray(image))

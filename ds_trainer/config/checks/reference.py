@@ -1,6 +1,8 @@
-"""An editing model's reference images (`model.reference_images`: Flux.1 Kontext): the data must pair each image
-with its reference (synthetic pairs, a folder's data.control_path, a source's control_path or control_column), the
-samples must name theirs (samples.images); a model that reads none is not given any. Torch-free."""
+"""An editing model's reference images (`model.reference_images`: Flux.1 Kontext, Qwen-Image-Edit): the data must
+pair each image with its reference (synthetic pairs, a folder's data.control_path, a source's control_path or
+control_column), the samples must name theirs (samples.images); a model that reads none is not given any.
+Qwen-Image-Edit encodes each caption with its reference, once, into the cache: captions that change from sample to
+sample are refused. Torch-free."""
 
 from __future__ import annotations
 
@@ -8,7 +10,10 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from ds_trainer.config import sampling
 from ds_trainer.config.problems import Problem
+
+EDITING = ("flux", "qwen_image")  # the families with a reference-image input (Kontext's, Qwen-Image-Edit's)
 
 
 def problems(cfg: DictConfig) -> list[Problem]:
@@ -16,11 +21,13 @@ def problems(cfg: DictConfig) -> list[Problem]:
         return _unread(cfg)
     out: list[Problem] = []
     family = cfg.model.family.value
-    if family != "flux":
+    if family not in EDITING:
         out.append(Problem("model.reference_images", True, f"model.family={family} has no reference-image input; "
-                           "Flux.1 Kontext's (the flux family) is the one built", "model=flux_kontext_tiny (or "
-                           "flux_kontext_dev), or model.reference_images=false"))
+                           "Flux.1 Kontext's and Qwen-Image-Edit's are the ones built", "model=flux_kontext_dev "
+                           "or model=qwen_image_edit (their _tiny ones too), or model.reference_images=false"))
     out += _data(cfg)
+    if family == "qwen_image":
+        out += _captions_fixed(cfg)
     if cfg.validation.get("path"):
         out.append(Problem("validation.path", cfg.validation.path, "a folder of other images has no reference images "
                            "paired with them", "validation.split=0.05 (pairs held out of the data), or "
@@ -59,6 +66,23 @@ def _data(cfg: DictConfig) -> list[Problem]:
     return out
 
 
+def _captions_fixed(cfg: DictConfig) -> list[Problem]:
+    """Qwen-Image-Edit's captions are encoded with their reference image into the cache, once: one encoding per
+    image, so no caption dropped (an empty prompt with the image's own reference) or changed from sample to sample."""
+    why = (f"model={cfg.model.name} encodes each caption with its reference image, once, into the cache; a caption "
+           "that changes from sample to sample would be encoded every step with its image")
+    out = []
+    sources = cfg.data.sources if cfg.data.source.value == "sources" else []
+    dropped = [("data.caption_dropout", cfg.data.caption_dropout)] + [
+        (f"data.sources[{i}].caption_dropout", s.caption_dropout) for i, s in enumerate(sources)
+        if s.get("caption_dropout") is not None]
+    out += [Problem(key, value, why, f"{key}=0") for key, value in dropped if float(value) > 0]
+    if sampling.tags_vary(cfg):
+        out.append(Problem("data.tag_shuffle", cfg.data.tag_shuffle, why + " (tags shuffled or dropped)",
+                           "data.tag_shuffle=false data.tag_dropout=0 (and the sources' own)"))
+    return out
+
+
 def _samples(cfg: DictConfig) -> list[Problem]:
     """Each sample prompt's reference image."""
     s = cfg.samples
@@ -79,7 +103,7 @@ def _samples(cfg: DictConfig) -> list[Problem]:
 
 def _unread(cfg: DictConfig) -> list[Problem]:
     """Reference images given to a model that reads none: said, not ignored."""
-    fix = "model=flux_kontext_tiny (an editing model), or drop it"
+    fix = "model=flux_kontext_dev or model=qwen_image_edit (editing models), or drop it"
     out = []
     if cfg.data.get("control_path"):
         out.append(Problem("data.control_path", cfg.data.control_path, f"model={cfg.model.name} reads no reference "

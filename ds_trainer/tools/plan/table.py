@@ -15,7 +15,8 @@ from ds_trainer.config import overrides, rundir, schema
 
 GIB = 2**30
 MODELS = [("sdxl_base", "SDXL UNet"), ("sd35_medium", "SD3.5 Medium"), ("sd35_large", "SD3.5 Large"),
-          ("flux_dev", "FLUX.1-dev"), ("flux_kontext_dev", "FLUX.1 Kontext-dev"), ("qwen_image", "Qwen-Image")]
+          ("flux_dev", "FLUX.1-dev"), ("flux_kontext_dev", "FLUX.1 Kontext-dev"), ("qwen_image", "Qwen-Image"),
+          ("qwen_image_edit", "Qwen-Image-Edit")]
 # (label, zero, offload, parameters offloaded too, GPUs)
 CELLS = [("ZeRO-2, 8 GPUs", "stage2", "none", False, 8), ("ZeRO-2 + CPU offload, 8 GPUs", "stage2", "cpu", False, 8),
          ("ZeRO-3, 8 GPUs", "stage3", "none", False, 8),

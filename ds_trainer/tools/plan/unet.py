@@ -33,13 +33,30 @@ def unet_stats(architecture: str) -> UNetStats:
 
 def text_tokens(cfg: Any) -> int:
     """The text tokens the trained module attends to: SDXL's CLIP 77, SD3's CLIP 77 and T5's after them, Flux's T5
-    alone (its CLIP gives the pooled vector only), Qwen-Image's Qwen2.5-VL sequence."""
+    alone (its CLIP gives the pooled vector only), Qwen-Image's Qwen2.5-VL sequence (Qwen-Image-Edit's with its
+    reference's vision tokens, their start and end before the caption's)."""
     flow = cfg.model.get("flow")
     if flow is None:
         return 77
     if cfg.model.family.value == "qwen_image":
-        return int(flow.text_max_length)
+        seen = vision_tokens(str(cfg.model.architecture), int(cfg.resolution.height), int(cfg.resolution.width))
+        return int(flow.text_max_length) + (seen + 2 if cfg.model.get("reference_images") else 0)
     return int(flow.t5_max_length) + (77 if cfg.model.family.value == "sd3" else 0)
+
+
+def vision_tokens(architecture: str, height: int, width: int) -> int:
+    """The `<|image_pad|>` tokens Qwen2.5-VL's processor (the folder's `processor` config) makes of an image of this
+    size: the image resized to whole merged patches within its pixel bounds, one token per merged patch."""
+    import json
+    from pathlib import Path
+
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+    c = json.loads((Path(architecture) / "processor" / "preprocessor_config.json").read_text())
+    factor = int(c["patch_size"]) * int(c["merge_size"])
+    h, w = smart_resize(height, width, factor=factor, min_pixels=int(c["size"]["shortest_edge"]),
+                        max_pixels=int(c["size"]["longest_edge"]))
+    return (h // factor) * (w // factor)
 
 
 def token_height(cfg: Any, height: int) -> int:

@@ -100,7 +100,9 @@ class LatentCache:
         Samples are encoded in batches of one shape (one bucket)."""
         family = self.family
         self.dir.mkdir(parents=True, exist_ok=True)
-        if not (self.dir / captions.EMPTY).exists():  # what a dropped caption trains with (data.caption_dropout)
+        # What a dropped caption trains with (data.caption_dropout; refused where a caption is encoded with its
+        # reference image, whose empty prompt is each image's own)
+        if not (self.dir / captions.EMPTY).exists() and not family.text_sees_reference:
             empty = family.text_inputs(frozen, [""], device)
             tmp = self.dir / f".{captions.EMPTY}.tmp{os.getpid()}"
             safetensors.torch.save_file({key: on_cpu(value[0], family.storage_dtype(key)).contiguous()
@@ -118,7 +120,7 @@ class LatentCache:
                 chunk = [data[i] for i in part]
                 latents = family.encode_images(frozen, torch.stack([e.pixels for e in chunk]))
                 references = _references(family, frozen, chunk)
-                text = family.text_inputs(frozen, [e.caption for e in chunk], device)
+                text = family.text_inputs(frozen, [e.caption for e in chunk], device, _seen(family, chunk))
                 for j, i in enumerate(part):
                     pack.add(self.names[i], {
                         "latents": latents[j].to("cpu", torch.float32).clone(),
@@ -316,7 +318,7 @@ def encode_batch(data: SyntheticImages | SourceImages, frozen: Any, indices: lis
     latents = family.encode_images(frozen, torch.stack([e.pixels for e in examples]))
     if texts is None:
         texts = ["" if gone else e.caption for e, gone in zip(examples, drop, strict=True)]
-    text = family.text_inputs(frozen, texts, device)
+    text = family.text_inputs(frozen, texts, device, _seen(family, examples))
     # On the CPU in float32, as the cache holds them: the step draws its noise on the CPU, and on a GPU the
     # encoders' CUDA tensors would meet it there (diffusers' add_noise moves only the schedule's tensors).
     masks = [_mask(e, latents[j]) for j, e in enumerate(examples)]
@@ -333,6 +335,11 @@ def _references(family: Family, frozen: Any, examples: list[Any]) -> torch.Tenso
     if examples[0].control is None:
         return None
     return family.encode_images(frozen, torch.stack([e.control for e in examples]))
+
+
+def _seen(family: Family, examples: list[Any]) -> torch.Tensor | None:
+    """The reference images a family encodes with their captions (Qwen-Image-Edit), else None."""
+    return torch.stack([e.control for e in examples]) if family.text_sees_reference else None
 
 
 def _mask(example: Any, latents: torch.Tensor) -> dict[str, torch.Tensor]:

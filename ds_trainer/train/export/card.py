@@ -26,12 +26,16 @@ _LICENSES = {
     "flux_dev": ("other", "flux-1-dev-non-commercial-license",
                  "https://huggingface.co/black-forest-labs/FLUX.1-dev/blob/main/LICENSE.md"),
     "flux_schnell": ("apache-2.0", None, "https://huggingface.co/black-forest-labs/FLUX.1-schnell"),
+    "flux_kontext_dev": ("other", "flux-1-dev-non-commercial-license",
+                         "https://huggingface.co/black-forest-labs/FLUX.1-Kontext-dev/blob/main/LICENSE.md"),
     "qwen_image": ("apache-2.0", None, "https://huggingface.co/Qwen/Qwen-Image/blob/main/LICENSE"),
+    "qwen_image_edit": ("apache-2.0", None, "https://huggingface.co/Qwen/Qwen-Image-Edit"),
 }
 _BASE_IDS = {"sdxl_base": "stabilityai/stable-diffusion-xl-base-1.0",
              "sd35_medium": "stabilityai/stable-diffusion-3.5-medium",
              "sd35_large": "stabilityai/stable-diffusion-3.5-large", "flux_dev": "black-forest-labs/FLUX.1-dev",
-             "flux_schnell": "black-forest-labs/FLUX.1-schnell", "qwen_image": "Qwen/Qwen-Image"}
+             "flux_schnell": "black-forest-labs/FLUX.1-schnell", "qwen_image": "Qwen/Qwen-Image",
+             "flux_kontext_dev": "black-forest-labs/FLUX.1-Kontext-dev", "qwen_image_edit": "Qwen/Qwen-Image-Edit"}
 _FAMILY_TAGS = {"sdxl": ["stable-diffusion-xl", "text-to-image"], "sd3": ["stable-diffusion-3", "sd3", "text-to-image"],
                 "flux": ["flux", "text-to-image"], "qwen_image": ["qwen-image", "text-to-image"]}
 
@@ -59,6 +63,8 @@ def _front_matter(cfg: DictConfig, family: str, lora: bool) -> str:
         lines.append(f"license_name: {license_name}")
     lines.append("library_name: diffusers")
     tags = ["ds_trainer", *_FAMILY_TAGS[family], "lora" if lora else "full-fine-tune"]
+    if cfg.model.get("reference_images"):  # an editing model (Kontext, Qwen-Image-Edit): its makers' pipeline tag
+        tags = [("image-to-image" if t == "text-to-image" else t) for t in tags]
     lines.append("tags:")
     lines += [f"- {tag}" for tag in tags]
     lines.append("---")

@@ -19,6 +19,7 @@ class Family(Protocol):
     name: str
     component: str  # the trained module's pipeline component: "unet" or "transformer"
     sequence_encoder: str  # the encoder whose long sequence the cache keeps in bf16 ("T5"; "" for none)
+    text_sees_reference: bool  # whether a caption is encoded with its reference image (Qwen-Image-Edit)
 
     def load_frozen(self, cfg: DictConfig, whole: Whole = nullcontext) -> Any:
         """The VAE, text encoders and tokenizers, eval mode, gradients off, built inside `whole()` (the backend's:
@@ -35,8 +36,10 @@ class Family(Protocol):
         """The names of the trained module's submodules whose output feeds nothing the loss sees: they never get a
         gradient (DDP refuses that), so they stay frozen, adapters on them too."""
 
-    def text_inputs(self, frozen: Any, prompts: list[str], device: torch.device) -> dict[str, torch.Tensor]:
-        """What a batch carries for its captions (cached on disk with the latents)."""
+    def text_inputs(self, frozen: Any, prompts: list[str], device: torch.device,
+                    references: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """What a batch carries for its captions (cached on disk with the latents); `references` (images in [-1, 1])
+        where the family's `text_sees_reference`."""
 
     def text_parts(self, frozen: Any) -> TextParts:
         """Where each text encoder's output sits in one sample's text tensors (data.text_encoder_dropout zeroes it)."""

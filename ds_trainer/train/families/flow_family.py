@@ -29,6 +29,7 @@ class FrozenParts:
 class FlowFamily:
     component = "transformer"
     sequence_encoder = "T5"
+    text_sees_reference = False  # Qwen-Image-Edit's captions are encoded with their reference image
 
     def unused(self, model: torch.nn.Module) -> list[str]:  # noqa: ARG002 - the Family protocol's signature
         return []  # SD3's last joint block updates no text; Flux's single-stream blocks end on the image tokens

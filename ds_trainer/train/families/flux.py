@@ -100,8 +100,11 @@ class Flux(FlowFamily):
         return common.meta_module(cfg, FluxTransformer2DModel, "transformer")
 
     @torch.no_grad()
-    def text_inputs(self, frozen: Frozen, prompts: list[str], device: torch.device) -> dict[str, torch.Tensor]:
-        """`pooled` (CLIP-L's pooled output) and `prompt_embeds` (T5's sequence)."""
+    def text_inputs(self, frozen: Frozen, prompts: list[str], device: torch.device,
+                    references: torch.Tensor | None = None,  # noqa: ARG002 - the Family protocol's signature
+                    ) -> dict[str, torch.Tensor]:
+        """`pooled` (CLIP-L's pooled output) and `prompt_embeds` (T5's sequence); Kontext's captions are encoded
+        without their reference (`references` unread)."""
         pooled = frozen.text_encoder(common.token_ids(frozen.tokenizer, prompts).to(device)).pooler_output
         ids = frozen.tokenizer_2(prompts, padding="max_length", max_length=self._t5_length, truncation=True,
                                  return_tensors="pt").input_ids

@@ -9,6 +9,14 @@ first 34 tokens) dropped, as the pipeline encodes them; cached padded to `model.
 with the mask of the caption's own tokens (`prompt_mask`), which the transformer's joint attention applies.
 QwenImagePipeline samples and is exported.
 
+Qwen-Image-Edit (`model.reference_images`): the reference image's packed latents follow the image's tokens (a second
+entry of `img_shapes`), the loss is on the image's own tokens; the caption is encoded with the reference through
+QwenImageEditPipeline's template, whose system prefix is 64 tokens, so its sequence holds the reference's vision
+tokens before the caption's: cached padded to those tokens, 2 (the vision start and end) and `text_max_length`. The
+reference is the one the latents see, at the bucket's size (the pipeline fits it to about a megapixel).
+QwenImageEditPipeline samples (on `samples.images`) and is exported, its processor saved as Qwen2VLProcessor's files
+(vl_prompts.py).
+
 The text encoder stays frozen (a 7 B vision-language model; peers train the transformer alone).
 """
 
@@ -27,6 +35,7 @@ from ds_trainer.train.families.base import TextParts, Whole
 from ds_trainer.train.families.common import per_sample_mse
 from ds_trainer.train.families.flow_family import FlowFamily, FrozenParts
 from ds_trainer.train.families.flux import pack
+from ds_trainer.train.families.vl_prompts import VLPrompts
 
 # QwenImagePipeline's prompt template and the tokens of its system prefix it drops (pipeline_qwenimage.py; a test
 # checks both against the pipeline's).
@@ -34,6 +43,13 @@ TEMPLATE = ("<|im_start|>system\nDescribe the image by detailing the color, shap
             "spatial relationships of the objects and background:<|im_end|>\n<|im_start|>user\n{}<|im_end|>\n"
             "<|im_start|>assistant\n")
 DROP = 34
+# QwenImageEditPipeline's (pipeline_qwenimage_edit.py; the same test checks them): the reference before the caption
+EDIT_TEMPLATE = ("<|im_start|>system\nDescribe the key features of the input image (color, shape, size, texture, "
+                 "objects, background), then explain how the user's text instruction should alter or modify the "
+                 "image. Generate a new image that meets the user's requirements while maintaining consistency with "
+                 "the original input where appropriate.<|im_end|>\n<|im_start|>user\n<|vision_start|><|image_pad|>"
+                 "<|vision_end|>{}<|im_end|>\n<|im_start|>assistant\n")
+EDIT_DROP = 64
 
 
 @dataclass
@@ -42,12 +58,21 @@ class Frozen(FrozenParts):
     vae: Any  # AutoencoderKLQwenImage
     text_encoder: Any  # Qwen2_5_VLForConditionalGeneration: its language model's last hidden state
     tokenizer: Any
+    processor: Any = None  # Qwen-Image-Edit's: the reference and the caption to the encoder's inputs (VLPrompts)
 
 
-def image_shapes(latents: torch.Tensor) -> list[list[tuple[int, int, int]]]:
-    """Each sample's (frames, rows, columns) of packed tokens, as QwenImagePipeline passes `img_shapes`."""
-    height, width = latents.shape[-2:]
-    return [[(1, height // 2, width // 2)]] * latents.shape[0]
+def image_shapes(*latents: torch.Tensor) -> list[list[tuple[int, int, int]]]:
+    """Each sample's (frames, rows, columns) of packed tokens, as QwenImagePipeline passes `img_shapes`: the image's,
+    then an editing model's reference's."""
+    return [[(1, x.shape[-2] // 2, x.shape[-1] // 2) for x in latents]] * latents[0].shape[0]
+
+
+def _pictures(pixels: torch.Tensor) -> list[Any]:
+    """Images in [-1, 1] as the PIL pictures a pipeline is given."""
+    from PIL import Image
+
+    values = ((pixels.float().cpu() + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1)
+    return [Image.fromarray(v.numpy()) for v in values]
 
 
 class QwenImage(FlowFamily):
@@ -57,10 +82,18 @@ class QwenImage(FlowFamily):
     def __init__(self, cfg: DictConfig | None = None) -> None:
         f = cfg.model.flow if cfg is not None else None
         self._text_length = int(f.text_max_length) if f is not None else 512
+        # Qwen-Image-Edit: the reference's latents after the image's, its picture in the caption's encoding
+        self.reference = bool(cfg.model.get("reference_images")) if cfg is not None else False
+        self.text_sees_reference = self.reference
 
     def load_frozen(self, cfg: DictConfig, whole: Whole = nullcontext) -> Frozen:
         from diffusers import AutoencoderKLQwenImage
-        from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
+        from transformers import (
+            Qwen2_5_VLConfig,
+            Qwen2_5_VLForConditionalGeneration,
+            Qwen2Tokenizer,
+            Qwen2VLImageProcessorPil,
+        )
 
         console.adopt()
         path, kwargs = common.source(cfg)
@@ -74,10 +107,13 @@ class QwenImage(FlowFamily):
                 vae = AutoencoderKLQwenImage.from_config(AutoencoderKLQwenImage.load_config(path, subfolder="vae"))
                 encoder = Qwen2_5_VLForConditionalGeneration(
                     Qwen2_5_VLConfig.from_pretrained(path, subfolder="text_encoder"))
+            revision = {k: v for k, v in kwargs.items() if k == "revision"}  # a weights' variant is not the config's
+            processor = VLPrompts(Qwen2VLImageProcessorPil.from_pretrained(path, subfolder="processor", **revision),
+                                  tokenizer) if self.reference else None
         for module in (vae, encoder):
             module.requires_grad_(False)
             module.eval()
-        return Frozen(vae, encoder, tokenizer)
+        return Frozen(vae, encoder, tokenizer, processor)
 
     def load_trained(self, cfg: DictConfig) -> torch.nn.Module:
         from diffusers import QwenImageTransformer2DModel
@@ -110,17 +146,27 @@ class QwenImage(FlowFamily):
         return torch.bfloat16 if key == "prompt_embeds" else None
 
     @torch.no_grad()
-    def text_inputs(self, frozen: Frozen, prompts: list[str], device: torch.device) -> dict[str, torch.Tensor]:
+    def text_inputs(self, frozen: Frozen, prompts: list[str], device: torch.device,
+                    references: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """`prompt_embeds`: each caption's hidden states after the template's system prefix, padded with zeros to
-        `text_max_length` tokens; `prompt_mask`: 1 on the caption's own tokens."""
-        tokens = frozen.tokenizer([TEMPLATE.format(p) for p in prompts], max_length=self._text_length + DROP,
-                                  padding=True, truncation=True, return_tensors="pt").to(device)
-        hidden = frozen.text_encoder(input_ids=tokens.input_ids, attention_mask=tokens.attention_mask,
-                                     output_hidden_states=True).hidden_states[-1]
-        embeds = hidden.new_zeros(len(prompts), self._text_length, hidden.shape[-1])
-        mask = torch.zeros(len(prompts), self._text_length, dtype=torch.long, device=device)
-        for i, (states, keep) in enumerate(zip(hidden, tokens.attention_mask.bool(), strict=True)):
-            own = states[keep][DROP:]
+        `text_max_length` tokens (an editing model's: its reference's vision tokens and 2 more); `prompt_mask`: 1 on
+        the caption's own tokens."""
+        if self.reference:
+            if references is None:
+                raise ValueError("Qwen-Image-Edit encodes each caption with its reference image; none was given")
+            inputs = frozen.processor(text=[EDIT_TEMPLATE.format(p) for p in prompts], images=_pictures(references),
+                                      padding=True, return_tensors="pt").to(device)
+            length = int(inputs.image_grid_thw[0].prod()) // int(frozen.processor.image_processor.merge_size) ** 2
+            length, drop = length + 2 + self._text_length, EDIT_DROP
+        else:
+            inputs = frozen.tokenizer([TEMPLATE.format(p) for p in prompts], max_length=self._text_length + DROP,
+                                      padding=True, truncation=True, return_tensors="pt").to(device)
+            length, drop = self._text_length, DROP
+        hidden = frozen.text_encoder(**inputs, output_hidden_states=True).hidden_states[-1]
+        embeds = hidden.new_zeros(len(prompts), length, hidden.shape[-1])
+        mask = torch.zeros(len(prompts), length, dtype=torch.long, device=device)
+        for i, (states, keep) in enumerate(zip(hidden, inputs.attention_mask.bool(), strict=True)):
+            own = states[keep][drop:drop + length]
             embeds[i, :len(own)], mask[i, :len(own)] = own, 1
         return {"prompt_embeds": embeds, "prompt_mask": mask}
 
@@ -145,24 +191,32 @@ class QwenImage(FlowFamily):
     def losses(self, model: Any, schedule: flow.Schedule, batch: dict[str, torch.Tensor], noise: torch.Tensor,
                t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         latents = batch["latents"]
-        sigma = schedule.sigma(t, self.image_tokens(latents))
+        sigma = schedule.sigma(t, self.image_tokens(latents))  # the edit pipeline's shift: the image's tokens alone
         noisy = pack(flow.noisy(latents, noise, sigma))
+        shown = [latents]
+        if "control_latents" in batch:  # Qwen-Image-Edit: the reference's tokens after the image's
+            shown.append(batch["control_latents"])
+            noisy = torch.cat([noisy, pack(shown[1].to(noisy.dtype))], dim=1)
         pred = model(hidden_states=noisy.to(device, dtype), timestep=sigma.to(device),  # sigma, as sampled
                      encoder_hidden_states=batch["prompt_embeds"].to(device, dtype),
                      encoder_hidden_states_mask=batch["prompt_mask"].to(device),
-                     img_shapes=image_shapes(latents)).sample
+                     img_shapes=image_shapes(*shown)).sample[:, :self.image_tokens(latents)]
         weight = batch.get("weight_map")  # the mask packed as the latents are: one weight per packed value
         return per_sample_mse(pred, pack(flow.target(latents, noise)),
                               None if weight is None else pack(weight.expand_as(latents)))
 
     def pipeline(self, cfg: DictConfig, frozen: Frozen, trained: dict[str, Any]) -> Any:
-        from diffusers import FlowMatchEulerDiscreteScheduler, QwenImagePipeline
+        from diffusers import FlowMatchEulerDiscreteScheduler
 
         path, kwargs = common.source(cfg)
-        return QwenImagePipeline(
+        pipe = self.lora_pipeline()(
             transformer=trained["transformer"] if "transformer" in trained else self.load_trained(cfg).eval(),
             scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(path, subfolder="scheduler", **kwargs),
-            vae=frozen.vae, text_encoder=frozen.text_encoder, tokenizer=frozen.tokenizer)
+            vae=frozen.vae, text_encoder=frozen.text_encoder, tokenizer=frozen.tokenizer,
+            **({"processor": frozen.processor} if self.reference else {}))
+        if self.reference:  # saved as Qwen2VLProcessor's files: the model index names that class
+            pipe.register_to_config(processor=("transformers", "Qwen2VLProcessor"))
+        return pipe
 
     def call_kwargs(self, cfg: DictConfig) -> dict[str, Any]:  # noqa: ARG002 - the Family protocol's signature
         return {"max_sequence_length": self._text_length}
@@ -173,6 +227,8 @@ class QwenImage(FlowFamily):
         return {"true_cfg_scale": scale, "negative_prompt": negative or " ", "guidance_scale": None}
 
     def lora_pipeline(self) -> Any:
-        from diffusers import QwenImagePipeline
+        """QwenImagePipeline, or QwenImageEditPipeline for a model that edits a reference image (the same LoRA
+        keys)."""
+        from diffusers import QwenImageEditPipeline, QwenImagePipeline
 
-        return QwenImagePipeline
+        return QwenImageEditPipeline if self.reference else QwenImagePipeline

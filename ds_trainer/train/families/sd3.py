@@ -91,6 +91,7 @@ class SD3(FlowFamily):
 
     @torch.no_grad()
     def text_inputs(self, frozen: Frozen, prompts: list[str], device: torch.device,
+                    references: torch.Tensor | None = None,  # noqa: ARG002 - the Family protocol's signature
                     max_length: int | None = None) -> dict[str, torch.Tensor]:
         """`prompt_embeds` (CLIP-L and CLIP-G's penultimate states joined, padded to T5's width, then T5's
         sequence) and `pooled` (the two CLIP projections joined)."""

@@ -25,6 +25,7 @@ class SDXL:
     name = "sdxl"
     component = "unet"
     sequence_encoder = ""  # CLIP's 77 tokens, cached in float32
+    text_sees_reference = False
 
     def load_frozen(self, cfg: DictConfig, whole: Whole = nullcontext) -> Frozen:
         return load_frozen(cfg, whole)
@@ -43,7 +44,9 @@ class SDXL:
 
         return common.meta_module(cfg, UNet2DConditionModel, "unet")
 
-    def text_inputs(self, frozen: Any, prompts: list[str], device: torch.device) -> dict[str, torch.Tensor]:
+    def text_inputs(self, frozen: Any, prompts: list[str], device: torch.device,
+                    references: torch.Tensor | None = None,  # noqa: ARG002 - the Family protocol's signature
+                    ) -> dict[str, torch.Tensor]:
         return text_inputs(frozen, prompts, device)
 
     def text_parts(self, frozen: Any) -> TextParts:
