@@ -43,6 +43,8 @@ def command(step: Step, out: Path) -> list[str]:
         extra.append(f"resume={last_checkpoint(out / 'runs' / step.resume_from)}")
     if step.tagged_images:
         extra += ["data=folder", f"data.path={out / 'data' / step.name}"]
+    if step.reference_image:
+        extra.append(f"samples.images=[{out / 'data' / 'reference.png'}]")
     return [sys.executable, "-m", "ds_trainer", *step.args, *extra]
 
 
@@ -59,6 +61,16 @@ def write_tagged_images(folder: Path, n: int) -> None:
         Image.fromarray(pixels).save(folder / f"img{i:03d}.png")
         chosen = [tags[(i + j) % len(tags)] for j in range(4)]
         (folder / f"img{i:03d}.txt").write_text(", ".join(["sks thing", *chosen]))
+
+
+def write_reference(path: Path) -> None:
+    """An editing model's sample reference: a red square on blue, 96 x 128 (not the sample's shape)."""
+    from PIL import Image
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    image = Image.new("RGB", (96, 128), (40, 80, 220))
+    image.paste((220, 40, 40), (20, 30, 70, 90))
+    image.save(path)
 
 
 def last_checkpoint(run: Path) -> Path:
@@ -216,6 +228,8 @@ def run_step(step: Step, out: Path, timeout: float) -> dict[str, Any]:
     log = logs / f"{step.name}.log"
     if step.tagged_images:
         write_tagged_images(out / "data" / step.name, step.tagged_images)
+    if step.reference_image:
+        write_reference(out / "data" / "reference.png")
     row: dict[str, Any] = {"step": step.name, "group": step.group, "what": step.what,
                            "command": " ".join(cmd[1:]), "timeout_s": round(timeout, 1)}
     status, elapsed, rss_mib = execute(cmd, log, timeout)

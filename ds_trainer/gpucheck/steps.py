@@ -32,6 +32,7 @@ class Step:
     greedy: bool = False  # may use what is left of the budget
     overrides: dict[str, str] = field(default_factory=dict)
     tagged_images: int = 0  # trains from a folder of this many images with tag captions, written on the machine
+    reference_image: bool = False  # samples from a reference picture written on the machine (an editing model)
 
 
 BASE = {"logger": "none", "train.export": "false", "train.checkpoint_every": "0", "train.final_checkpoint": "false",
@@ -95,9 +96,15 @@ def correctness_steps(cpu: bool) -> list[Step]:
         _train("tiny_flux_zero3_cpu", "correctness", t(25), "Flux tiny, zero=stage3 offload=cpu, bf16, "
                "samples+validation+EMA",
                overrides={"model": "flux_tiny", "zero": "stage3", "offload": "cpu", **EXTRAS}),
-        _train("tiny_fsdp_samples", "correctness", t(20), "SDXL tiny, FSDP2 full shard, bf16, samples with the live "
-               "model (review C1)", overrides={"zero": "fsdp_full_shard", **EXTRAS, "train.ema": "false",
-                                               "samples.ema": "false", "validation.ema": "false"}),
+        # FSDP2's samples with the live model (review C1) on the newest family: Qwen-Image-Edit's reference in the
+        # latents and in its Qwen2.5-VL encoding; the export's processor read back by transformers' Qwen2VLProcessor
+        # (torchvision is there, not on the CPU machine), or the step fails.
+        _train("tiny_qwen_edit_fsdp", "correctness", t(20), "Qwen-Image-Edit tiny, FSDP2 full shard, bf16, samples "
+               "with the live model (review C1) from a reference picture, validation, the export's processor read "
+               "back by Qwen2VLProcessor", overrides={"model": "qwen_image_edit_tiny", "zero": "fsdp_full_shard",
+                                                      **EXTRAS, "train.ema": "false", "samples.ema": "false",
+                                                      "validation.ema": "false", "train.export": "true"},
+               reference_image=True),
         _train("tiny_fsdp_cpu_resume", "correctness", t(20), "SDXL tiny, FSDP2 full shard + offload=cpu, bf16, "
                "resumed from tiny_ddp's checkpoint (review C3: the portable state into another layout)",
                overrides={"zero": "fsdp_full_shard", "offload": "cpu", "train.max_steps": "6"},
