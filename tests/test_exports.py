@@ -233,3 +233,18 @@ def test_diffusers_reads_a_flux1_width_kohya_lora_to_the_same_deltas(tmp_path: P
         key = f"transformer.{module}"
         delta = state[key + ".lora_B.weight"].float() @ state[key + ".lora_A.weight"].float()
         torch.testing.assert_close(delta, alpha / 4 * (b @ a), rtol=1e-4, atol=1e-4, msg=module)
+
+
+def test_the_card_names_comfyui_for_the_diffusers_lora_only_when_its_scale_is_one(tmp_path: Path) -> None:
+    """ComfyUI reads a LoRA's alpha from its `.alpha` tensors and applies 1 without them; the diffusers-layout file
+    keeps alpha in its metadata alone, so the card sends ComfyUI users to kohya.safetensors when alpha != rank."""
+    from ds_trainer.train.export import card
+
+    (tmp_path / "lora").mkdir()
+    (tmp_path / "lora" / "pytorch_lora_weights.safetensors").write_bytes(b"")
+    (tmp_path / "lora" / "kohya.safetensors").write_bytes(b"")
+    for alpha, named in ((16, True), (32, False)):
+        cfg = make_cfg("model=flux_tiny", "adapter=lora", "adapter.rank=16", f"adapter.alpha={alpha}")
+        row = next(line for line in card._files("flux", tmp_path, "lora", card._scale(cfg))
+                   if "pytorch_lora_weights" in line)
+        assert (row.endswith(", ComfyUI |") is named) and ("alpha / rank of 2" in row) is not named, row

@@ -155,7 +155,10 @@ def _samples(cfg: DictConfig, run_dir: Path) -> list[str]:
     return out
 
 
-def _files(family: str, run_dir: Path, method: str = "lora") -> list[str]:
+def _files(family: str, run_dir: Path, method: str = "lora", scale: float = 1.0) -> list[str]:
+    """Each exported file and what opens it. `scale`: the LoRA's alpha / rank, which the diffusers-layout file keeps in
+    its metadata alone: ComfyUI, which reads a file's alpha tensors and applies 1 without them, is named for it only
+    at 1."""
     kohya = {"sdxl": "ComfyUI (`models/loras`), Forge, kohya's scripts, diffusers' `load_lora_weights`",
              "sd3": "ComfyUI (`models/loras`), kohya's sd-scripts (diffusers has no reader of this layout for SD3: "
                     "use `pytorch_lora_weights.safetensors` there)",
@@ -163,7 +166,10 @@ def _files(family: str, run_dir: Path, method: str = "lora") -> list[str]:
              "qwen_image": "ComfyUI (`models/loras`), musubi-tuner, diffusers' `load_lora_weights`"}[family]
     if method in schema.LYCORIS_METHODS:
         kohya = "ComfyUI (`models/loras`), Forge, kohya's tools with LyCORIS (diffusers does not load LoKr or LoHa)"
-    diffusers = "diffusers' `load_lora_weights`" + (", ComfyUI" if family != "sdxl" and method == "lora" else "")
+    diffusers = "diffusers' `load_lora_weights`"
+    if family != "sdxl" and method == "lora":
+        diffusers += ", ComfyUI" if scale == 1.0 else (f" (ComfyUI would apply it at scale 1, not its alpha / rank of "
+                                                       f"{scale:g}: use `lora/kohya.safetensors` there)")
     where = {
         "single_file/model.safetensors": "ComfyUI (`models/checkpoints`; Flux, Qwen-Image: `models/diffusion_models`), "
                                          "Forge, InvokeAI, diffusers' `from_single_file`",
@@ -202,13 +208,19 @@ def text(cfg: DictConfig, family: str, run_dir: Path, facts: dict[str, Any],
         "## Training", "\n".join(_training(cfg, facts)),
         "## Validation loss", "\n".join(_validation(validations)),
         "## Samples", "\n".join(_samples(cfg, run_dir)),
-        "## Files", "\n".join(_files(family, run_dir, method)),
+        "## Files", "\n".join(_files(family, run_dir, method, _scale(cfg) if lora else 1.0)),
         "## Configuration",
         "The whole configuration is in `config.yaml` beside this card; `python -m ds_trainer` with these overrides "
         "trains the same:",
         "```\n" + " ".join(_overrides(run_dir)) + "\n```",
     ]
     return "\n\n".join(sections) + "\n"
+
+
+def _scale(cfg: DictConfig) -> float:
+    """The adapter's alpha / rank (1 where the method has no alpha)."""
+    a = cfg.adapter
+    return float(a.alpha) / float(a.rank) if a.get("alpha") is not None and a.get("rank") else 1.0
 
 
 def _overrides(run_dir: Path) -> list[str]:
