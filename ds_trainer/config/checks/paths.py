@@ -10,6 +10,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from ds_trainer.config import sampling, schema, weights_file
+from ds_trainer.config.checks import reference
 from ds_trainer.config.problems import Problem
 
 
@@ -118,12 +119,11 @@ def _captions(cfg: DictConfig) -> list[Problem]:
     for name, value in asked.items():
         key = f"data.text_encoder_dropout.{name}"
         if names == (name,):
-            edits = family == "qwen_image" and cfg.model.get("reference_images")  # its captions never drop
             out.append(Problem(key, value, f"drops one text encoder's output while the others still carry the "
                                f"caption; {family} has this one encoder alone",
-                               f"{key}=0" + ("" if edits else f" data.caption_dropout={value} (the caption dropped: "
-                                                             "the empty prompt's encoding, as the sampler's "
-                                                             "unconditional)")))
+                               f"{key}=0" + ("" if reference.captions_fixed(cfg) else
+                                             f" data.caption_dropout={value} (the caption dropped: the empty "
+                                             "prompt's encoding, as the sampler's unconditional)")))
         elif name not in names:
             out.append(Problem(key, value, f"{cfg.model.name} has no {name} text encoder ({family}'s: "
                                f"{', '.join(names)})", f"{key}=0, or data.text_encoder_dropout.{names[-1]}={value}"))

@@ -26,7 +26,7 @@ def problems(cfg: DictConfig) -> list[Problem]:
                            "Flux.1 Kontext's and Qwen-Image-Edit's are the ones built", "model=flux_kontext_dev "
                            "or model=qwen_image_edit (their _tiny ones too), or model.reference_images=false"))
     out += _data(cfg)
-    if family == "qwen_image":
+    if captions_fixed(cfg):
         out += _captions_fixed(cfg)
     if cfg.validation.get("path"):
         out.append(Problem("validation.path", cfg.validation.path, "a folder of other images has no reference images "
@@ -64,6 +64,12 @@ def _data(cfg: DictConfig) -> list[Problem]:
                                "tar shards and saved datasets do not carry them here", f"{key}.path=<a folder or a "
                                ".jsonl/.csv/.parquet table> with its control_path or control_column"))
     return out
+
+
+def captions_fixed(cfg: DictConfig) -> bool:
+    """Whether the model encodes each caption with its reference image (Qwen-Image-Edit): once, into the cache, so a
+    caption is never dropped nor changed from sample to sample."""
+    return bool(cfg.model.get("reference_images")) and cfg.model.family.value == "qwen_image"
 
 
 def _captions_fixed(cfg: DictConfig) -> list[Problem]:

@@ -61,7 +61,8 @@ def vision_tokens(architecture: str, height: int, width: int) -> int:
 
 def token_height(cfg: Any, height: int) -> int:
     """The height of an image of as many tokens as the trained module sees for one of `height` pixels: an editing
-    model's reference image (Kontext) follows the image's tokens, as an image twice as tall."""
+    model's reference image (Kontext's, Qwen-Image-Edit's latents) follows the image's tokens, as an image twice as
+    tall."""
     return height * 2 if cfg.model.get("reference_images") else height
 
 
