@@ -158,3 +158,51 @@ def test_the_architecture_page_names_every_module() -> None:
         if path.name not in page:
             missing.append(_name(path))
     assert missing == [], "docs/architecture.md does not name: " + ", ".join(missing)
+
+
+def _family_names_asked(tree: ast.AST, names: set[str], tables: bool = True) -> list[tuple[int, str]]:
+    """Where a family's name is compared (`family == "flux"`, `in ("sd3", "flux")`) or keys a table
+    (`{"flux": ...}`; with `tables`)."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            for side in (node.left, *node.comparators):
+                found += [(node.lineno, sub.value) for sub in ast.walk(side)
+                          if isinstance(sub, ast.Constant) and sub.value in names]
+        elif isinstance(node, ast.Dict) and tables:
+            found += [(node.lineno, k.value) for k in node.keys if isinstance(k, ast.Constant) and k.value in names]
+    return found
+
+
+def test_only_the_families_and_their_specs_name_a_family() -> None:
+    """Outside train/families/ and config/families/ (the registry), nothing compares a family's name or keys a
+    table by it: the code asks the family's spec (config/families/) or its implementation."""
+    from ds_trainer.config import families
+
+    names = set(families.NAMES)
+    asked = []
+    for path in MODULES:
+        if {"families"} & set(path.relative_to(PACKAGE).parts[:-1]):
+            continue
+        asked += [f"{_name(path)}:{line} {name!r}" for line, name in _family_names_asked(ast.parse(path.read_text()),
+                                                                                        names)]
+    assert asked == [], "a family named outside its folder and the registry: " + "; ".join(asked)
+
+
+def test_the_family_name_walk_finds_a_comparison_and_a_table() -> None:
+    tree = ast.parse('if cfg.model.family.value in ("sd3", "flux"):\n    x = {"qwen_image": 1}\ny = f == "sdxl"\n'
+                     'z = "flux_tiny"\n')
+    assert sorted(name for _, name in _family_names_asked(tree, {"sdxl", "sd3", "flux", "qwen_image"})) == \
+        ["flux", "qwen_image", "sd3", "sdxl"]
+
+
+def test_no_code_compares_a_format_name() -> None:
+    """The formats a run writes are records (config/formats.py) with writers (tables keyed by the format, the
+    writers' registries): nothing tests `fmt != "kohya"` (a format added later would make each such test write the
+    others too)."""
+    from ds_trainer.config import formats
+
+    names = {*formats.LORA, *formats.MODEL}
+    asked = [f"{_name(path)}:{line} {name!r}" for path in MODULES
+             for line, name in _family_names_asked(ast.parse(path.read_text()), names, tables=False)]
+    assert asked == [], "a format name compared: " + "; ".join(asked)

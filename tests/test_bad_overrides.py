@@ -31,6 +31,11 @@ BAD = [
     (["optimizer=muon", "zero=stage3"], ["optimizer.name=muon", "convolution", "adapter=lora",
                                          "zero.reduce_scatter=false"]),
     (["optimizer=lamb", "offload=cpu"], ["optimizer.name=lamb", "CPU"]),
+    # The formats are lists (config/formats.py); the old single-valued keys say the new form.
+    (["adapter=lora", "adapter.format=kohya"], ["adapter.format=kohya", "adapter.formats=[kohya]"]),
+    (["export.format=both"], ["export.format=both", "export.formats=[diffusers,single_file]"]),
+    (["adapter=lora", "adapter.formats=[]"], ["adapter.formats=[]", "adapter.formats=[diffusers,kohya]"]),
+    (["export.formats=[]"], ["export.formats=[]", "train.export=false"]),
     # The model families: SDXL's levers on a flow-matching transformer, flow keys on SDXL, Flux's keys on SD3.
     (["model=sd3_tiny", "train.min_snr_gamma=5"], ["train.min_snr_gamma=5.0", "model.flow.weighting"]),
     (["model=flux_tiny", "text_encoders=lora"], ["text_encoders=lora", "text_encoders=frozen"]),

@@ -126,7 +126,7 @@ def test_the_flow_transformers_compile_their_blocks_and_train_as_eager(tmp_path:
 @pytest.mark.multiproc
 def test_a_lokr_on_kahan_summed_bf16_weights_compiles_under_fsdp2(tmp_path: Path) -> None:
     """The levers together: FSDP2 on two ranks, LoKr, bf16_pure_kahan (optimi's client optimizer), one SDPA kernel."""
-    run = _ranks(tmp_path, 2, "zero=fsdp_full_shard", "adapter=lokr", "adapter.format=kohya",
+    run = _ranks(tmp_path, 2, "zero=fsdp_full_shard", "adapter=lokr", "adapter.formats=[kohya]",
                  "precision=bf16_pure_kahan", "train.attention=math", "train.compile=blocks")
     rows = _rows(run)
     assert "compile_s" in rows[0] and len(rows) == 4
@@ -151,7 +151,7 @@ def test_layers_torch_compile_cannot_trace_are_refused_before_the_run(overrides:
         assert not report.ok and f"train.compile={mode}" in shown and why in shown and fix in shown, shown
         assert checks.check(make_cfg("train.compile=none", *overrides), CPU).ok
     # What does trace is allowed: FSDP2's sharding, NF4's layers, a LoKr, the Kahan-summed bf16 weights
-    for fine in (["zero=fsdp_full_shard", "adapter=lokr", "adapter.format=kohya", "precision=bf16_pure_kahan"],
+    for fine in (["zero=fsdp_full_shard", "adapter=lokr", "adapter.formats=[kohya]", "precision=bf16_pure_kahan"],
                  ["zero=stage2", "adapter=lora", "quantize=nf4"], ["zero=ddp"]):
         report = checks.check(make_cfg("train.compile=blocks", *fine), CPU)
         assert report.ok, report.render()

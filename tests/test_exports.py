@@ -211,6 +211,7 @@ def test_diffusers_reads_a_flux1_width_kohya_lora_to_the_same_deltas(tmp_path: P
     from diffusers import FluxPipeline, FluxTransformer2DModel
     from safetensors.torch import save_file
 
+    from ds_trainer.train import families
     from ds_trainer.train.layouts import kohya
 
     config = {**FluxTransformer2DModel.load_config(str(ASSETS / "flux_dev"), subfolder="transformer"),
@@ -224,7 +225,7 @@ def test_diffusers_reads_a_flux1_width_kohya_lora_to_the_same_deltas(tmp_path: P
         module = key.removesuffix(".weight")
         if key.endswith(".weight") and module.endswith(("to_q", "to_k", "to_v", "to_out.0")) and len(shape) == 2:
             adapters[module] = (torch.randn(4, shape[1], generator=gen), torch.randn(shape[0], 4, generator=gen), 2.0)
-    parts = kohya.parts("flux", "transformer", shapes, model.config)
+    parts = families.named("flux").kohya_parts(shapes, model.config)
     path = tmp_path / "flux_kohya.safetensors"
     save_file(kohya.write("transformer", parts, adapters, shapes), str(path))
     state = FluxPipeline.lora_state_dict(str(path))
@@ -238,6 +239,7 @@ def test_diffusers_reads_a_flux1_width_kohya_lora_to_the_same_deltas(tmp_path: P
 def test_the_card_names_comfyui_for_the_diffusers_lora_only_when_its_scale_is_one(tmp_path: Path) -> None:
     """ComfyUI reads a LoRA's alpha from its `.alpha` tensors and applies 1 without them; the diffusers-layout file
     keeps alpha in its metadata alone, so the card sends ComfyUI users to kohya.safetensors when alpha != rank."""
+    from ds_trainer.config import families
     from ds_trainer.train.export import card
 
     (tmp_path / "lora").mkdir()
@@ -245,6 +247,6 @@ def test_the_card_names_comfyui_for_the_diffusers_lora_only_when_its_scale_is_on
     (tmp_path / "lora" / "kohya.safetensors").write_bytes(b"")
     for alpha, named in ((16, True), (32, False)):
         cfg = make_cfg("model=flux_tiny", "adapter=lora", "adapter.rank=16", f"adapter.alpha={alpha}")
-        row = next(line for line in card._files("flux", tmp_path, "lora", card._scale(cfg))
+        row = next(line for line in card._files(families.spec("flux"), tmp_path, "lora", card._scale(cfg))
                    if "pytorch_lora_weights" in line)
         assert (row.endswith(", ComfyUI |") is named) and ("alpha / rank of 2" in row) is not named, row

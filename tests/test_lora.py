@@ -103,7 +103,7 @@ def test_lora_file_loads_into_the_pipeline_and_unloads(shared_run: Path, tmp_pat
     assert abs(adapted - base).max() > 1e-4, "the LoRA changed nothing"
     assert (image() == base).all(), "unloading did not restore the base output"
     assert (shared_run / "lora_ema" / "pytorch_lora_weights.safetensors").exists()
-    # kohya's layout (adapter.format=both), through diffusers' own kohya converter: the same image.
+    # kohya's layout (adapter.formats' default), through diffusers' own kohya converter: the same image.
     pipe.load_lora_weights(shared_run / "lora" / "kohya.safetensors")
     np.testing.assert_allclose(image(), adapted, rtol=0, atol=1e-5)
     pipe.unload_lora_weights()

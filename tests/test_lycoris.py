@@ -208,9 +208,9 @@ def test_a_dora_file_loads_into_a_pipeline_that_then_computes_what_the_trained_u
 
 
 @pytest.mark.parametrize("overrides,key,says", [
-    (("adapter=lokr", "adapter.format=both"), "adapter.format", "loads LoRA and DoRA files only"),
-    (("adapter=loha", "adapter.format=diffusers"), "adapter.format", "LyCORIS' layout"),
-    (("adapter=dora", "adapter.format=kohya"), "adapter.format", "each input column"),
+    (("adapter=lokr", "adapter.formats=[diffusers,kohya]"), "adapter.formats", "loads LoRA and DoRA files only"),
+    (("adapter=loha", "adapter.formats=[diffusers]"), "adapter.formats", "LyCORIS' layout"),
+    (("adapter=dora", "adapter.formats=[kohya]"), "adapter.formats", "each input column"),
     (("adapter=lokr", "adapter.dropout=0.1"), "adapter.dropout", "no dropout on their input"),
     (("adapter=loha", "quantize=nf4", "zero=stage2"), "adapter", "no bitsandbytes version"),
     (("adapter=lokr", "adapter.factor=0"), "adapter.factor", "smaller Kronecker matrix"),

@@ -205,7 +205,7 @@ def _trained(cell: dict[str, str], run_dir: Path, steps: int) -> None:
     losses = [r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
     assert len(losses) == steps and all(math.isfinite(x) for x in losses), losses
     lora = cell["adapter"] == "lora" or cell["text_encoders"] == "lora"
-    if lora:  # both layouts (adapter.format=both)
+    if lora:  # both layouts (adapter.formats' default)
         assert {p.name for p in (run_dir / "lora").glob("*.safetensors")} == {
             "pytorch_lora_weights.safetensors", "kohya.safetensors"}, sorted(p.name for p in run_dir.iterdir())
     if cell["adapter"] == "none":
@@ -228,7 +228,7 @@ def _trained(cell: dict[str, str], run_dir: Path, steps: int) -> None:
 
 
 def _single_file_is_the_export(run_dir: Path, family: str, suffix: str) -> None:
-    """export.format=both: `single_file/model[_ema].safetensors` holds the diffusers export's weights in the makers'
+    """export.formats' default (both): `single_file/model[_ema].safetensors` holds the diffusers export's weights in the makers'
     layout, in bf16 (export.dtype), with the model spec in its header (test_exports: the layouts themselves)."""
     import torch
     from diffusers import FluxTransformer2DModel, SD3Transformer2DModel, UNet2DConditionModel

@@ -115,11 +115,11 @@ def test_an_editing_models_card_names_its_base_and_the_image_to_image_task() -> 
     tagged image-to-image (as their own cards are); a text-to-image model's card keeps its tag."""
     from ds_trainer.train.export import card
 
-    for model, family, base, license_ in (("flux_kontext_dev", "flux", "black-forest-labs/FLUX.1-Kontext-dev",
+    for model, _family, base, license_ in (("flux_kontext_dev", "flux", "black-forest-labs/FLUX.1-Kontext-dev",
                                            "license_name: flux-1-dev-non-commercial-license"),
                                           ("qwen_image_edit", "qwen_image", "Qwen/Qwen-Image-Edit",
                                            "license: apache-2.0")):
-        text = card._front_matter(make_cfg(f"model={model}"), family, lora=True)
+        text = card._front_matter(make_cfg(f"model={model}"), lora=True)
         assert f"base_model: {base}" in text and license_ in text, text
         assert "- image-to-image" in text and "text-to-image" not in text, text
-    assert "- text-to-image" in card._front_matter(make_cfg("model=qwen_image"), "qwen_image", lora=False)
+    assert "- text-to-image" in card._front_matter(make_cfg("model=qwen_image"), lora=False)

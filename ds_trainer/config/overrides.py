@@ -212,6 +212,19 @@ def _known_keys(exc: Any) -> list[str]:
     return []
 
 
+def _as_list(key: str, both: str) -> Callable[[str], str]:
+    def fix(value: str) -> str:
+        return f"{key}=[{both if value in ('both', '') else value}]"
+    return fix
+
+
+# Keys that were renamed: the new key and the override that says the same.
+RENAMED: dict[str, tuple[str, Callable[[str], str]]] = {
+    "adapter.format": ("adapter.formats", _as_list("adapter.formats", "diffusers,kohya")),
+    "export.format": ("export.formats", _as_list("export.formats", "diffusers,single_file")),
+}
+
+
 def explain(exc: BaseException, overrides: list[str], multirun: bool) -> Problem | None:
     """The problem a Hydra-layer exception stands for, or None when it is not a user mistake."""
     from hydra.errors import ConfigCompositionException, HydraException, MissingConfigException
@@ -221,6 +234,8 @@ def explain(exc: BaseException, overrides: list[str], multirun: bool) -> Problem
     if isinstance(cause, ConfigKeyError | ConfigAttributeError | ValidationError) and getattr(cause, "full_key", None):
         key = str(cause.full_key)
         value = _value_of(key, overrides)
+        if isinstance(cause, ConfigKeyError | ConfigAttributeError) and key in RENAMED:
+            return Problem(key, value, f"is now {RENAMED[key][0]}, a list", RENAMED[key][1](value))
         if isinstance(cause, ConfigKeyError | ConfigAttributeError):
             leaf, parent = key.rsplit(".", 1)[-1], key.rpartition(".")[0]
             close = difflib.get_close_matches(leaf, _known_keys(cause), n=1)

@@ -19,7 +19,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from ds_trainer.config import reference
+from ds_trainer.config import families, reference
 
 PACKAGE = Path(__file__).resolve().parents[1]
 PAGE = PACKAGE.parent / "docs" / "refusals.md"
@@ -155,8 +155,29 @@ def render() -> str:
                 lines += [""]
             last = r.function
             lines += _entry(r)
+    lines += _family_facts()
     lines += ["", f"{total} refusals in {len(MODULES)} modules."]
     return "\n".join(lines) + "\n"
+
+
+def _family_facts() -> list[str]:
+    """What the rules above read from each family's spec (config/families/), named where a rule says `{spec...}`."""
+    lines = ["", "## The families' facts the rules read (`ds_trainer/config/families/`)", ""]
+    for s in families.SPECS.values():
+        facts = [f"trains {'by flow matching' if s.flow else 'on DDPM noise'}",
+                 f"text encoders {', '.join(s.text_encoders)}"]
+        if s.caption_limit is not None:
+            facts.append(f"at most {s.caption_limit} caption tokens ({s.pipeline})")
+        if s.guidance_input:
+            facts.append("a distilled guidance input")
+        if s.dynamic_shift:
+            facts.append("the resolution-dependent shift")
+        if s.transformer_file is not None:
+            facts.append(f"model.transformer reads {s.transformer_file.label}")
+        if s.fp16:
+            facts.append(f"fp16 refused: {s.fp16}")
+        lines.append(f"- **{s.name}** ({s.label}): " + "; ".join(facts))
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:

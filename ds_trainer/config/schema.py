@@ -13,6 +13,8 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+from ds_trainer.config import families, formats
+
 
 class Backend(str, Enum):
     ddp = "ddp"
@@ -133,23 +135,13 @@ class SaveDtype(str, Enum):
     bf16 = "bf16"
 
 
-class ExportFormat(str, Enum):
-    diffusers = "diffusers"
-    single_file = "single_file"
-    both = "both"
+# export.formats and adapter.formats: one value per record of config/formats.py.
+ExportFormat = Enum("ExportFormat", {name: name for name in formats.MODEL}, type=str)  # type: ignore[misc]
+LoraFormat = Enum("LoraFormat", {name: name for name in formats.LORA}, type=str)  # type: ignore[misc]
 
 
-class LoraFormat(str, Enum):
-    diffusers = "diffusers"
-    kohya = "kohya"
-    both = "both"
-
-
-class ModelFamily(str, Enum):
-    sdxl = "sdxl"  # UNet, DDPM noise (epsilon or v), CLIP-L + OpenCLIP-bigG, micro-conditioning
-    sd3 = "sd3"  # MMDiT transformer, flow matching, CLIP-L + CLIP-G + T5 (SD3 and SD3.5)
-    flux = "flux"  # Flux.1: packed latents, 3-axis position ids, guidance input, CLIP-L + T5, flow matching
-    qwen_image = "qwen_image"  # Qwen-Image: dual-stream MMDiT, packed latents of a video VAE, Qwen2.5-VL, flow matching
+# model.family: one value per family of the registry (config/families/: each family's facts in its spec).
+ModelFamily = Enum("ModelFamily", {name: name for name in families.NAMES}, type=str)  # type: ignore[misc]
 
 
 class TimestepDensity(str, Enum):
@@ -306,6 +298,20 @@ class FlowConfig:
 
 
 @dataclass
+class ModelAbout:
+    """`model.about`: what a model option is, for the model card and the exported files' headers (nothing trains by
+    it; the latent cache's key leaves it out)."""
+
+    tiny: bool = False  # random weights built offline (ds_trainer/assets): exports the whole pipeline
+    base_id: str | None = None  # the base model's hub id (the card's base_model)
+    license: str | None = None  # as the hub names it ("apache-2.0", "other")
+    license_name: str | None = None  # the hub's license_name where license is "other"
+    license_url: str | None = None
+    modelspec_architecture: str | None = None  # modelspec.architecture (null: the family's, config/families/)
+    kohya_base_version: str | None = None  # kohya's ss_base_model_version (null: the family's)
+
+
+@dataclass
 class ModelConfig:
     """`model` group: which model to train, of which family (`sdxl`: a UNet; `sd3`: SD3/SD3.5's MMDiT, `flux`:
     Flux.1's transformer, both trained by flow matching, which `flow` sets).
@@ -317,7 +323,7 @@ class ModelConfig:
 
     name: str = MISSING
     # What the model is: its frozen parts and how they encode, its trained module, loss, pipeline (ds_trainer/families).
-    family: ModelFamily = ModelFamily.sdxl
+    family: ModelFamily = ModelFamily["sdxl"]  # type: ignore[valid-type]
     # The sd3 family's flow-matching training (null for SDXL): its keys below.
     flow: FlowConfig | None = None
     # A local diffusers folder, a hub id, or a single-file SDXL checkpoint (.safetensors/.ckpt, original
@@ -337,6 +343,7 @@ class ModelConfig:
     # appended to its tokens; the data pairs the images by name (data.control_path, a source's control_path or
     # control_column), samples take samples.images.
     reference_images: bool = False
+    about: ModelAbout = field(default_factory=ModelAbout)
     param_count: int = MISSING
     max_param_numel: int = MISSING
     downsample_factor: int = MISSING
@@ -347,11 +354,6 @@ class ModelConfig:
     # `_repeated_blocks`). SDXL: its transformer blocks only (its ResNet blocks change width at each level, and every
     # width would compile again).
     compile_blocks: list[str] = field(default_factory=lambda: ["BasicTransformerBlock"])
-
-
-# Each family's text encoders, as data.text_encoder_dropout names them (families' text_parts say where each sits).
-TEXT_ENCODER_NAMES = {"sdxl": ("clip_l", "clip_g"), "sd3": ("clip_l", "clip_g", "t5"), "flux": ("clip_l", "t5"),
-                      "qwen_image": ("qwen_vl",)}
 
 
 @dataclass
@@ -418,7 +420,7 @@ class DataConfig:
     tag_separator: str = ","
     # Per text encoder, the probability that its part of a sample's conditioning is zeros, as a pipeline runs without
     # that encoder (SD3's without T5): data.text_encoder_dropout.t5=0.1. Drawn apart from caption_dropout and from
-    # each other; an encoder the model lacks is refused (TEXT_ENCODER_NAMES).
+    # each other; an encoder the model lacks is refused (its family spec's text_encoders).
     text_encoder_dropout: EncoderDropout = field(default_factory=lambda: EncoderDropout())
     # Masked loss: each image's mask (its alpha channel, else a <name>.mask.png beside it; none: the whole image)
     # weighs the training loss, cached at the latents' resolution; outside the mask the loss counts unmasked_weight
@@ -516,10 +518,11 @@ class AdapterConfig:
     init_from: str | None = None
     # dtype of the exported LoRA files in `<run>/lora/` (cast from the fp32 masters).
     save_dtype: SaveDtype = SaveDtype.fp32
-    # The LoRA file's layout: diffusers' (`pytorch_lora_weights.safetensors`, `load_lora_weights`), kohya's
-    # (`kohya.safetensors`: lora_unet_*/lora_te1_*/lora_te2_* names, which ComfyUI, Forge and kohya's scripts load), or
-    # both (docs/exports.md).
-    format: LoraFormat = LoraFormat.both
+    # The LoRA files written, each a layout (config/formats.py): diffusers' (`pytorch_lora_weights.safetensors`,
+    # `load_lora_weights`), kohya's (`kohya.safetensors`: lora_unet_*/lora_te1_*/lora_te2_* names, which ComfyUI,
+    # Forge and kohya's scripts load); docs/exports.md.
+    formats: list[LoraFormat] = field(  # type: ignore[valid-type]
+        default_factory=lambda: [LoraFormat[name] for name in formats.LORA])
 
 
 @dataclass
@@ -530,8 +533,9 @@ class ExportConfig:
     both text encoders in Stability's layout, SD3/SD3.5's MMDiT in Stability's, Flux's transformer in Black Forest
     Labs'), which ComfyUI, Forge and InvokeAI load; both (docs/exports.md)."""
 
-    # diffusers: the folders only; single_file: the single files only; both.
-    format: ExportFormat = ExportFormat.both
+    # The model files written (config/formats.py): diffusers' folders, the makers' single file.
+    formats: list[ExportFormat] = field(  # type: ignore[valid-type]
+        default_factory=lambda: [ExportFormat[name] for name in formats.MODEL])
     # dtype of the single file (the diffusers folders stay float32, from the fp32 masters).
     dtype: SaveDtype = SaveDtype.bf16
     # `<run>/README.md`: a model card (base model and license, what trained, data, resolution, validation loss,

@@ -15,6 +15,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from ds_trainer.config import families
 from ds_trainer.config.problems import Problem
 
 SUFFIXES = (".safetensors", ".ckpt")
@@ -87,26 +88,13 @@ def problems(cfg: DictConfig) -> list[Problem]:
     return out
 
 
-# A key each family's original layout has (diffusers' single-file loaders detect the families by these).
-TRANSFORMER_MARKS = {"sd3": "joint_blocks.0.context_block.adaLN_modulation.1.bias",
-                     "flux": "double_blocks.0.img_attn.norm.key_norm.scale", "qwen_image": "txt_norm.weight"}
-FAMILY_NAMES = {"sd3": "an SD3/SD3.5 transformer (Stability's MMDiT layout)",
-                "flux": "a Flux.1 transformer (Black Forest Labs' layout)",
-                "qwen_image": "a Qwen-Image transformer (diffusers' names, as ComfyUI's file)"}
-# diffusers' Flux single-file converter splits the single-stream blocks' fused projection at Flux.1's width.
-FLUX_WIDTH = 3072
-
-
-def _blocks(keys: set[str], prefix: str) -> set[int]:
-    return {int(k.split(".")[1]) for k in keys if k.startswith(prefix) and k.split(".")[1].isdigit()}
-
-
 def transformer_mismatch(header: dict[str, Any], family: str, arch: dict[str, Any]) -> str | None:
     """None when `header` (a .safetensors header) holds the transformer `arch` (its diffusers config) describes,
     in the original layout of `family` that diffusers' single-file loader reads; else what it holds instead."""
     shapes = {k.removeprefix(UNET): v.get("shape", []) for k, v in header.items()}
     keys = set(shapes)
-    found = next((f for f, mark in TRANSFORMER_MARKS.items() if mark in keys), None)
+    files = {s.name: s.transformer_file for s in families.SPECS.values() if s.transformer_file is not None}
+    found = next((name for name, file in files.items() if file.mark in keys), None)
     if found is None:
         if any(k.startswith(("transformer_blocks.", "single_transformer_blocks.")) for k in keys):
             return ("a diffusers-format transformer (keys like transformer_blocks.*), not one in its makers' layout: "
@@ -116,50 +104,25 @@ def transformer_mismatch(header: dict[str, Any], family: str, arch: dict[str, An
         heads = ", ".join(f"{p}.* ({n})" for p, n in Counter(k.split(".")[0] for k in keys).most_common(4))
         return f"no {family} transformer (its keys start with: {heads or 'nothing, it is empty'})"
     if found != family:
-        return f"{FAMILY_NAMES[found]}, not {family}'s"
-    width = int(arch["num_attention_heads"]) * int(arch["attention_head_dim"])
-    if family == "qwen_image":  # diffusers reads its file's names as they are (no checkpoint prefix)
-        if any(k.startswith(UNET) for k in header):
-            return (f"a Qwen-Image transformer under a whole checkpoint's {UNET}* names, which diffusers' Qwen-Image "
-                    "loader does not strip: the transformer's own file (ComfyUI's models/diffusion_models one)")
-        layers = {"transformer_blocks": (len(_blocks(keys, "transformer_blocks.")), int(arch["num_layers"]))}
-        file_width = shapes.get("img_in.weight", [0])[0]
-    elif family == "sd3":
-        layers = {"joint_blocks": (len(_blocks(keys, "joint_blocks.")), int(arch["num_layers"]))}
-        file_width = shapes.get("x_embedder.proj.weight", [0])[0]
-        dual = sorted(_blocks({k for k in keys if ".attn2." in k}, "joint_blocks."))
-        if dual != sorted(arch.get("dual_attention_layers") or []):
-            return (f"blocks {dual or 'none'} with a second attention (SD3.5 Medium's MMDiT-X), the architecture "
-                    f"{sorted(arch.get('dual_attention_layers') or []) or 'none'}: another SD3 model")
-        if any(".ln_q." in k for k in keys) != bool(arch.get("qk_norm")):
-            return f"a transformer {'with' if any('.ln_q.' in k for k in keys) else 'without'} QK-norm, the " \
-                   f"architecture {'with' if arch.get('qk_norm') else 'without'} (SD3.5 has it, SD3 not)"
-    else:
-        layers = {"double_blocks": (len(_blocks(keys, "double_blocks.")), int(arch["num_layers"])),
-                  "single_blocks": (len(_blocks(keys, "single_blocks.")), int(arch["num_single_layers"]))}
-        file_width = shapes.get("img_in.weight", [0])[0]
-        guided = "guidance_in.in_layer.weight" in keys
-        if guided != bool(arch.get("guidance_embeds")):
-            return (f"a Flux transformer {'with' if guided else 'without'} a guidance input (FLUX.1-dev has one, "
-                    f"schnell not), the architecture {'with' if arch.get('guidance_embeds') else 'without'}")
-    for name, (theirs, ours) in layers.items():
-        if theirs != ours:
-            return f"{theirs} {name}, the architecture {ours}: another model's transformer"
-    if file_width != width:
-        return f"a transformer {file_width} wide, the architecture {width}: another model's transformer"
-    return None
+        return f"{files[found].label}, not {family}'s"
+    file = files[family]
+    if file.bare_names and any(k.startswith(UNET) for k in header):
+        return (f"a {families.spec(family).label} transformer under a whole checkpoint's {UNET}* names, which "
+                f"diffusers' {families.spec(family).label} loader does not strip: the transformer's own file "
+                "(ComfyUI's models/diffusion_models one)")
+    return file.mismatch(shapes, arch, int(arch["num_attention_heads"]) * int(arch["attention_head_dim"]))
 
 
 def transformer_problems(cfg: DictConfig) -> list[Problem]:
     """A `model.transformer` file that cannot be loaded as the model's transformer (`config.checks.model`)."""
-    path, family = cfg.model.transformer, cfg.model.family.value
-    example = {"sd3": "sd3.5_medium.safetensors", "flux": "flux1-dev.safetensors",
-               "qwen_image": "qwen_image_bf16.safetensors"}.get(family, "<file>.safetensors")
-    fix = f"model.transformer=/path/to/{example} (for model={cfg.model.name}), or model.transformer=null"
-    if family == "sdxl":
-        return [Problem("model.transformer", path, "is for the transformer families (sd3, flux); an SDXL checkpoint "
-                        "file is read through model.pretrained",
+    path, spec = cfg.model.transformer, families.of(cfg)
+    file = spec.transformer_file
+    if file is None:
+        readers = ", ".join(s.name for s in families.SPECS.values() if s.transformer_file is not None)
+        return [Problem("model.transformer", path, f"is for the transformer families ({readers}); an {spec.label} "
+                        "checkpoint file is read through model.pretrained",
                         "model.transformer=null model.pretrained=/path/to/sd_xl_base_1.0.safetensors")]
+    fix = f"model.transformer=/path/to/{file.example} (for model={cfg.model.name}), or model.transformer=null"
     if Path(path).suffix.lower() != ".safetensors":
         return [Problem("model.transformer", path, "is read as one .safetensors file (as SD3.5, Flux.1 and ComfyUI's "
                         "Qwen-Image ship)", fix)]
@@ -167,12 +130,12 @@ def transformer_problems(cfg: DictConfig) -> list[Problem]:
         return [Problem("model.transformer", path, "no such file", fix)]
     arch = json.loads((Path(cfg.model.architecture) / "transformer" / "config.json").read_text())
     width = int(arch["num_attention_heads"]) * int(arch["attention_head_dim"])
-    if family == "flux" and width != FLUX_WIDTH:
+    if file.width is not None and width != file.width:
         return [Problem("model.transformer", path, f"model={cfg.model.name}'s transformer is {width} wide; diffusers' "
-                        f"Flux single-file loader reads Flux.1's width ({FLUX_WIDTH}) only",
-                        "model=flux_dev (or a diffusers folder in model.pretrained)")]
+                        f"{spec.label} single-file loader reads {spec.label}'s width ({file.width}) only",
+                        f"model={file.width_model} (or a diffusers folder in model.pretrained)")]
     try:
-        found = transformer_mismatch(safetensors_header(Path(path)), family, arch)
+        found = transformer_mismatch(safetensors_header(Path(path)), spec.name, arch)
     except (OSError, ValueError) as exc:
         found = f"not a readable safetensors file ({exc})"
     if found:

@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from ds_trainer.config import schema
+from ds_trainer.config import families, schema
 from ds_trainer.config.ds_config import option_name
 
 COLUMNS = ("cell", "zero", "offload", "resolution", "micro_batch_size", "world_size", "precision", "optimizer",
@@ -91,7 +91,7 @@ def trained(cfg: dict[str, Any]) -> str:
     (`+ text encoders lora (both)`)."""
     adapter = (cfg.get("adapter") or {}).get("method", "none")
     quantized = (cfg.get("quantize") or {}).get("kind", "none")
-    module = "unet" if (cfg.get("model") or {}).get("family", "sdxl") == "sdxl" else "transformer"
+    module = families.of(cfg).component
     out = module if adapter == "none" else f"{module} {adapter}"
     if adapter != "none" and quantized != "none":
         out += f" on an {quantized} base"

@@ -1,7 +1,7 @@
 """`python -m ds_trainer.convert`: checkpoints and exports without GPUs and without the run's world size.
 
 - `convert <run> --to single_file,kohya,card` writes an earlier run's export in the layouts people load (as
-  `export.format=both` and `adapter.format=both` write them now): `<run>/single_file/model[_ema].safetensors` from
+  `export.formats` and `adapter.formats` write them now): `<run>/single_file/model[_ema].safetensors` from
   its diffusers export, `<run>/lora[_ema]/kohya.safetensors` from its diffusers LoRA file, `<run>/README.md`.
 - `convert <checkpoint> --unet <dir>` writes the UNet or transformer (or with `--ema` its EMA) in diffusers format
   from a ds_trainer checkpoint: its portable state, or DeepSpeed's files (zero_to_fp32) for older checkpoints.
@@ -104,7 +104,8 @@ def _frozen_parts(cfg: Any, run_dir: Path, suffix: str) -> dict[str, Any]:
     from ds_trainer.train import families
 
     family = families.of(cfg)
-    if family.name == "flux":
+    held = family.spec.single_file_parts
+    if not held:
         return {}
     frozen = family.load_frozen(cfg)
     pipeline = run_dir / "pipeline"
@@ -113,11 +114,9 @@ def _frozen_parts(cfg: Any, run_dir: Path, suffix: str) -> dict[str, Any]:
         from diffusers import AutoencoderKL
 
         parts["vae"] = AutoencoderKL.from_pretrained(pipeline / "vae")
-    if family.name == "sdxl":
-        for name in ("text_encoder", "text_encoder_2"):
-            source = next((d for d in (run_dir / f"{name}{suffix}", run_dir / name, pipeline / name) if d.is_dir()),
-                          None)
-            parts[name] = type(getattr(frozen, name)).from_pretrained(source) if source else getattr(frozen, name)
+    for name in (p for p in held if p != "vae"):  # the text encoders it holds (SDXL's)
+        source = next((d for d in (run_dir / f"{name}{suffix}", run_dir / name, pipeline / name) if d.is_dir()), None)
+        parts[name] = type(getattr(frozen, name)).from_pretrained(source) if source else getattr(frozen, name)
     return parts
 
 
@@ -181,18 +180,13 @@ def kohya_files(run_dir: Path) -> list[Path]:
 
 def _meta_encoders(cfg: Any) -> dict[str, Any]:
     """SDXL's encoders that trained as LoRA, on the meta device, with the run's adapters."""
-    import torch
-    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
-
     from ds_trainer.train.families import text_encoders
     from ds_trainer.train.families.common import source
 
     path, kwargs = source(cfg)
-    classes = {"text_encoder": CLIPTextModel, "text_encoder_2": CLIPTextModelWithProjection}
     out = {}
     for name in text_encoders.trained(cfg):
-        with torch.device("meta"):
-            encoder = classes[name](CLIPTextConfig.from_pretrained(path, subfolder=name, **kwargs))
+        encoder = text_encoders.meta_encoder(path, name, **kwargs)
         text_encoders.prepare_encoder(text_encoders.Spec.of(cfg), name, encoder)
         out[name] = encoder
     return out
@@ -200,13 +194,12 @@ def _meta_encoders(cfg: Any) -> dict[str, Any]:
 
 def card(run_dir: Path) -> Path:
     """`<run>/README.md`, the model card, from the run's config, summary.json and metrics.jsonl."""
-    from ds_trainer.train import families
     from ds_trainer.train.export import card as model_card
 
     cfg = _run_config(run_dir)
     summary, validations = model_card.facts_of(run_dir)
     path = run_dir / "README.md"
-    path.write_text(model_card.text(cfg, families.of(cfg).name, run_dir, summary, validations))
+    path.write_text(model_card.text(cfg, run_dir, summary, validations))
     return path
 def _merge(kind_groups: list[list[Any]], stage: int, world: int, model_states: Any, paddings: Any) -> dict[str, Any]:
     """Full tensors by name from per-rank ZeRO partitions, with zero_to_fp32's own merge."""

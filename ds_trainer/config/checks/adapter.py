@@ -12,7 +12,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from ds_trainer.config import ds_config, schema
+from ds_trainer.config import ds_config, formats, schema
 from ds_trainer.config.problems import Problem
 
 
@@ -21,7 +21,7 @@ def problems(cfg: DictConfig) -> list[Problem]:
     out = _text_encoders(cfg) + _quantize(cfg)
     a = cfg.adapter
     if a.method.value == "none":
-        return out
+        return out + _model_formats(cfg)
     out += _lora_shape("adapter", a, 16, "[to_q,to_k,to_v,to_out.0] (or adapter=lora_wide)") + _method(cfg)
     if a.init_from is not None and not Path(a.init_from).exists():
         out.append(Problem("adapter.init_from", a.init_from, "no such file or folder",
@@ -115,13 +115,9 @@ def _quantize(cfg: DictConfig) -> list[Problem]:
 def _method(cfg: DictConfig) -> list[Problem]:
     """DoRA, LoKr and LoHa: the file layouts that load them, and what peft's layers of them do not have."""
     a = cfg.adapter
-    method, fmt = a.method.value, a.format.value
-    out: list[Problem] = []
+    method = a.method.value
+    out = _formats(cfg)
     if method in schema.LYCORIS_METHODS:
-        if fmt != "kohya":
-            out.append(Problem("adapter.format", fmt, f"diffusers' load_lora_weights loads LoRA and DoRA files only; "
-                               f"a {method} file is written in LyCORIS' layout (<run>/lora/kohya.safetensors), which "
-                               "ComfyUI, Forge and kohya's tools load", "adapter.format=kohya"))
         if a.dropout != 0:
             out.append(Problem("adapter.dropout", a.dropout, f"peft's {method} layers have no dropout on their "
                                "input (LoRA's); their rank and module dropouts are not offered", "adapter.dropout=0.0"))
@@ -138,10 +134,28 @@ def _method(cfg: DictConfig) -> list[Problem]:
         out.append(Problem("adapter", method, "peft's LoRA layer on a torchao weight (quantize=fp8) has no DoRA: its "
                            "magnitude is the norm of the dequantized base, which that layer does not compute",
                            "adapter=lora with quantize=fp8, or adapter=dora with quantize=nf4"))
-    if method == "dora" and fmt != "diffusers":
-        out.append(Problem("adapter.format", fmt, "ComfyUI's and LyCORIS' DoRA (kohya's layout, dora_scale) scale "
-                           "each input column of the weight, peft's each output row: no kohya-layout file makes "
-                           "the weights this run trains", "adapter.format=diffusers (diffusers' load_lora_weights "
-                           "loads DoRA), or adapter=lora for a kohya file"))
     return out
+
+
+def _model_formats(cfg: DictConfig) -> list[Problem]:
+    """A full fine-tune that exports writes at least one model format."""
+    if not cfg.train.export or formats.names(cfg.export.formats):
+        return []
+    return [Problem("export.formats", "[]", "writes no model file: the trained weights would be lost at the run's "
+                    "end", f"export.formats=[{','.join(formats.MODEL)}], or train.export=false for no export")]
+
+
+def _formats(cfg: DictConfig) -> list[Problem]:
+    """Each LoRA format asked for holds the method (config/formats.py says which ones); at least one is asked."""
+    method, asked = cfg.adapter.method.value, formats.names(cfg.adapter.formats)
+    if method == "none":
+        return []
+    able = formats.for_method(method)
+    shown = "[" + ",".join(asked) + "]"
+    if not asked:
+        return [Problem("adapter.formats", "[]", "writes no LoRA file: the run's adapters would be lost at its end",
+                        f"adapter.formats=[{','.join(able)}]")]
+    return [Problem("adapter.formats", shown, formats.LORA[name].cannot[method], f"adapter.formats=[{','.join(able)}]"
+                    f" ({' or '.join(formats.LORA[f].readers for f in able)} load it)")
+            for name in asked if method not in formats.LORA[name].methods]
 

@@ -9,7 +9,7 @@ import math
 
 from omegaconf import DictConfig
 
-from ds_trainer.config import weights_file
+from ds_trainer.config import families, weights_file
 from ds_trainer.config.problems import Problem
 
 
@@ -31,15 +31,17 @@ def _resolution(cfg: DictConfig) -> list[Problem]:
 
 
 def _family(cfg: DictConfig) -> list[Problem]:
-    """What a model family trains with: SD3's and Flux's flow matching needs `model.flow`, SDXL's DDPM noise refuses
+    """What a model family trains with: the flow-matching families need `model.flow`, SDXL's DDPM noise refuses
     it; the `model.transformer` file is checked."""
-    family, flow = cfg.model.family.value, cfg.model.flow
+    family, flow, spec = cfg.model.family.value, cfg.model.flow, families.of(cfg)
     out = weights_file.transformer_problems(cfg) if cfg.model.get("transformer") else []
-    if family == "sdxl":
+    flowing = [s.name for s in families.with_flow()]
+    if not spec.flow:
         if flow is not None:
-            out.append(Problem("model.flow", "{...}", "model.family=sdxl trains with DDPM noise (its scheduler's "
-                               "epsilon or v-prediction); flow matching is the sd3, flux and qwen_image families'",
-                               "drop the flow block from the model's yaml, or model.family=sd3|flux|qwen_image for "
+            out.append(Problem("model.flow", "{...}", f"model.family={family} trains with DDPM noise (its "
+                               "scheduler's epsilon or v-prediction); flow matching is the "
+                               f"{', '.join(flowing[:-1])} and {flowing[-1]} families'",
+                               f"drop the flow block from the model's yaml, or model.family={'|'.join(flowing)} for "
                                "those models"))
         return out
     if flow is None:
@@ -52,9 +54,8 @@ def _family(cfg: DictConfig) -> list[Problem]:
 
 
 def _flow(cfg: DictConfig) -> list[Problem]:
-    """`model.flow`'s ranges; the resolution-dependent shift is Flux's and Qwen-Image's, the guidance input
-    Flux's."""
-    family, flow, out = cfg.model.family.value, cfg.model.flow, []
+    """`model.flow`'s ranges; the resolution-dependent shift and the guidance input where the family has them."""
+    family, flow, spec, out = cfg.model.family.value, cfg.model.flow, families.of(cfg), []
     for key, value, ok, fix in (
             ("shift", flow.shift, flow.shift > 0, "model.flow.shift=3.0 (SD3's), or 1.0 for no shift"),
             ("logit_std", flow.logit_std, flow.logit_std > 0, "model.flow.logit_std=1.0"),
@@ -62,20 +63,21 @@ def _flow(cfg: DictConfig) -> list[Problem]:
              "model.flow.t5_max_length=256 (SD3's; T5 takes at most 512)")):
         if not (math.isfinite(value) and ok):
             out.append(Problem(f"model.flow.{key}", value, "out of range", fix))
-    if family == "qwen_image" and not 1 <= flow.text_max_length <= 1024:
-        out.append(Problem("model.flow.text_max_length", flow.text_max_length, "out of range: QwenImagePipeline "
-                           "takes at most 1024 tokens of a caption", "model.flow.text_max_length=512 (the "
+    limit = spec.caption_limit
+    if limit is not None and not 1 <= flow.text_max_length <= limit:
+        out.append(Problem("model.flow.text_max_length", flow.text_max_length, f"out of range: {spec.pipeline} "
+                           f"takes at most {limit} tokens of a caption", "model.flow.text_max_length=512 (the "
                            "pipeline's default)"))
-    if flow.dynamic_shift and family == "sd3":
-        out.append(Problem("model.flow.dynamic_shift", True, f"the resolution-dependent shift is Flux's and "
-                           f"Qwen-Image's; {family}'s "
-                           "sampler shifts by the fixed model.flow.shift, and training must match it",
+    if flow.dynamic_shift and not spec.dynamic_shift:
+        shifting = " and ".join(f"{s.label}'s" for s in families.SPECS.values() if s.dynamic_shift)
+        out.append(Problem("model.flow.dynamic_shift", True, f"the resolution-dependent shift is {shifting}; "
+                           f"{family}'s sampler shifts by the fixed model.flow.shift, and training must match it",
                            "model.flow.dynamic_shift=false"))
     if flow.dynamic_shift and flow.shift != 1.0:
         out.append(Problem("model.flow.shift", flow.shift, "model.flow.dynamic_shift=true shifts each level by the "
                            "image's token count instead; a fixed shift on top would train other levels than the "
                            "sampler uses", "model.flow.shift=1.0"))
-    if flow.guidance is not None and family != "flux":
+    if flow.guidance is not None and not spec.guidance_input:
         out.append(Problem("model.flow.guidance", flow.guidance, f"{family}'s transformer has no guidance input "
                            "(Flux.1-dev's distilled guidance)", "model.flow.guidance=null"))
     return out

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from ds_trainer.config import sampling, schema, weights_file
+from ds_trainer.config import families, sampling, schema, weights_file
 from ds_trainer.config.checks import reference
 from ds_trainer.config.problems import Problem
 
@@ -113,8 +113,8 @@ def _captions(cfg: DictConfig) -> list[Problem]:
         out.append(Problem("data.tag_shuffle" if data.tag_shuffle else "data.tag_dropout",
                            data.tag_shuffle or data.tag_dropout, "synthetic captions are sentences, not tags",
                            "data=folder or data=sources with tag captions"))
-    family = str(getattr(cfg.model, "family", "sdxl")).split(".")[-1]
-    names = schema.TEXT_ENCODER_NAMES.get(family, ())
+    family = families.of(cfg).name
+    names = families.of(cfg).text_encoders
     asked = {name: value for name, value in data.text_encoder_dropout.items() if float(value) != 0.0}
     for name, value in asked.items():
         key = f"data.text_encoder_dropout.{name}"

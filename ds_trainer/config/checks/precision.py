@@ -12,7 +12,7 @@ import shutil
 
 from omegaconf import DictConfig
 
-from ds_trainer.config import ds_config, hardware
+from ds_trainer.config import ds_config, families, hardware
 from ds_trainer.config.problems import Problem
 
 
@@ -25,12 +25,10 @@ def problems(cfg: DictConfig, info: hardware.PlatformInfo) -> list[Problem]:
     if precision == "fp16" and not info.fp16:
         out.append(Problem("precision", "fp16", f"{info.kind} has no fp16 kernels here (DeepSpeed's CPU accelerator "
                            "needs AVX512-FP16 or AMX-FP16)", "precision=bf16 (or precision=fp32)"))
-    if precision == "fp16" and cfg.model.family.value in ("sd3", "flux"):
-        out.append(Problem("precision", "fp16", f"model.family={cfg.model.family.value}: T5 overflows in fp16 "
-                           "(transformers keeps its feed-forward output projections in fp32 for this reason; cast "
-                           "whole, its hidden states are clamped to about 65504 and cached wrong for good), and "
-                           "the SD3/Flux transformers' activations leave fp16's range (diffusers runs them in bf16 "
-                           "or fp32)", "precision=bf16 (GPUs from Ampere on), or precision=fp32"))
+    spec = families.of(cfg)
+    if precision == "fp16" and spec.fp16:
+        out.append(Problem("precision", "fp16", f"model.family={spec.name}: {spec.fp16}",
+                           "precision=bf16 (GPUs from Ampere on), or precision=fp32"))
     return out + _attention(cfg, info) + _compile(cfg, info)
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from ds_trainer.config import sampling
+from ds_trainer.config import families, sampling
 from ds_trainer.config.problems import Problem
 
 EDITING = ("flux", "qwen_image")  # the families with a reference-image input (Kontext's, Qwen-Image-Edit's)
@@ -69,7 +69,7 @@ def _data(cfg: DictConfig) -> list[Problem]:
 def captions_fixed(cfg: DictConfig) -> bool:
     """Whether the model encodes each caption with its reference image (Qwen-Image-Edit): once, into the cache, so a
     caption is never dropped nor changed from sample to sample."""
-    return bool(cfg.model.get("reference_images")) and cfg.model.family.value == "qwen_image"
+    return bool(cfg.model.get("reference_images")) and families.of(cfg).caption_sees_reference
 
 
 def _captions_fixed(cfg: DictConfig) -> list[Problem]:

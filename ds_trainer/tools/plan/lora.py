@@ -5,7 +5,6 @@ parameters only."""
 from __future__ import annotations
 
 from functools import cache, partial
-from typing import Any
 
 from omegaconf import DictConfig
 
@@ -35,17 +34,12 @@ def trainable(cfg: DictConfig, architecture: str) -> int | None:
 
 @cache
 def _encoders(architecture: str, which: str, mode: str, rank: int, targets: tuple[str, ...]) -> tuple[int, int]:
-    import torch
-    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
-
     from ds_trainer.train.families import text_encoders
 
-    classes = {"text_encoder": CLIPTextModel, "text_encoder_2": CLIPTextModelWithProjection}
     spec = text_encoders.Spec(mode, rank=rank, alpha=rank, targets=targets)
     frozen = trained = 0
     for name in text_encoders.COMPONENTS[which]:
-        with torch.device("meta"):
-            encoder = classes[name](CLIPTextConfig.from_pretrained(architecture, subfolder=name))
+        encoder = text_encoders.meta_encoder(architecture, name)
         text_encoders.prepare_encoder(spec, name, encoder)
         trained += sum(p.numel() for p in encoder.parameters() if p.requires_grad)
         frozen += sum(p.numel() for p in encoder.parameters() if not p.requires_grad)
@@ -102,18 +96,15 @@ def _encoder_activations(architecture: str, which: str, mode: str, rank: int,  #
     UNet's are (plan.activation_bytes): a forward on the meta device, each saved tensor counted once; with
     checkpointing each layer's input is kept and one layer at a time recomputed."""
     import torch
-    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
     from transformers.models.clip.modeling_clip import CLIPEncoderLayer
 
     from ds_trainer.train.families import text_encoders
 
-    classes: dict[str, Any] = {"text_encoder": CLIPTextModel, "text_encoder_2": CLIPTextModelWithProjection}
     dtype = {2: torch.bfloat16, 4: torch.float32}[dtype_bytes]
     spec = text_encoders.Spec(mode, rank=rank, alpha=rank, targets=targets)
     total = 0
     for name in text_encoders.COMPONENTS[which]:
-        with torch.device("meta"):
-            encoder = classes[name](CLIPTextConfig.from_pretrained(architecture, subfolder=name))
+        encoder = text_encoders.meta_encoder(architecture, name)
         text_encoders.prepare_encoder(spec, name, encoder)
         encoder = encoder.to(dtype)
         tokens = torch.zeros(batch, int(encoder.config.max_position_embeddings), dtype=torch.long, device="meta")

@@ -125,6 +125,6 @@ def checkpoint_bytes(cfg: DictConfig) -> tuple[int, int]:
     portable = (4 + (8 if name in (*optimizers.FP32_MOMENTS, "adamw8bit") else 0)) * trained  # 8-bit: dequantized
     ema = 4 * trained if cfg.train.ema else 0
     export = 4 * (module.params + encoders) * (2 if cfg.train.ema else 1)
-    if str(cfg.model.name).endswith("_tiny") or weights_file.is_single_file(cfg.model.pretrained):
+    if cfg.model.about.tiny or weights_file.is_single_file(cfg.model.pretrained):
         export += 4 * module.params  # the whole pipeline's own UNet or transformer (its encoders and VAE not counted)
     return engine + portable + ema, (export if cfg.train.export else 0)

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
+from ds_trainer.config import families
+
 
 @dataclass(frozen=True)
 class UNetStats:
@@ -32,16 +34,14 @@ def unet_stats(architecture: str) -> UNetStats:
 
 
 def text_tokens(cfg: Any) -> int:
-    """The text tokens the trained module attends to: SDXL's CLIP 77, SD3's CLIP 77 and T5's after them, Flux's T5
-    alone (its CLIP gives the pooled vector only), Qwen-Image's Qwen2.5-VL sequence (Qwen-Image-Edit's with its
-    reference's vision tokens, their start and end before the caption's)."""
-    flow = cfg.model.get("flow")
-    if flow is None:
-        return 77
-    if cfg.model.family.value == "qwen_image":
-        seen = vision_tokens(str(cfg.model.architecture), int(cfg.resolution.height), int(cfg.resolution.width))
-        return int(flow.text_max_length) + (seen + 2 if cfg.model.get("reference_images") else 0)
-    return int(flow.t5_max_length) + (77 if cfg.model.family.value == "sd3" else 0)
+    """The text tokens the trained module attends to, as its family counts them (config/families/: SDXL's CLIP 77,
+    SD3's CLIP 77 and T5's after them, Flux's T5 alone, Qwen-Image's Qwen2.5-VL sequence); an editing model whose
+    caption is encoded with its reference has the reference's vision tokens, their start and end before it."""
+    spec = families.of(cfg)
+    tokens = spec.text_tokens(cfg)
+    if spec.caption_sees_reference and cfg.model.get("reference_images"):
+        tokens += vision_tokens(str(cfg.model.architecture), int(cfg.resolution.height), int(cfg.resolution.width)) + 2
+    return tokens
 
 
 def vision_tokens(architecture: str, height: int, width: int) -> int:

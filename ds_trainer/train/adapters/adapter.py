@@ -10,7 +10,7 @@ adapters' files: diffusers' layout, kohya's or LyCORIS').
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from omegaconf import DictConfig
 
-from ds_trainer.config import ds_config
+from ds_trainer.config import ds_config, formats
 from ds_trainer.config.problems import Problem
 from ds_trainer.train import families
 from ds_trainer.train.adapters import kohya_file, lora_file, quantize
@@ -109,17 +109,13 @@ def _inspect_encoders(cfg: DictConfig) -> tuple[list[Problem], int]:
     """`text_encoders.targets` that match nothing in a trained encoder, and the encoders' trainable parameters."""
     if not text_encoders.enabled(cfg):
         return [], 0
-    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
-
     from ds_trainer.train.families.common import source
 
     path, kwargs = source(cfg)
-    classes = {"text_encoder": CLIPTextModel, "text_encoder_2": CLIPTextModelWithProjection}
     rules: list[Problem] = []
     count = 0
     for name in text_encoders.trained(cfg):
-        with torch.device("meta"):
-            encoder = classes[name](CLIPTextConfig.from_pretrained(path, subfolder=name, **kwargs))
+        encoder = text_encoders.meta_encoder(path, name, **kwargs)
         if cfg.text_encoders.mode.value == "lora":
             ends = [str(t) for t in cfg.text_encoders.targets]
             names = [n for n, m in encoder.named_modules() if isinstance(m, torch.nn.Linear)]
@@ -243,18 +239,31 @@ class Trained:
         shadow = ema.full(dst=0, device="cpu") if ema is not None else None  # collective: sharded over the ranks
         if not accelerator.is_main_process:
             return
-        from ds_trainer.train.layouts import metadata
-
-        dtype, fmt = common.SAVE_DTYPES[self.cfg.adapter.save_dtype.value], self.cfg.adapter.format.value
+        dtype = common.SAVE_DTYPES[self.cfg.adapter.save_dtype.value]
         averaged = {n: v for n, v in shadow.items() if n in set(self.names)} if shadow is not None else None
         for folder, values in (("lora", weights), ("lora_ema", averaged)):
             if values is None:
                 continue
-            if fmt != "kohya":
-                lora_file.write(run_dir / folder, module, values, dtype)
-            if fmt != "diffusers":
-                header = metadata.kohya_lora(self.cfg, run.family, run_dir, folder == "lora_ema")
-                kohya_file.write(run_dir / folder, module, values, dtype, header)
+            for name in formats.names(self.cfg.adapter.formats):
+                LORA_WRITERS[name](run, run_dir / folder, module, values, dtype)
+
+
+def _diffusers_lora(run: Run, folder: Path, module: torch.nn.Module,  # noqa: ARG001 - a writer's signature
+                    values: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+    lora_file.write(folder, module, values, dtype)
+
+
+def _kohya_lora(run: Run, folder: Path, module: torch.nn.Module, values: dict[str, torch.Tensor],
+                dtype: torch.dtype) -> None:
+    from ds_trainer.train.layouts import metadata
+
+    header = metadata.kohya_lora(run.cfg, run.family, run.run_dir, folder.name == "lora_ema")
+    kohya_file.write(folder, module, values, dtype, header)
+
+
+# How each of adapter.formats (config/formats.py's LoRA records) is written into a LoRA folder.
+LORA_WRITERS: dict[str, Callable[[Run, Path, torch.nn.Module, dict[str, torch.Tensor], torch.dtype], None]] = {
+    "diffusers": _diffusers_lora, "kohya": _kohya_lora}
 
 
 def quantize_base(cfg: DictConfig, model: torch.nn.Module, device: torch.device) -> quantize.Quantized:

@@ -37,8 +37,9 @@ def _lora_parts(module: torch.nn.Module) -> Iterable[tuple[str, torch.nn.Module]
 def _table(name: str, part: torch.nn.Module) -> tuple[list[Any], dict[str, tuple[int, ...]]]:
     """The layout table of a component (`name`: unet, transformer, text_encoder, ...) and its weights' shapes."""
     shapes = base_shapes(part)
-    family = "" if name.startswith("text_encoder") else families.of_module(part).name
-    return kohya.parts(family, name, shapes, getattr(part, "config", None)), shapes
+    if name.startswith("text_encoder"):  # transformers' names, in kohya's files too
+        return kohya.same_names(shapes), shapes
+    return families.of_module(part).kohya_parts(shapes, getattr(part, "config", None)), shapes
 
 
 def _kind(part: torch.nn.Module) -> str:

@@ -57,7 +57,8 @@ class LatentCache:
         # in float32 must not be mixed in a shared cache_dir. `kind` is the device torch confirmed, which the
         # encoders run on (the torch-free guess in resolved.platform says "cuda" where a CPU-only torch sees none).
         model["encoders_dtype"] = common.frozen_dtype_name(cfg, kind)
-        if str(getattr(cfg.model, "family", "sdxl")).split(".")[-1] == "sdxl":  # SDXL's keys as before families
+        model.pop("about", None)  # what the model is called and licensed as: not what a latent is
+        if family.spec.cache_key_without_family:  # SDXL's keys as before families
             model.pop("family", None)
             model.pop("flow", None)
         # A trained encoder's samples hold its token ids instead of its embeddings: another cache. (Absent when

@@ -1,18 +1,19 @@
 """The end of a run: the UNet or transformer (and its EMA) and fully trained text encoders in diffusers format (for a
 tiny model and a run from a single-file checkpoint a whole pipeline), the single file in the makers' layout
-(single_file.py) and the model card (card.py), as `export.format` asks."""
+(single_file.py) and the model card (card.py), as `export.formats` asks."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 from omegaconf import DictConfig
 
-from ds_trainer.config import weights_file
+from ds_trainer.config import formats, weights_file
 from ds_trainer.train.backends import inner
 from ds_trainer.train.export import single_file
 from ds_trainer.train.families import text_encoders
@@ -45,8 +46,19 @@ def diffusers(run: Run) -> None:
 
 
 def _write(run: Run, module: Any, weights: dict[str, torch.Tensor], shadow: dict[str, torch.Tensor] | None) -> None:
+    """Each of `export.formats` through its writer (config/formats.py's records), the frozen parts on the CPU loaded
+    once for those that need them."""
+    exported = _models(module, weights, shadow)
+    asked = [WRITERS[name] for name in formats.names(run.cfg.export.formats)]
+    frozen = _frozen_on_cpu(run) if any(w.needs_frozen(run, exported) for w in asked) else None
+    for writer in asked:
+        writer.write(run, exported, frozen)
+
+
+def _models(module: Any, weights: dict[str, torch.Tensor], shadow: dict[str, torch.Tensor] | None) -> dict[str, Any]:
+    """The trained parts (the UNet or transformer, fully trained encoders) and their EMA as float32 models on the CPU,
+    by their folder's name (`unet`, `unet_ema`, `text_encoder`, ...)."""
     whole = not isinstance(module, text_encoders.Denoiser)
-    fmt = run.cfg.export.format.value
     exported: dict[str, Any] = {}
     for name, part in text_encoders.components(module):
         if text_encoders.is_lora(part):
@@ -60,18 +72,39 @@ def _write(run: Run, module: Any, weights: dict[str, torch.Tensor], shadow: dict
             # is the trained weights' own.
             model = _fresh(part)
             model.load_state_dict({k: v.float() for k, v in {**trained, **values}.items()})
-            if fmt != "single_file":
-                model.save_pretrained(run.run_dir / folder)
             exported[folder] = model
-    single = fmt != "diffusers" and run.family.component in exported
-    pipeline = fmt != "single_file" and _whole_pipeline(run.cfg)
-    # Both need the frozen parts on the CPU (on a GPU run loaded again from the source): loaded once.
-    frozen = _frozen_on_cpu(run) if pipeline or (single and run.family.name != "flux") else None
-    if single:
-        _single_files(run, exported, frozen)
-    if pipeline:
-        parts = {name: exported.get(f"{name}_ema", exported.get(name)) for name in (run.family.component, *_ENCODERS)}
+    return exported
+
+
+def _diffusers_files(run: Run, exported: dict[str, Any], frozen: Any) -> None:
+    """`<run>/<part>[_ema]` in diffusers' format, and `<run>/pipeline` for a tiny or single-file model."""
+    for folder, model in exported.items():
+        model.save_pretrained(run.run_dir / folder)
+    if _whole_pipeline(run.cfg):
+        names = (run.family.component, *_ENCODERS)
+        parts = {name: exported.get(f"{name}_ema", exported.get(name)) for name in names}
         _pipeline(run, frozen, **{k: v for k, v in parts.items() if v is not None})
+
+
+def _single_file_needs_frozen(run: Run, exported: dict[str, Any]) -> bool:
+    return run.family.component in exported and bool(run.family.spec.single_file_parts)
+
+
+def _single_file(run: Run, exported: dict[str, Any], frozen: Any) -> None:
+    if run.family.component in exported:
+        _single_files(run, exported, frozen)
+
+
+@dataclass(frozen=True)
+class Writer:
+    """How one of export.formats is written at a run's end; `needs_frozen`: whether it reads the frozen parts."""
+
+    write: Callable[[Run, dict[str, Any], Any], None]
+    needs_frozen: Callable[[Run, dict[str, Any]], bool]
+
+
+WRITERS = {"diffusers": Writer(_diffusers_files, lambda run, _: _whole_pipeline(run.cfg)),
+           "single_file": Writer(_single_file, _single_file_needs_frozen)}
 
 
 def _single_files(run: Run, exported: dict[str, Any], frozen: Any) -> None:
@@ -84,9 +117,9 @@ def _single_files(run: Run, exported: dict[str, Any], frozen: Any) -> None:
         if denoiser is None:
             continue
         parts = {}
-        if frozen is not None:
-            parts = {"vae": frozen.vae, **{e: exported.get(e + suffix, exported.get(e, getattr(frozen, e)))
-                                           for e in _ENCODERS if run.family.name == "sdxl"}}
+        if frozen is not None:  # what the family's file holds beside the denoiser: a trained encoder as exported
+            parts = {p: exported.get(p + suffix, exported.get(p, getattr(frozen, p)))
+                     for p in run.family.spec.single_file_parts}
         path = single_file.export(cfg, run.family, run.run_dir, denoiser, parts, ema=bool(suffix))
         log.info("wrote %s (%s, the makers' layout)", path, cfg.export.dtype.value)
 
@@ -97,7 +130,7 @@ _ENCODERS = ("text_encoder", "text_encoder_2")
 def _whole_pipeline(cfg: DictConfig) -> bool:
     """A tiny model (random weights nobody else has) and a run from a single-file checkpoint export a whole
     pipeline; a run from a diffusers folder or hub id exports the trained parts, to put into the source's."""
-    return str(cfg.model.name).endswith("_tiny") or weights_file.is_single_file(cfg.model.pretrained)
+    return bool(cfg.model.about.tiny) or weights_file.is_single_file(cfg.model.pretrained)
 
 
 def _fresh(part: Any) -> Any:
@@ -148,7 +181,7 @@ def _frozen_on_cpu(run: Run) -> Any:
 def base_pipeline(run: Run) -> None:
     """With everything trained as LoRA on a tiny model (random weights nobody else has): the untrained base pipeline on
     rank 0, so that `<run>/lora` can be loaded into it with `load_lora_weights`."""
-    if str(run.cfg.model.name).endswith("_tiny") and run.accelerator.is_main_process:
+    if run.cfg.model.about.tiny and run.accelerator.is_main_process:
         with _alone(run):  # the base of a trained encoder is loaded again here
             _pipeline(run, _frozen_on_cpu(run))
 

@@ -10,59 +10,34 @@ from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from ds_trainer.config import schema
+from ds_trainer.config import families, schema
+from ds_trainer.config.families import FamilySpec
 from ds_trainer.train.layouts import metadata
 
 if TYPE_CHECKING:
     from ds_trainer.train.run import Run
 
-# The base models' licenses, as the hub names them (license, license_name, the license's page).
-_LICENSES = {
-    "sdxl_base": ("openrail++", None, "https://huggingface.co/stabilityai/stable-diffusion-xl-base-1.0/blob/main/LICENSE.md"),
-    "sd35_medium": ("other", "stabilityai-ai-community",
-                    "https://huggingface.co/stabilityai/stable-diffusion-3.5-medium/blob/main/LICENSE.md"),
-    "sd35_large": ("other", "stabilityai-ai-community",
-                   "https://huggingface.co/stabilityai/stable-diffusion-3.5-large/blob/main/LICENSE.md"),
-    "flux_dev": ("other", "flux-1-dev-non-commercial-license",
-                 "https://huggingface.co/black-forest-labs/FLUX.1-dev/blob/main/LICENSE.md"),
-    "flux_schnell": ("apache-2.0", None, "https://huggingface.co/black-forest-labs/FLUX.1-schnell"),
-    "flux_kontext_dev": ("other", "flux-1-dev-non-commercial-license",
-                         "https://huggingface.co/black-forest-labs/FLUX.1-Kontext-dev/blob/main/LICENSE.md"),
-    "qwen_image": ("apache-2.0", None, "https://huggingface.co/Qwen/Qwen-Image/blob/main/LICENSE"),
-    "qwen_image_edit": ("apache-2.0", None, "https://huggingface.co/Qwen/Qwen-Image-Edit"),
-}
-_BASE_IDS = {"sdxl_base": "stabilityai/stable-diffusion-xl-base-1.0",
-             "sd35_medium": "stabilityai/stable-diffusion-3.5-medium",
-             "sd35_large": "stabilityai/stable-diffusion-3.5-large", "flux_dev": "black-forest-labs/FLUX.1-dev",
-             "flux_schnell": "black-forest-labs/FLUX.1-schnell", "qwen_image": "Qwen/Qwen-Image",
-             "flux_kontext_dev": "black-forest-labs/FLUX.1-Kontext-dev", "qwen_image_edit": "Qwen/Qwen-Image-Edit"}
-_FAMILY_TAGS = {"sdxl": ["stable-diffusion-xl", "text-to-image"], "sd3": ["stable-diffusion-3", "sd3", "text-to-image"],
-                "flux": ["flux", "text-to-image"], "qwen_image": ["qwen-image", "text-to-image"]}
-
-
 def write(run: Run) -> Path:
     """`<run>/README.md`, from the run's config, its metrics and what the export wrote."""
     path = run.run_dir / "README.md"
-    path.write_text(text(run.cfg, run.family.name, run.run_dir, run.tracker.facts, run.tracker.validations))
+    path.write_text(text(run.cfg, run.run_dir, run.tracker.facts, run.tracker.validations))
     return path
 
 
 ADAPTER_LABELS = {"lora": "LoRA", "dora": "DoRA", "lokr": "LoKr (LyCORIS)", "loha": "LoHa (LyCORIS)"}
 
 
-def _front_matter(cfg: DictConfig, family: str, lora: bool) -> str:
-    name = str(cfg.model.name)
-    license_, license_name, _ = _LICENSES.get(name, (None, None, None))
+def _front_matter(cfg: DictConfig, lora: bool) -> str:
+    about = cfg.model.get("about") or {}
     lines = ["---"]
-    base = _BASE_IDS.get(name)
-    if base:
-        lines.append(f"base_model: {base}")
-    if license_:
-        lines.append(f"license: {license_}")
-    if license_name:
-        lines.append(f"license_name: {license_name}")
+    if about.get("base_id"):
+        lines.append(f"base_model: {about['base_id']}")
+    if about.get("license"):
+        lines.append(f"license: {about['license']}")
+    if about.get("license_name"):
+        lines.append(f"license_name: {about['license_name']}")
     lines.append("library_name: diffusers")
-    tags = ["ds_trainer", *_FAMILY_TAGS[family], "lora" if lora else "full-fine-tune"]
+    tags = ["ds_trainer", *families.of(cfg).tags, "lora" if lora else "full-fine-tune"]
     if cfg.model.get("reference_images"):  # an editing model (Kontext, Qwen-Image-Edit): its makers' pipeline tag
         tags = [("image-to-image" if t == "text-to-image" else t) for t in tags]
     lines.append("tags:")
@@ -72,7 +47,7 @@ def _front_matter(cfg: DictConfig, family: str, lora: bool) -> str:
 
 
 def _what_trained(cfg: DictConfig, lora: bool) -> list[str]:
-    component = "UNet" if cfg.model.family.value == "sdxl" else "transformer"
+    component = families.of(cfg).module_label
     if lora:
         a = cfg.adapter
         since = f", continued from `{a.init_from}`" if a.init_from else ""
@@ -155,19 +130,15 @@ def _samples(cfg: DictConfig, run_dir: Path) -> list[str]:
     return out
 
 
-def _files(family: str, run_dir: Path, method: str = "lora", scale: float = 1.0) -> list[str]:
+def _files(spec: FamilySpec, run_dir: Path, method: str = "lora", scale: float = 1.0) -> list[str]:
     """Each exported file and what opens it. `scale`: the LoRA's alpha / rank, which the diffusers-layout file keeps in
     its metadata alone: ComfyUI, which reads a file's alpha tensors and applies 1 without them, is named for it only
     at 1."""
-    kohya = {"sdxl": "ComfyUI (`models/loras`), Forge, kohya's scripts, diffusers' `load_lora_weights`",
-             "sd3": "ComfyUI (`models/loras`), kohya's sd-scripts (diffusers has no reader of this layout for SD3: "
-                    "use `pytorch_lora_weights.safetensors` there)",
-             "flux": "ComfyUI (`models/loras`), Forge, kohya's sd-scripts, diffusers' `load_lora_weights`",
-             "qwen_image": "ComfyUI (`models/loras`), musubi-tuner, diffusers' `load_lora_weights`"}[family]
+    kohya = spec.kohya_readers
     if method in schema.LYCORIS_METHODS:
         kohya = "ComfyUI (`models/loras`), Forge, kohya's tools with LyCORIS (diffusers does not load LoKr or LoHa)"
     diffusers = "diffusers' `load_lora_weights`"
-    if family != "sdxl" and method == "lora":
+    if spec.diffusers_lora_in_comfyui and method == "lora":
         diffusers += ", ComfyUI" if scale == 1.0 else (f" (ComfyUI would apply it at scale 1, not its alpha / rank of "
                                                        f"{scale:g}: use `lora/kohya.safetensors` there)")
     where = {
@@ -189,7 +160,7 @@ def _files(family: str, run_dir: Path, method: str = "lora", scale: float = 1.0)
     return out
 
 
-def text(cfg: DictConfig, family: str, run_dir: Path, facts: dict[str, Any],
+def text(cfg: DictConfig, run_dir: Path, facts: dict[str, Any],
          validations: list[dict[str, Any]]) -> str:
     """The card's text (also `python -m ds_trainer.convert --card` for an earlier run)."""
     method = metadata.value_of(cfg.adapter.method)
@@ -197,18 +168,18 @@ def text(cfg: DictConfig, family: str, run_dir: Path, facts: dict[str, Any],
     kind = ADAPTER_LABELS.get(method, "LoRA")
     name = str(cfg.model.name)
     base = metadata.base_model(cfg)
-    license_line = _LICENSES.get(name, (None, None, None))[2]
+    license_line = (cfg.model.get("about") or {}).get("license_url")
     sections = [
-        _front_matter(cfg, family, lora),
+        _front_matter(cfg, lora),
         f"# {name}: {kind if lora else 'fine-tune'} of {run_dir.parent.name} {run_dir.name}",
-        f"{'A ' + kind if lora else 'A fine-tune'} of `{base}` ({metadata.architecture(cfg, family)}), trained with "
+        f"{'A ' + kind if lora else 'A fine-tune'} of `{base}` ({metadata.architecture(cfg)}), trained with "
         "ds_trainer." + (f" The base model's license applies: {license_line}" if license_line else
                          " The base model's license applies to these weights."),
         "## What trained", "\n".join(_what_trained(cfg, lora)),
         "## Training", "\n".join(_training(cfg, facts)),
         "## Validation loss", "\n".join(_validation(validations)),
         "## Samples", "\n".join(_samples(cfg, run_dir)),
-        "## Files", "\n".join(_files(family, run_dir, method, _scale(cfg) if lora else 1.0)),
+        "## Files", "\n".join(_files(families.of(cfg), run_dir, method, _scale(cfg) if lora else 1.0)),
         "## Configuration",
         "The whole configuration is in `config.yaml` beside this card; `python -m ds_trainer` with these overrides "
         "trains the same:",

@@ -2,20 +2,24 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Protocol
 
 import torch
 from omegaconf import DictConfig
 
+from ds_trainer.config.families import FamilySpec
+from ds_trainer.train.layouts.table import Part
+
 # Where a family builds its frozen parts: the backend's `whole()` (outside ZeRO-3's partitioning).
 Whole = Callable[[], AbstractContextManager[Any]]
-# Per text encoder (schema.TEXT_ENCODER_NAMES), the parts of one sample's text tensors it made: (key, index).
+# Per text encoder (its spec's text_encoders), the parts of one sample's text tensors it made: (key, index).
 TextParts = dict[str, list[tuple[str, tuple[slice, ...]]]]
 
 
 class Family(Protocol):
+    spec: FamilySpec  # its torch-free facts (config/families/)
     name: str
     component: str  # the trained module's pipeline component: "unet" or "transformer"
     sequence_encoder: str  # the encoder whose long sequence the cache keeps in bf16 ("T5"; "" for none)
@@ -78,6 +82,17 @@ class Family(Protocol):
 
     def lora_pipeline(self) -> Any:
         """The pipeline class whose `save_lora_weights` / `load_lora_weights` the LoRA file is written for."""
+
+    def single_file_denoiser(self, denoiser: Any) -> dict[str, torch.Tensor]:
+        """The trained module's tensors under its makers' single file's names (train/layouts)."""
+
+    def single_file(self, denoiser: Any, parts: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """Its makers' single file: the denoiser and `parts` ({component: module} for each of the spec's
+        `single_file_parts`) under the file's names."""
+
+    def kohya_parts(self, shapes: Mapping[str, tuple[int, ...]], config: Any) -> list[Part]:
+        """The trained module's weights (diffusers' names -> shapes) in the makers' module names of its kohya-layout
+        LoRA file (train/layouts/kohya.py; no file prefix)."""
 
 
 def label_of(module: Any) -> str:

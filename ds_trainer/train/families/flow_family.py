@@ -34,6 +34,10 @@ class FlowFamily:
     def unused(self, model: torch.nn.Module) -> list[str]:  # noqa: ARG002 - the Family protocol's signature
         return []  # SD3's last joint block updates no text; Flux's single-stream blocks end on the image tokens
 
+    def single_file(self, denoiser: Any, parts: dict[str, Any]) -> dict[str, torch.Tensor]:  # noqa: ARG002
+        """The transformer alone (Flux.1's and Qwen-Image's files): its spec holds no other part."""
+        return self.single_file_denoiser(denoiser)  # type: ignore[attr-defined, no-any-return]
+
     def guidance_kwargs(self, scale: float, negative: str) -> dict[str, Any]:
         """SD3: classifier-free guidance (an empty negative prompt encoded); Flux.1-dev: the distilled guidance."""
         return {"guidance_scale": scale, "negative_prompt": negative or None}

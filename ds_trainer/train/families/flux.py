@@ -9,6 +9,7 @@ The text encoders stay frozen here (diffusers' Flux scripts train CLIP's LoRA at
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -17,10 +18,13 @@ import torch
 from omegaconf import DictConfig
 
 from ds_trainer import console
+from ds_trainer.config.families.flux import SPEC
 from ds_trainer.train.families import common, flow
 from ds_trainer.train.families.base import TextParts, Whole
 from ds_trainer.train.families.common import per_sample_mse
 from ds_trainer.train.families.flow_family import FlowFamily, FrozenParts
+from ds_trainer.train.layouts import transformers as transformers_layout
+from ds_trainer.train.layouts.table import Part
 
 
 @dataclass
@@ -49,7 +53,8 @@ def image_ids(height: int, width: int, frame: int = 0) -> torch.Tensor:
 
 
 class Flux(FlowFamily):
-    name = "flux"
+    spec = SPEC
+    name = SPEC.name
 
     def __init__(self, cfg: DictConfig | None = None) -> None:
         f = cfg.model.flow if cfg is not None else None
@@ -157,6 +162,12 @@ class Flux(FlowFamily):
         # Kontext: the reference at the sample's size, not snapped to its preferred resolutions around 1 MP
         width, height = samples.size(cfg)
         return {"max_sequence_length": self._t5_length, "max_area": width * height, "_auto_resize": False}
+
+    def single_file_denoiser(self, denoiser: Any) -> dict[str, torch.Tensor]:
+        return transformers_layout.flux_tensors(denoiser)
+
+    def kohya_parts(self, shapes: Mapping[str, tuple[int, ...]], config: Any) -> list[Part]:
+        return transformers_layout.flux(shapes, config.num_layers, config.num_single_layers)
 
     def lora_pipeline(self) -> Any:
         """FluxPipeline, or FluxKontextPipeline for a model that edits a reference image (the same LoRA keys)."""

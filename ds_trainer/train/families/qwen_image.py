@@ -22,6 +22,7 @@ The text encoder stays frozen (a 7 B vision-language model; peers train the tran
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -30,12 +31,15 @@ import torch
 from omegaconf import DictConfig
 
 from ds_trainer import console
+from ds_trainer.config.families.qwen_image import SPEC
 from ds_trainer.train.families import common, flow
 from ds_trainer.train.families.base import TextParts, Whole
 from ds_trainer.train.families.common import per_sample_mse
 from ds_trainer.train.families.flow_family import FlowFamily, FrozenParts
 from ds_trainer.train.families.flux import pack
 from ds_trainer.train.families.vl_prompts import VLPrompts
+from ds_trainer.train.layouts import kohya
+from ds_trainer.train.layouts.table import Part
 
 # QwenImagePipeline's prompt template and the tokens of its system prefix it drops (pipeline_qwenimage.py; a test
 # checks both against the pipeline's).
@@ -76,7 +80,8 @@ def _pictures(pixels: torch.Tensor) -> list[Any]:
 
 
 class QwenImage(FlowFamily):
-    name = "qwen_image"
+    spec = SPEC
+    name = SPEC.name
     sequence_encoder = "Qwen2.5-VL"
 
     def __init__(self, cfg: DictConfig | None = None) -> None:
@@ -225,6 +230,14 @@ class QwenImage(FlowFamily):
         """QwenImagePipeline guides by `true_cfg_scale` and only with a negative prompt (one space when empty); its
         `guidance_scale` is a distilled model's input, which Qwen-Image has not."""
         return {"true_cfg_scale": scale, "negative_prompt": negative or " ", "guidance_scale": None}
+
+    def single_file_denoiser(self, denoiser: Any) -> dict[str, torch.Tensor]:
+        """ComfyUI's file (Comfy-Org's qwen_image_bf16) keeps diffusers' names."""
+        return dict(denoiser.state_dict())
+
+    def kohya_parts(self, shapes: Mapping[str, tuple[int, ...]], config: Any) -> list[Part]:  # noqa: ARG002
+        """musubi-tuner's names, which ComfyUI reads: diffusers' modules."""
+        return kohya.same_names(shapes)
 
     def lora_pipeline(self) -> Any:
         """QwenImagePipeline, or QwenImageEditPipeline for a model that edits a reference image (the same LoRA

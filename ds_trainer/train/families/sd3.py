@@ -10,6 +10,7 @@ per caption in bf16).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -18,10 +19,14 @@ import torch
 from omegaconf import DictConfig
 
 from ds_trainer import console
+from ds_trainer.config.families.sd3 import SPEC
 from ds_trainer.train.families import common, flow
 from ds_trainer.train.families.base import TextParts, Whole
 from ds_trainer.train.families.common import per_sample_mse
 from ds_trainer.train.families.flow_family import FlowFamily, FrozenParts
+from ds_trainer.train.layouts import sdxl as sdxl_layout
+from ds_trainer.train.layouts import transformers as transformers_layout
+from ds_trainer.train.layouts.table import Part
 
 ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")
 
@@ -39,7 +44,8 @@ class Frozen(FrozenParts):
 
 
 class SD3(FlowFamily):
-    name = "sd3"
+    spec = SPEC
+    name = SPEC.name
 
     def __init__(self, cfg: DictConfig | None = None) -> None:
         flow_cfg = cfg.model.flow if cfg is not None else None
@@ -144,6 +150,16 @@ class SD3(FlowFamily):
 
     def call_kwargs(self, cfg: DictConfig) -> dict[str, Any]:
         return {"max_sequence_length": int(cfg.model.flow.t5_max_length)}
+
+    def single_file_denoiser(self, denoiser: Any) -> dict[str, torch.Tensor]:
+        return transformers_layout.sd3_tensors(denoiser)
+
+    def single_file(self, denoiser: Any, parts: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """Stability's file: the MMDiT and the VAE."""
+        return {**self.single_file_denoiser(denoiser), **sdxl_layout.vae_tensors(parts["vae"])}
+
+    def kohya_parts(self, shapes: Mapping[str, tuple[int, ...]], config: Any) -> list[Part]:
+        return transformers_layout.sd3(shapes, config.num_layers)
 
     def lora_pipeline(self) -> Any:
         from diffusers import StableDiffusion3Pipeline

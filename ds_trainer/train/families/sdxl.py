@@ -8,6 +8,7 @@ weights (common.py).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -17,18 +18,36 @@ from omegaconf import DictConfig
 
 from ds_trainer import console
 from ds_trainer.config import weights_file
+from ds_trainer.config.families.sdxl import SPEC
 from ds_trainer.train.families import common, text_encoders
 from ds_trainer.train.families.base import TextParts, Whole
+from ds_trainer.train.layouts import sdxl as sdxl_layout
+from ds_trainer.train.layouts.table import Part
 
 
 class SDXL:
-    name = "sdxl"
-    component = "unet"
+    spec = SPEC
+    name = SPEC.name
+    component = SPEC.component
     sequence_encoder = ""  # CLIP's 77 tokens, cached in float32
     text_sees_reference = False
 
+    def __init__(self, cfg: DictConfig | None = None) -> None:  # noqa: ARG002 - one constructor for every family
+        pass
+
     def load_frozen(self, cfg: DictConfig, whole: Whole = nullcontext) -> Frozen:
         return load_frozen(cfg, whole)
+
+    def single_file_denoiser(self, denoiser: Any) -> dict[str, torch.Tensor]:
+        return sdxl_layout.unet_tensors(denoiser)
+
+    def single_file(self, denoiser: Any, parts: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """Stability's SGM file: the UNet, the VAE and both text encoders."""
+        return {**self.single_file_denoiser(denoiser), **sdxl_layout.vae_tensors(parts["vae"]),
+                **sdxl_layout.encoder_tensors(parts["text_encoder"], parts["text_encoder_2"])}
+
+    def kohya_parts(self, shapes: Mapping[str, tuple[int, ...]], config: Any) -> list[Part]:
+        return sdxl_layout.unet(shapes, config.layers_per_block)
 
     def unused(self, model: torch.nn.Module) -> list[str]:  # noqa: ARG002 - the Family protocol's signature
         return []

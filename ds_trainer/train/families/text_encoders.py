@@ -38,6 +38,16 @@ IDS = {"text_encoder": "input_ids", "text_encoder_2": "input_ids_2"}
 TEXT_KEYS = ("input_ids", "input_ids_2", "embeds_1", "embeds_2", "pooled")
 
 
+def meta_encoder(path: Any, name: str, **kwargs: Any) -> torch.nn.Module:
+    """The text encoder `name` (`text_encoder`: CLIP ViT-L, `text_encoder_2`: OpenCLIP bigG with its projection) of
+    the diffusers folder or hub id `path`, on the meta device (no memory): its layers, for checks and the planner."""
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+
+    classes: dict[str, Any] = {"text_encoder": CLIPTextModel, "text_encoder_2": CLIPTextModelWithProjection}
+    with torch.device("meta"):
+        return classes[name](CLIPTextConfig.from_pretrained(path, subfolder=name, **kwargs))  # type: ignore[no-any-return]
+
+
 def enabled(cfg: DictConfig) -> bool:
     return schema.trains_text_encoders(cfg)
 

@@ -10,28 +10,20 @@ block-diagonal over diffusers' to_q/to_k/to_v), the text encoders in transformer
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
 
 import torch
 
-from ds_trainer.train.layouts import sdxl, table, transformers
+from ds_trainer.train.layouts import table
 
 PREFIX = {"unet": "lora_unet_", "transformer": "lora_unet_", "text_encoder": "lora_te1_",
           "text_encoder_2": "lora_te2_"}
 DOWN, UP, ALPHA = ".lora_down.weight", ".lora_up.weight", ".alpha"
 
 
-def parts(family: str, component: str, shapes: Mapping[str, tuple[int, ...]], config: Any) -> list[table.Part]:
-    """The table of `component`'s weights (diffusers' names -> shapes) in the maker's module names (no file prefix)."""
-    if component.startswith("text_encoder"):
-        return [table.Part(k, (k,)) for k in shapes]
-    if family == "sdxl":
-        return sdxl.unet(shapes, config.layers_per_block)
-    if family == "sd3":
-        return transformers.sd3(shapes, config.num_layers)
-    if family == "qwen_image":  # musubi-tuner's names, which ComfyUI reads: diffusers' modules
-        return [table.Part(k, (k,)) for k in shapes]
-    return transformers.flux(shapes, config.num_layers, config.num_single_layers)
+def same_names(shapes: Mapping[str, tuple[int, ...]]) -> list[table.Part]:
+    """A component whose makers keep diffusers' or transformers' module names (the text encoders, Qwen-Image's
+    transformer in musubi-tuner's layout): each weight as it is."""
+    return [table.Part(k, (k,)) for k in shapes]
 
 
 def name(component: str, module: str) -> str:

@@ -11,16 +11,12 @@ from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig
 
-from ds_trainer.config import schema
+from ds_trainer.config import families, schema
 
 if TYPE_CHECKING:
     from ds_trainer.train.families import Family
 
 SPEC_VERSION = "1.0.1"  # Stability's ModelSpec, as sd-scripts writes it (library/sai_model_spec.py)
-_IMPLEMENTATION = {"sdxl": "https://github.com/Stability-AI/generative-models",
-                   "sd3": "https://github.com/Stability-AI/generative-models",
-                   "flux": "https://github.com/black-forest-labs/flux",
-                   "qwen_image": "https://github.com/QwenLM/Qwen-Image"}
 
 
 def value_of(v: object) -> str:
@@ -28,23 +24,20 @@ def value_of(v: object) -> str:
     return str(getattr(v, "value", v))
 
 
-def architecture(cfg: DictConfig, family: str) -> str:
-    """modelspec.architecture of the base model, in sd-scripts' names (SwarmUI reads them too)."""
-    name = str(cfg.model.name)
-    if family == "sd3":
-        return "stable-diffusion-3-5-large" if "large" in name else "stable-diffusion-3-5-medium"
-    if family == "flux":
-        return "flux-1-schnell" if "schnell" in name else "flux-1-dev"
-    if family == "qwen_image":
-        return "qwen-image-edit" if "edit" in name else "qwen-image"
-    return "stable-diffusion-xl-v1-base"
+def architecture(cfg: DictConfig) -> str:
+    """modelspec.architecture of the base model, in sd-scripts' names (SwarmUI reads them too): the model option's
+    (`model.about`), else its family's."""
+    return str(_about(cfg).get("modelspec_architecture") or families.of(cfg).modelspec_architecture)
 
 
-def kohya_version(cfg: DictConfig, family: str) -> str:
-    """kohya's ss_base_model_version (sdxl_model_util, flux_utils, SD3's mmdit.model_type)."""
-    if family == "sd3":
-        return "5-large" if "large" in str(cfg.model.name) else "5-medium"
-    return {"flux": "flux1", "qwen_image": "qwen_image"}.get(family, "sdxl_base_v1-0")
+def kohya_version(cfg: DictConfig) -> str:
+    """kohya's ss_base_model_version (sdxl_model_util, flux_utils, SD3's mmdit.model_type): the option's, else its
+    family's."""
+    return str(_about(cfg).get("kohya_base_version") or families.of(cfg).kohya_base_version)
+
+
+def _about(cfg: DictConfig) -> DictConfig:
+    return cfg.model.get("about") or DictConfig({})
 
 
 def _prediction(cfg: DictConfig, family: Family) -> str:
@@ -52,18 +45,17 @@ def _prediction(cfg: DictConfig, family: Family) -> str:
 
 
 def _common(cfg: DictConfig, model: Family, run_dir: Path, kind: str, ema: bool) -> dict[str, str]:
-    family = model.name
     title = f"{run_dir.parent.name} {run_dir.name}{' (EMA)' if ema else ''}"
     out = {"modelspec.sai_model_spec": SPEC_VERSION,
-           "modelspec.architecture": architecture(cfg, family) + kind,
-           "modelspec.implementation": _IMPLEMENTATION[family],
+           "modelspec.architecture": architecture(cfg) + kind,
+           "modelspec.implementation": model.spec.code_url,
            "modelspec.title": title,
            "modelspec.date": datetime.date.today().isoformat(),
            "modelspec.resolution": f"{cfg.resolution.width}x{cfg.resolution.height}",
            "modelspec.description": f"Trained by ds_trainer from {base_model(cfg)}.",
            "modelspec.implementation_version": "ds_trainer",
            }
-    if family == "sdxl":  # the flow models have no such choice (sd-scripts leaves it out for Flux)
+    if not model.spec.flow:  # the flow models have no such choice (sd-scripts leaves it out for Flux)
         out["modelspec.prediction_type"] = _prediction(cfg, model)
     return out
 
@@ -79,7 +71,6 @@ def checkpoint(cfg: DictConfig, model: Family, run_dir: Path, ema: bool = False)
 
 def kohya_lora(cfg: DictConfig, model: Family, run_dir: Path, ema: bool = False) -> dict[str, str]:
     """A kohya-layout LoRA file's header: the model spec (`.../lora`) and kohya's `ss_*` training keys."""
-    family = model.name
     te = value_of(cfg.text_encoders.mode) if "text_encoders" in cfg else "frozen"
     rank, alpha, steps = int(cfg.adapter.rank), float(cfg.adapter.alpha), int(cfg.train.max_steps)
     out = _common(cfg, model, run_dir, "/lora", ema)
@@ -90,7 +81,7 @@ def kohya_lora(cfg: DictConfig, model: Family, run_dir: Path, ema: bool = False)
         "ss_network_module": "lycoris.kohya" if method in schema.LYCORIS_METHODS else "networks.lora",
         "ss_network_dim": str(rank),
         "ss_network_alpha": str(alpha),
-        "ss_base_model_version": kohya_version(cfg, family),
+        "ss_base_model_version": kohya_version(cfg),
         "ss_v2": "False",
         "ss_output_name": f"{run_dir.parent.name}_{run_dir.name}",
         "ss_sd_model_name": Path(base_model(cfg)).name,

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from ds_trainer.train.layouts import table
 from ds_trainer.train.layouts.table import CONV, TRANSPOSE, Part
 
 UNET, VAE, CLIP_L, CLIP_G = ("model.diffusion_model.", "first_stage_model.", "conditioner.embedders.0.transformer.",
@@ -131,3 +132,24 @@ def constants(positions: int) -> dict[str, torch.Tensor]:
     encoder reads it)."""
     return {CLIP_L + "text_model.embeddings.position_ids": torch.arange(positions, dtype=torch.int64)[None],
             CLIP_G + "logit_scale": torch.tensor(math.log(100.0))}
+
+
+def unet_tensors(model: Any) -> dict[str, torch.Tensor]:
+    """A diffusers UNet's tensors under the file's names."""
+    state = model.state_dict()
+    return table.weights(unet(state, model.config.layers_per_block), state, UNET)
+
+
+def vae_tensors(model: Any) -> dict[str, torch.Tensor]:
+    """A diffusers VAE's tensors under the file's names (SDXL's and SD3's files hold it so)."""
+    state = model.state_dict()
+    return table.weights(vae(state, len(model.config.block_out_channels)), state, VAE)
+
+
+def encoder_tensors(clip_l_model: Any, clip_g_model: Any) -> dict[str, torch.Tensor]:
+    """Both text encoders' tensors under the file's names, with the constants the original file holds."""
+    te1, te2 = clip_l_model.state_dict(), clip_g_model.state_dict()
+    out = table.weights(clip_l(te1), te1, CLIP_L)
+    out.update(table.weights(clip_g(te2), te2, CLIP_G))
+    out.update(constants(clip_l_model.config.max_position_embeddings))
+    return out

@@ -8,6 +8,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import torch
+
+from ds_trainer.train.layouts import table
+from ds_trainer.train.layouts.sdxl import UNET
 from ds_trainer.train.layouts.table import SWAP, Part
 
 
@@ -82,3 +86,15 @@ def flux(state: Mapping[str, Any], num_layers: int, num_single_layers: int) -> l
         parts += [Part(f"{old}norm.query_norm.scale", (f"{new}attn.norm_q.weight",)),
                   Part(f"{old}norm.key_norm.scale", (f"{new}attn.norm_k.weight",))]
     return parts
+
+
+def sd3_tensors(model: Any) -> dict[str, torch.Tensor]:
+    """SD3/SD3.5's MMDiT's tensors under Stability's names (under the whole checkpoint's `model.diffusion_model.`)."""
+    state = model.state_dict()
+    return table.weights(sd3(state, model.config.num_layers), state, UNET)
+
+
+def flux_tensors(model: Any) -> dict[str, torch.Tensor]:
+    """Flux.1's transformer's tensors under Black Forest Labs' names (its file holds the transformer alone)."""
+    state = model.state_dict()
+    return table.weights(flux(state, model.config.num_layers, model.config.num_single_layers), state)

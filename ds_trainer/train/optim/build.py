@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from ds_trainer.config import ds_config, optimizers
+from ds_trainer.config import ds_config, families, optimizers
 from ds_trainer.config.checks import resolve
 from ds_trainer.errors import TrainingError
 from ds_trainer.train import backends
@@ -24,7 +24,7 @@ log = logging.getLogger("ds_trainer")
 def check_nonempty(cfg: DictConfig, params: list[Any]) -> None:
     """DeepSpeed and torch would fail later, on an empty flat buffer or an empty parameter group."""
     if not params:
-        what = "UNet" if cfg.model.family.value == "sdxl" else "transformer"
+        what = families.of(cfg).module_label
         raise TrainingError(f"optimizer={cfg.optimizer.name}: the {what} has no parameter left to train "
                             f"(adapter={cfg.adapter.method.value} froze them all); nothing was trained. Check "
                             "adapter.targets, or adapter=none for a full fine-tune")

@@ -1,0 +1,54 @@
+"""The registries behind the extension points: each model family's spec (config/families/) builds its
+implementation and is found by name and by its trained module's class; each file format (config/formats.py) has
+its writer at a run's end. A family or format added to one side only fails here."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from helpers.cfg import make_cfg
+
+from ds_trainer.config import families, formats
+
+ROOT = Path(__file__).resolve().parents[1]
+OPTIONS = sorted(p.stem for p in (ROOT / "conf" / "model").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("option", OPTIONS)
+def test_every_model_option_names_a_registered_family_whose_module_is_found_by_its_class(option: str) -> None:
+    from ds_trainer.train import families as implementations
+
+    cfg = make_cfg(f"model={option}")
+    spec = families.of(cfg)
+    family = implementations.of(cfg)
+    assert family.spec is spec
+    assert family.name == spec.name
+    assert family.component == spec.component
+    module = family.meta_trained(cfg)
+    assert type(module).__name__ in spec.module_classes
+    assert implementations.of_module(module).spec is spec
+    assert bool(cfg.model.about.tiny) == option.endswith("_tiny")
+
+
+def test_an_unregistered_module_class_is_sdxl_s_and_the_registry_names_each_family_once() -> None:
+    assert families.of_classes(["SomethingElse"]).name == "sdxl"
+    classes = [c for s in families.SPECS.values() for c in s.module_classes]
+    assert len(classes) == len(set(classes))
+    assert set(families.NAMES) == {s.name for s in families.SPECS.values()}
+
+
+def test_each_format_has_its_writer_and_each_lora_format_says_why_it_cannot_hold_a_method() -> None:
+    from ds_trainer.config import schema
+    from ds_trainer.train import export
+    from ds_trainer.train.adapters import adapter
+
+    assert set(adapter.LORA_WRITERS) == set(formats.LORA)
+    assert set(export.WRITERS) == set(formats.MODEL)
+    for method in schema.AdapterMethod:
+        if method.value == "none":
+            continue
+        able = formats.for_method(method.value)
+        assert able, f"no LoRA format holds {method.value}"
+        for record in formats.LORA.values():
+            assert method.value in record.methods or record.cannot[method.value]
