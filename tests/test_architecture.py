@@ -149,16 +149,41 @@ def test_no_module_uses_another_modules_private_names() -> None:
     assert used == [], "private names used across modules: " + "; ".join(used)
 
 
-def test_the_architecture_page_names_every_module() -> None:
-    page = (ROOT / "docs" / "architecture.md").read_text()
-    missing = []
-    for path in MODULES:
-        if path.name == "__init__.py" and path.parent.name != "backends":
+def _page_paths(page: str) -> set[str]:
+    """The modules the page's tree names, at their paths (`ds_trainer/train/state/ema.py`): a folder's line (`x/`)
+    opens it at its indentation (two spaces a level), a line of modules names them in the open folders; the
+    descriptions' continuation lines (indented 24 or more) name none."""
+    block = "conf/" + page.split("```\nconf/", 1)[1].split("```", 1)[0]
+    folders: dict[int, str] = {}
+    found = set()
+    for line in block.splitlines():
+        indent = len(line) - len(line.lstrip(" "))
+        if not line.strip() or indent >= 24:
             continue
-        if path.name not in page:
-            missing.append(_name(path))
-    assert missing == [], "docs/architecture.md does not name: " + ", ".join(missing)
+        level = indent // 2
+        for token in line.split():
+            if token.endswith("/"):
+                folders = {k: v for k, v in folders.items() if k < level} | {level: token[:-1]}
+                break
+            if not token.endswith(".py"):
+                break
+            found.add("/".join([*(folders[i] for i in range(level)), token]))
+    return found
 
+
+def test_the_architecture_page_names_every_module_at_its_path() -> None:
+    named = _page_paths((ROOT / "docs" / "architecture.md").read_text())
+    modules = {str(p.relative_to(ROOT)) for p in MODULES}
+    missing = sorted(m for m in modules if m not in named and not m.endswith("/__init__.py"))
+    invented = sorted(n for n in named if n.startswith("ds_trainer/") and n not in modules)
+    assert missing == [], "docs/architecture.md does not name at its path: " + ", ".join(missing)
+    assert invented == [], "docs/architecture.md names modules that are not there: " + ", ".join(invented)
+
+
+def test_the_page_s_tree_is_read_by_path() -> None:
+    """A module named in the wrong folder is not at its path: the reading can fail."""
+    tree = "```\nconf/\nds_trainer/\n  a.py\n  sub/\n    b.py c.py\n  d.py\n```"
+    assert _page_paths(tree) == {"ds_trainer/a.py", "ds_trainer/sub/b.py", "ds_trainer/sub/c.py", "ds_trainer/d.py"}
 
 def _family_names_asked(tree: ast.AST, names: set[str], tables: bool = True) -> list[tuple[int, str]]:
     """Where a family's name is compared (`family == "flux"`, `in ("sd3", "flux")`) or keys a table

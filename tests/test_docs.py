@@ -21,7 +21,7 @@ How each is checked, without training anything:
   cell is dry-run: a sweep starts processes): a cell validation refuses (offload under `zero=ddp` in
   `+sweep=zero_offload`) is an error row of the sweep's report, by design. A `+experiment=<name>` preset that a
   tune writes (not in `conf/experiment/`) is left out.
-- `.report`, `.convert`, `.bench`, `.slurm_local`, `.config.reference` (they act on a sweep folder, a checkpoint, a
+- `.report`, `.convert`, `.bench`, `.slurm_local`, `.config.docs_reference` (they act on a sweep folder, a checkpoint, a
   GPU, the machine, docs/): the line's arguments go through the command's own argparse parser, stopped right
   after it (every flag, value type, choice and positional as the command reads them); a span in running text need
   only name flags the command has. `.tools.ops`: every argument is an op it builds.
@@ -48,7 +48,7 @@ from omegaconf import OmegaConf
 
 import ds_trainer.cli  # noqa: F401 - registers the schemas and the launcher configs, as the CLI does
 from ds_trainer import CONF_DIR
-from ds_trainer.config import checks, overrides, reference
+from ds_trainer.config import checks, docs_reference, overrides
 from ds_trainer.config.problems import Problem, Report
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -64,7 +64,7 @@ USER_FILES = {"data.path", "validation.path", "model.pretrained", "model.vae", "
 CHECKED_BY_VALIDATION = {"ds_trainer", "ds_trainer.cache", "ds_trainer.plan", "ds_trainer.tune", "ds_trainer.doctor"}
 CHECKED_BY_PARSER = {"ds_trainer.report", "ds_trainer.convert", "ds_trainer.bench", "ds_trainer.slurm_local",
                      "ds_trainer.gpucheck",
-                     "ds_trainer.config.reference", "ds_trainer.config.refusals", "ds_trainer.tools.plan.table"}
+                     "ds_trainer.config.docs_reference", "ds_trainer.config.refusals", "ds_trainer.tools.plan.table"}
 CHECKED_BY_NAME = {"ds_trainer.tools.ops"}
 
 
@@ -303,11 +303,11 @@ def test_the_refusals_page_is_the_rules() -> None:
 
 
 def test_the_config_reference_is_the_schemas_and_names_every_key() -> None:
-    committed = reference.PAGE.read_text()
-    missing = [key for key, _, _, _ in reference.keys() if f"`{key}`" not in committed]
-    assert not missing, f"docs/config.md lacks {missing[:10]}: run python -m ds_trainer.config.reference --write"
-    assert committed == reference.render(), ("docs/config.md is not what the schemas and conf/ say: run "
-                                             "python -m ds_trainer.config.reference --write")
+    committed = docs_reference.PAGE.read_text()
+    missing = [key for key, _, _, _ in docs_reference.keys() if f"`{key}`" not in committed]
+    assert not missing, f"docs/config.md lacks {missing[:10]}: run python -m ds_trainer.config.docs_reference --write"
+    assert committed == docs_reference.render(), ("docs/config.md is not what the schemas and conf/ say: run "
+                                             "python -m ds_trainer.config.docs_reference --write")
     for group in ("zero", "offload", "optimizer", "precision", "adapter", "validation"):
         for option in (CONF_DIR / group).glob("*.yaml"):
             assert f"`{group}={option.stem}`" in committed

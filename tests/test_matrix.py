@@ -228,8 +228,8 @@ def _trained(cell: dict[str, str], run_dir: Path, steps: int) -> None:
 
 
 def _single_file_is_the_export(run_dir: Path, family: str, suffix: str) -> None:
-    """export.formats' default (both): `single_file/model[_ema].safetensors` holds the diffusers export's weights in the makers'
-    layout, in bf16 (export.dtype), with the model spec in its header (test_exports: the layouts themselves)."""
+    """export.formats' default: `single_file/model[_ema].safetensors` holds the diffusers export's weights in the
+    makers' layout, in bf16 (export.dtype), with the model spec in its header (test_exports: the layouts themselves)."""
     import torch
     from diffusers import FluxTransformer2DModel, SD3Transformer2DModel, UNet2DConditionModel
     from safetensors import safe_open

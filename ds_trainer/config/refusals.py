@@ -19,7 +19,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from ds_trainer.config import families, reference
+from ds_trainer.config import docs_reference, families
 
 PACKAGE = Path(__file__).resolve().parents[1]
 PAGE = PACKAGE.parent / "docs" / "refusals.md"
@@ -182,7 +182,7 @@ def _family_facts() -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     """Print the page, or with `--write` rewrite `docs/refusals.md`."""
-    return reference.generated_page(argv, "ds_trainer.config.refusals", PAGE, render, __doc__.split("\n")[0])
+    return docs_reference.generated_page(argv, "ds_trainer.config.refusals", PAGE, render, __doc__.split("\n")[0])
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from ds_trainer.config import hardware, sampling
+from ds_trainer.config import hardware, source_repeats
 from ds_trainer.config.problems import ConfigError
 from ds_trainer.errors import TrainingError
 from ds_trainer.train import backends, data, export, families, outcome
@@ -120,7 +120,7 @@ def setup(run: Run, resume: Resume) -> Started:
     vset = _validation_set(run)
     startup.mark("data, frozen encoders, cache check")
     if cache is not None and run.kind == "cuda":  # training reads the cache: the encoders need no GPU memory now
-        varies = sampling.tags_vary(cfg)  # unless captions whose tags vary are encoded batch by batch
+        varies = source_repeats.tags_vary(cfg)  # unless captions whose tags vary are encoded batch by batch
         for part in run.frozen.modules():
             if not (varies and any(part is encoder for encoder in run.frozen.encoders())):
                 part.to("cpu")

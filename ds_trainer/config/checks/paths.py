@@ -9,7 +9,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from ds_trainer.config import families, sampling, schema, weights_file
+from ds_trainer.config import families, schema, source_repeats, weights_file
 from ds_trainer.config.checks import reference
 from ds_trainer.config.problems import Problem
 
@@ -81,15 +81,16 @@ def _sources(cfg: DictConfig) -> list[Problem]:
                                f"{key}.keep_tokens=1"))
     for index, source in enumerate(cfg.data.sources):
         value = float(source.repeats)
-        near = sampling.fraction(value)
+        near = source_repeats.fraction(value)
         if value > 0 and abs(float(near) - value) > 0.002 * value:  # 0.333 is 1/3; 0.37 is no fraction
+            most = source_repeats.MAX_PASSES
             out.append(Problem(f"data.sources[{index}].repeats", source.repeats, "a fraction of repeats is seen over "
-                               f"an epoch of whole passes, at most {sampling.MAX_PASSES}: a fraction of denominator "
-                               f"up to {sampling.MAX_PASSES}", f"data.sources[{index}].repeats={float(near):.3g}"))
+                               f"an epoch of whole passes, at most {most}: a fraction of denominator up to {most}",
+                               f"data.sources[{index}].repeats={float(near):.3g}"))
     repeats = [float(s.repeats) for s in cfg.data.sources if float(s.repeats) > 0]
-    if repeats and (passes := sampling.epoch_passes(repeats)) > sampling.MAX_PASSES:
+    if repeats and (passes := source_repeats.epoch_passes(repeats)) > source_repeats.MAX_PASSES:
         out.append(Problem("data.sources", ", ".join(f"repeats {r:g}" for r in repeats), f"take {passes} passes to see "
-                           f"every source a whole number of times (an epoch); at most {sampling.MAX_PASSES}",
+                           f"every source a whole number of times (an epoch); at most {source_repeats.MAX_PASSES}",
                            "fractions with one denominator (0.5 and 0.25, or 1/3 as 0.333 and 2/3 as 0.667)"))
     names = [str(s.name) for s in cfg.data.sources if s.name is not None]
     if len(set(names)) != len(names):
@@ -109,7 +110,7 @@ def _captions(cfg: DictConfig) -> list[Problem]:
                            "data.keep_tokens=1"))
     if not str(data.tag_separator):
         out.append(Problem("data.tag_separator", "''", "splits a caption into tags", "data.tag_separator=','"))
-    if sampling.tags_vary(cfg) and data.source.value == "synthetic":
+    if source_repeats.tags_vary(cfg) and data.source.value == "synthetic":
         out.append(Problem("data.tag_shuffle" if data.tag_shuffle else "data.tag_dropout",
                            data.tag_shuffle or data.tag_dropout, "synthetic captions are sentences, not tags",
                            "data=folder or data=sources with tag captions"))

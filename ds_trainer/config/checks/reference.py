@@ -10,7 +10,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from ds_trainer.config import families, sampling
+from ds_trainer.config import families, source_repeats
 from ds_trainer.config.problems import Problem
 
 EDITING = ("flux", "qwen_image")  # the families with a reference-image input (Kontext's, Qwen-Image-Edit's)
@@ -83,7 +83,7 @@ def _captions_fixed(cfg: DictConfig) -> list[Problem]:
         (f"data.sources[{i}].caption_dropout", s.caption_dropout) for i, s in enumerate(sources)
         if s.get("caption_dropout") is not None]
     out += [Problem(key, value, why, f"{key}=0") for key, value in dropped if float(value) > 0]
-    if sampling.tags_vary(cfg):
+    if source_repeats.tags_vary(cfg):
         out.append(Problem("data.tag_shuffle", cfg.data.tag_shuffle, why + " (tags shuffled or dropped)",
                            "data.tag_shuffle=false data.tag_dropout=0 (and the sources' own)"))
     return out

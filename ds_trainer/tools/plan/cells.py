@@ -9,7 +9,7 @@ from functools import cache
 from omegaconf import DictConfig
 
 from ds_trainer.config import buckets, nvme
-from ds_trainer.config.sampling import tags_vary
+from ds_trainer.config.source_repeats import tags_vary
 from ds_trainer.tools.plan import cache as disk_cache
 from ds_trainer.tools.plan import lora, quantized, samples
 from ds_trainer.tools.plan.states import architecture, model_states, moments_saved, stats, trained_module

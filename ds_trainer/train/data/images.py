@@ -19,7 +19,7 @@ from omegaconf import DictConfig
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from ds_trainer.config import buckets as bucket_geometry
-from ds_trainer.config import holdout, sampling
+from ds_trainer.config import holdout, source_repeats
 from ds_trainer.errors import DataError
 from ds_trainer.train.data import buckets, order, sources
 
@@ -163,11 +163,11 @@ class SourceImages:
             usable = self._split(cfg, usable, part)
         self.unique = len(usable)
         # Fractional repeats: the epoch is the passes that see every source a whole number of times.
-        self.passes = 1 if part == "validation" else sampling.epoch_passes([s.repeats for s in self.sources])
+        self.passes = 1 if part == "validation" else source_repeats.epoch_passes([s.repeats for s in self.sources])
         self.items = [item for item in usable for _ in range(1 if part == "validation" else self._repeats(item))]
         if self.passes > 1 and part in ("all", "train"):
             log.info("fractional repeats: an epoch is %d passes over the sources, in which %s", self.passes,
-                     ", ".join(f"{s.label} is seen {sampling.fraction(s.repeats) * self.passes} time(s)"
+                     ", ".join(f"{s.label} is seen {source_repeats.fraction(s.repeats) * self.passes} time(s)"
                                for s in self.sources))
         missing = sum(1 for item in usable if not item.caption)
         if missing and part != "validation":
@@ -196,7 +196,7 @@ class SourceImages:
 
     def _repeats(self, item: sources.Item) -> int:
         """The samples of `item` in an epoch of `passes` passes."""
-        return int(sampling.fraction(self.sources[item.source].repeats) * self.passes)
+        return int(source_repeats.fraction(self.sources[item.source].repeats) * self.passes)
 
     def _log_found(self, checks: dict[str, list[Any]], checked_now: int) -> None:
         for source in self.sources:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from omegaconf import DictConfig
 
-from ds_trainer.config import sampling
+from ds_trainer.config import source_repeats
 from ds_trainer.train.data import captions
 from ds_trainer.train.data.cache import LatentCache, encode_batch, on_cpu
 from ds_trainer.train.data.images import SourceImages, SyntheticImages
@@ -42,7 +42,7 @@ class Loader:
         self.plan = data.plan if isinstance(data, SourceImages) else None
         self.policy = policy_of(cfg, data)
         # Tags shuffled or dropped: each batch's captions are encoded when it is read (the cached text cannot serve).
-        self.varies = sampling.tags_vary(cfg)
+        self.varies = source_repeats.tags_vary(cfg)
         self.encoder_dropout = {str(k): float(v) for k, v in cfg.data.text_encoder_dropout.items() if float(v) > 0}
         self.parts = run.family.text_parts(run.frozen) if self.encoder_dropout else {}
         if accelerator.is_main_process:

@@ -20,7 +20,7 @@ from omegaconf import DictConfig
 from ds_trainer.config import portability
 from ds_trainer.errors import TrainingError
 from ds_trainer.train.backends import deepspeed, inner, nvme_swap, sharded
-from ds_trainer.train.state import kahan, quantized
+from ds_trainer.train.state import adam8bit, kahan
 from ds_trainer.train.state.portable import KINDS, Reader, trainable
 
 log = logging.getLogger("ds_trainer")
@@ -137,7 +137,7 @@ class Carry:
             reader = _Renamed(self.reader, renamed)
         write(accelerator, model, base, reader, set(self.carried), moments, t)
         if moments:  # bitsandbytes' 8-bit AdamW: the carried fp32 moments quantized into its own state
-            quantized.absorb(engine, base, t)
+            adam8bit.absorb(engine, base, t)
         step = int(self.meta["step"])
         sched = inner.scheduler(accelerator, scheduler)
         if sched is not None and (self.path / "portable" / "scheduler.pt").exists():  # type: ignore[operator]
@@ -160,7 +160,7 @@ class Carry:
                         if into else "the bf16 weights and moments carry over exactly into fp32 masters")
         how = ("the WEIGHTS ONLY (resume_optimizer=reset: the optimizer starts fresh)" if not moments else
                f"fp32 weights and Adam moments (optimizer step {t}"
-               + ("; 8-bit moments quantized again in this layout's blocks)" if quantized.is_8bit(base) else ")"))
+               + ("; 8-bit moments quantized again in this layout's blocks)" if adam8bit.is_8bit(base) else ")"))
         log.warning("resumed from %s at step %d %s (%s): carried %s of %d/%d trainable parameters, the LR "
                     "schedule, the EMA and the data position (sample %d)", self.path, step,
                     "through its portable state" if self.swap_reload else "under another configuration",

@@ -5,7 +5,7 @@ next step: the weight the run has learned is w + c, closer than w alone. The por
 as the fp32 weight, and a carry into a Kahan run sets w to the carried weight rounded to bf16 and c to what that
 rounding lost, so a move into another layout continues from the same learned weight. optimi counts its steps per
 parameter group (`step`, set up at the group's first step), not per tensor. (bitsandbytes' 8-bit state is
-`quantized`'s.)
+`adam8bit`'s.)
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ import torch
 
 from ds_trainer.config import portability
 from ds_trainer.train.backends import deepspeed, inner, nvme_swap, sharded
-from ds_trainer.train.state import kahan, quantized
+from ds_trainer.train.state import adam8bit, kahan
 
 if TYPE_CHECKING:
     from ds_trainer.train.run import Run
@@ -155,7 +155,7 @@ class Writer:
         params: dict[str, list[int]] = {}
         written, without_moments = 0, 0
         # 8-bit moments (bitsandbytes): read as the fp32 moments they encode.
-        with quantized.exposed(inner.engine(self.accelerator), base):
+        with adam8bit.exposed(inner.engine(self.accelerator), base):
             for name, p, values in full_values(self.accelerator, self.model, base, self.moments):  # collective
                 params[name] = _shape(p)
                 if not main:

@@ -1,7 +1,7 @@
 """The config reference, `docs/config.md`, written from the schemas and the option files so it cannot drift.
 
-    python -m ds_trainer.config.reference --write     # rewrite docs/config.md
-    python -m ds_trainer.config.reference             # print it
+    python -m ds_trainer.config.docs_reference --write     # rewrite docs/config.md
+    python -m ds_trainer.config.docs_reference             # print it
 
 Every key of every group comes from the typed dataclasses of `schema.py` (type, default, and the comment written
 above the field there), every option of a group from its YAML files under `conf/` (what each sets). A test
@@ -29,7 +29,7 @@ from ds_trainer.config import schema
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "config.md"
 HEADER = """# Config reference
 
-Generated from `ds_trainer/config/schema.py` and `conf/` by `python -m ds_trainer.config.reference --write`; do not
+Generated from `ds_trainer/config/schema.py` and `conf/` by `python -m ds_trainer.config.docs_reference --write`; do not
 edit by hand (tests/test_docs.py fails when this page and the code disagree). Every key can be set on the command
 line (`python -m ds_trainer train.max_steps=20`); a group's option (`python -m ds_trainer zero=stage3`) sets several
 at once. A typo or a wrong type fails at composition, with Hydra's own message; values that compose but cannot run
@@ -171,7 +171,7 @@ def generated_page(argv: list[str] | None, module: str, page: Path, make: Callab
 
 def main(argv: list[str] | None = None) -> int:
     """Print the page, or with `--write` rewrite `docs/config.md`."""
-    return generated_page(argv, "ds_trainer.config.reference", PAGE, render, __doc__.split("\n")[0])
+    return generated_page(argv, "ds_trainer.config.docs_reference", PAGE, render, __doc__.split("\n")[0])
 
 
 if __name__ == "__main__":
