@@ -231,3 +231,54 @@ def test_no_code_compares_a_format_name() -> None:
     asked = [f"{_name(path)}:{line} {name!r}" for path in MODULES
              for line, name in _family_names_asked(ast.parse(path.read_text()), names, tables=False)]
     assert asked == [], "a format name compared: " + "; ".join(asked)
+
+
+# A parameter's layout as DeepSpeed and FSDP2 keep it: their attributes, accessors and DTensor's own names.
+_LAYOUT_ATTRIBUTES = {"ds_id", "ds_tensor", "ds_shape", "ds_numel", "ds_status", "_hp_mapping", "to_local",
+                      "full_tensor", "device_mesh", "placements"}
+_LAYOUT_NAMES = {"DTensor", "GatheredParameters", "distribute_tensor", "safe_get_full_fp32_param",
+                 "safe_set_full_fp32_param", "safe_get_full_optimizer_state", "safe_set_full_optimizer_state",
+                 "safe_get_local_fp32_param", "safe_get_local_optimizer_state", "safe_set_local_fp32_param"}
+_BACKEND_MODULES = {"deepspeed", "fsdp", "ddp", "nvme_swap"}
+# Still asking their backend's layout directly (issue 60: DeepSpeed's optimizer-state moves, whose collective order is
+# the risk, go behind train/backends/ one module at a time); the GPU check's probe inspects FSDP2's placement itself.
+_LAYOUT_STILL_ASKED = {"train/optim/schedule_free.py", "train/state/carry.py", "train/state/portable.py",
+                       "gpucheck/probes.py"}
+
+
+def _layout_asked(tree: ast.AST) -> list[tuple[int, str]]:
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr in _LAYOUT_ATTRIBUTES:
+            found.append((node.lineno, node.attr))
+        elif isinstance(node, ast.Constant) and node.value in _LAYOUT_ATTRIBUTES:
+            found.append((node.lineno, repr(node.value)))  # hasattr(p, "ds_id")
+        elif isinstance(node, ast.Name) and node.id in _LAYOUT_NAMES:
+            found.append((node.lineno, node.id))
+        elif isinstance(node, ast.ImportFrom):
+            names = {a.name for a in node.names}
+            if node.module == "ds_trainer.train.backends" and names & _BACKEND_MODULES:
+                found.append((node.lineno, f"imports backends.{sorted(names & _BACKEND_MODULES)[0]}"))
+            elif (node.module or "").removeprefix("ds_trainer.train.backends.") in _BACKEND_MODULES:
+                found.append((node.lineno, f"imports {node.module}"))
+            found += [(node.lineno, n) for n in sorted(names & _LAYOUT_NAMES)]
+    return found
+
+
+def test_only_the_backends_ask_how_a_parameter_is_laid_out() -> None:
+    """Outside train/backends/ nothing names DeepSpeed's or FSDP2's parameter attributes or accessors, nor imports
+    a backend's own module: the parts ask train/backends/placement.py (and sharded.py), read by AST."""
+    asked = []
+    for path in MODULES:
+        name = _name(path)
+        if path.relative_to(PACKAGE).parts[:2] == ("train", "backends") or name in _LAYOUT_STILL_ASKED:
+            continue
+        asked += [f"{name}:{line} {what}" for line, what in _layout_asked(ast.parse(path.read_text()))]
+    assert asked == [], "a parameter's layout asked outside train/backends/: " + "; ".join(asked)
+
+
+def test_the_layout_walk_finds_what_it_names() -> None:
+    tree = ast.parse('if hasattr(p, "ds_id"):\n    x = p.ds_tensor\nfrom torch.distributed.tensor import DTensor\n'
+                     "from ds_trainer.train.backends import deepspeed, inner\ny = shard.to_local()\n")
+    assert sorted(what for _, what in _layout_asked(tree)) == sorted(
+        ["'ds_id'", "ds_tensor", "DTensor", "imports backends.deepspeed", "to_local"])

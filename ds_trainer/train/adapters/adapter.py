@@ -24,6 +24,7 @@ from ds_trainer.train import families
 from ds_trainer.train.adapters import kohya_file, lora_file, quantize
 from ds_trainer.train.adapters.lora_file import adaptable_names
 from ds_trainer.train.adapters.names import is_adapter
+from ds_trainer.train.backends import placement
 from ds_trainer.train.families import common, text_encoders
 
 if TYPE_CHECKING:
@@ -86,7 +87,7 @@ def _register_external(module: torch.nn.Module) -> int:
     for layer in module.modules():
         if isinstance(layer, BaseTunerLayer):
             for p in layer.parameters():
-                if hasattr(p, "ds_id"):
+                if placement.partitioned(p):
                     register_external_parameter(layer, p)
             layers += 1
     return layers
@@ -215,7 +216,7 @@ class Trained:
                      "ZeRO-3" if option == "stage3" else "FSDP2", held[0] / 2**20, held[1] / 2**20, held[2] / 2**20)
         if self.lora and enabled(self.cfg) and self.cfg.adapter.method.value != "lora":
             module = run.accelerator.unwrap_model(run.model)
-            if any(hasattr(p, "ds_id") for p in module.parameters()):
+            if any(placement.partitioned(p) for p in module.parameters()):
                 log.info("adapter=%s under ZeRO-3: %d adapted layers gather their base weight and adapters "
                          "together", self.cfg.adapter.method.value, _register_external(module))
         if self.partial and self.lora and enabled(self.cfg) and self.cfg.adapter.init_from is not None:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ds_trainer.train.adapters.names import is_adapter, peft_name
-from ds_trainer.train.backends import sharded
+from ds_trainer.train.backends import placement
 
 WEIGHT_NAME = "pytorch_lora_weights.safetensors"
 
@@ -28,39 +28,13 @@ def adaptable_names(model: torch.nn.Module) -> list[str]:
     return [n for n, m in model.named_modules() if isinstance(m, kinds) and not is_adapter(n)]
 
 
-def _zero0_masters(engine: Any) -> dict[int, torch.Tensor]:
-    """ZeRO-0 with bf16/fp16 (FP16_Optimizer or FP16_UnfusedOptimizer): the fp32 master of each 16-bit
-    parameter, which `safe_get_full_fp32_param` does not know (it returns None there)."""
-    optimizer: Any = getattr(engine, "optimizer", None)
-    groups16 = getattr(optimizer, "fp16_groups", None)
-    if groups16 is None:
-        return {}
-    masters: dict[int, torch.Tensor] = {}
-    if hasattr(optimizer, "fp32_groups_flat"):
-        for params, flat in zip(groups16, optimizer.fp32_groups_flat, strict=True):
-            offset = 0
-            for p in params:
-                masters[id(p)] = flat[offset:offset + p.numel()].view_as(p)
-                offset += p.numel()
-    elif hasattr(optimizer, "fp32_groups"):
-        for params, fp32 in zip(groups16, optimizer.fp32_groups, strict=True):
-            masters.update({id(p): m for p, m in zip(params, fp32, strict=True)})
-    return masters
-
-
 def gather_fp32(module: torch.nn.Module, names: list[str], engine: Any, keep: bool) -> dict[str, torch.Tensor]:
     """Collective: the fp32 master value of every named parameter, on the CPU where `keep` (rank 0)."""
-    from deepspeed.utils import safe_get_full_fp32_param
-
     named = dict(module.named_parameters())
-    masters = _zero0_masters(engine) if engine is not None else {}
+    masters = placement.zero0_masters(engine)
     out: dict[str, torch.Tensor] = {}
     for name in names:
-        p = named[name]
-        if hasattr(p, "ds_id") or hasattr(p, "_hp_mapping"):
-            value = safe_get_full_fp32_param(p)
-        else:
-            value = sharded.full(masters.get(id(p), p))  # collective for an FSDP parameter
+        value = placement.full_fp32(named[name], masters)
         if keep:
             out[name] = value.detach().to("cpu", torch.float32).clone()
     return out
@@ -69,20 +43,11 @@ def gather_fp32(module: torch.nn.Module, names: list[str], engine: Any, keep: bo
 def set_fp32(module: torch.nn.Module, names: list[str], path: Path, engine: Any) -> None:
     """Collective, after `accelerator.prepare`: set the fp32 masters of the adapters to the file's values
     (DeepSpeed made its masters from the 16-bit module, which rounded what `load_into` had set)."""
-    from deepspeed.utils import safe_set_full_fp32_param
-
     values = read_module(path, module)
     named = dict(module.named_parameters())
-    masters = _zero0_masters(engine) if engine is not None else {}
+    masters = placement.zero0_masters(engine)
     for name in names:
-        p, value = named[name], values[peft_name(name)].to(torch.float32)
-        if hasattr(p, "ds_id") or hasattr(p, "_hp_mapping"):
-            safe_set_full_fp32_param(p, value.to(p.device))
-        elif id(p) in masters:
-            masters[id(p)].copy_(value.view_as(masters[id(p)]))
-        with torch.no_grad():
-            if not hasattr(p, "ds_id"):
-                p.copy_(sharded.like(value, p))
+        placement.set_full_fp32(named[name], values[peft_name(name)].to(torch.float32), masters)
 
 
 def write(folder: Path, module: Any, weights: dict[str, torch.Tensor], dtype: torch.dtype) -> Path:

@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from ds_trainer.train.backends import placement
+
 log = logging.getLogger("ds_trainer")
 
 KINDS = {"int8": "LLM.int8 (int8 weights, a scale per row)", "nf4": "4-bit NormalFloat (blocks of 64, QLoRA)",
@@ -183,18 +185,13 @@ def partitioned_bytes(module: torch.nn.Module) -> tuple[int, int, int]:
     """Under ZeRO-3 or FSDP2: (this rank's partition of the packed 4-bit weights, all of them, their scales), in
     bytes. ZeRO-3 keeps the Params4bit (its data gathered away) and its partition beside it; FSDP2 replaces it with a
     DTensor shard, and bitsandbytes' layer keeps the quantization state on itself."""
-    from torch.distributed.tensor import DTensor
-
     held = whole = scales = 0
     for p, state in _four_bit(module):
-        if hasattr(p, "ds_tensor"):
-            local, numel = p.ds_tensor, p.ds_numel  # type: ignore[attr-defined]  # DeepSpeed's partition
-        elif isinstance(p, DTensor):
-            local, numel = p.to_local(), p.numel()
-        else:
+        local = placement.local(p)
+        if local is None:
             continue
         held += local.numel() * local.element_size()
-        whole += numel * local.element_size()
+        whole += placement.numel(p) * local.element_size()
         scales += _state_bytes(state)
     return held, whole, scales
 

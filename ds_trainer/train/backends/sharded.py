@@ -94,3 +94,29 @@ def gathered(module: torch.nn.Module) -> Iterator[None]:
         yield
     finally:
         reshard(module)  # the root unit, and the inner ones a forward under shard-grad-op left whole
+
+
+# A DTensor's layout: its mesh, placements, whole shape and stride (what cutting and joining its shards needs).
+Layout = tuple[Any, Any, torch.Size, tuple[int, ...]]
+
+
+def layout_of(t: Any) -> Layout:
+    return (t.device_mesh, t.placements, t.shape, t.stride())
+
+
+def cut(value: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """This rank's shard of a whole value laid out as `layout` (no communication: each rank cuts its own)."""
+    from torch.distributed.tensor import distribute_tensor
+
+    mesh, placements, shape, _ = layout
+    return distribute_tensor(value.to(mesh.device_type, torch.float32).reshape(shape), mesh, placements,
+                             src_data_rank=None).to_local()
+
+
+def join(local: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """Collective: the whole value of the shards laid out as `layout`, this rank's being `local`."""
+    from torch.distributed.tensor import DTensor
+
+    mesh, placements, shape, stride = layout
+    return DTensor.from_local(local.to(mesh.device_type), mesh, placements, shape=shape,  # type: ignore[no-any-return]
+                              stride=stride).full_tensor()

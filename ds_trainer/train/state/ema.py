@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from ds_trainer.train.backends import sharded
+from ds_trainer.train.backends import placement, sharded
 
 log = logging.getLogger("ds_trainer")
 
@@ -38,7 +38,7 @@ def _chunks(params: list[torch.nn.Parameter]) -> Iterator[list[torch.nn.Paramete
     chunk: list[torch.nn.Parameter] = []
     size = 0
     for p in params:
-        numel = int(getattr(p, "ds_numel", p.numel()))
+        numel = placement.numel(p)
         if chunk and size + numel > _GATHER_CHUNK:
             yield chunk
             chunk, size = [], 0
@@ -58,26 +58,6 @@ def owners(sizes: dict[str, int], world: int) -> dict[str, int]:
         owner[name] = rank
         load[rank] += sizes[name]
     return owner
-
-
-def _partition(whole: torch.Tensor, part: torch.Tensor, rank: int) -> torch.Tensor:
-    """This rank's ZeRO-3 partition of a whole value: its contiguous share of the flattened tensor, zero-padded."""
-    n = part.numel()
-    flat = whole.reshape(-1)[rank * n:(rank + 1) * n]
-    out = torch.zeros(n, dtype=part.dtype, device=part.device)
-    out[:flat.numel()] = flat
-    return out
-
-
-def _regather(params: list[Any]) -> None:
-    """ZeRO-3 keeps small parameters whole on every rank (and may keep others gathered): those are released and
-    gathered again from the partitions just written (collective)."""
-    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
-
-    gathered = [p for p in params if p.ds_status == ZeroParamStatus.AVAILABLE]
-    if gathered:
-        gathered[0].partition(gathered)
-        gathered[0].all_gather(gathered)
 
 
 def for_run(cfg: DictConfig, accelerator: Any, model: torch.nn.Module) -> EMA | None:
@@ -108,11 +88,11 @@ class EMA:
         self.rank, self.world, self.comm_device = rank, world, comm_device
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.names = [n for n, _ in named]
-        self.shapes = {n: tuple(getattr(p, "ds_shape", p.shape)) for n, p in named}
+        self.shapes = {n: placement.shape(p) for n, p in named}
         self.owner = owners({n: int(torch.Size(s).numel()) for n, s in self.shapes.items()}, world)
         self.shadow: dict[str, torch.Tensor] = {}  # this rank's slice
         # FSDP2 (after `follow_shards`): each name's DTensor layout; the shadow holds this rank's shard of every name.
-        self.layouts: dict[str, tuple[Any, Any, torch.Size, tuple[int, ...]]] = {}
+        self.layouts: dict[str, sharded.Layout] = {}
         self._read(model, init=True)
 
     def follow_shards(self, model: torch.nn.Module) -> None:
@@ -121,19 +101,13 @@ class EMA:
         named = dict(model.named_parameters())
         if self.layouts or not any(sharded.is_sharded(named[n]) for n in self.names):
             return
-        dtensors: dict[str, Any] = {n: named[n] for n in self.names}
-        self.layouts = {n: (p.device_mesh, p.placements, p.shape, p.stride()) for n, p in dtensors.items()}
+        self.layouts = {n: sharded.layout_of(named[n]) for n in self.names}
         # Each tensor cut into this rank's shard as it arrives from its owner: never the whole EMA on one rank
         self.shadow = {n: self._shard(n, value) for n, value in self._each()}
 
     def _shard(self, name: str, value: torch.Tensor) -> torch.Tensor:
         """This rank's shard of a whole value of `name` (no communication: each rank cuts its own)."""
-        from torch.distributed.tensor import distribute_tensor
-
-        mesh, placements, shape, _ = self.layouts[name]
-        local = distribute_tensor(value.to(mesh.device_type, torch.float32).reshape(shape), mesh, placements,
-                                  src_data_rank=None).to_local()
-        return local.to(self.device, torch.float32, copy=True)
+        return sharded.cut(value, self.layouts[name]).to(self.device, torch.float32, copy=True)
 
     def mine(self, name: str) -> bool:
         return self.owner[name] == self.rank
@@ -143,23 +117,15 @@ class EMA:
         if self.layouts:  # FSDP2: this rank's shards, read where they are
             with torch.no_grad():
                 for n in self.names:
-                    shard: Any = named[n].detach()
-                    self.shadow[n].lerp_(shard.to_local().to(self.device, torch.float32), weight)
+                    self.shadow[n].lerp_(placement.storage(named[n]).to(self.device, torch.float32), weight)
             return
-        zero3 = any(hasattr(named[n], "ds_id") for n in self.names)
-        fsdp = any(sharded.is_sharded(named[n]) for n in self.names)
-        # Without ZeRO-3 or FSDP every rank has every parameter: each reads its own. Under them the gather is
+        split = placement.split(named[n] for n in self.names)
+        # Held whole, every rank has every parameter: each reads its own. Split over the ranks the gather is
         # collective: every rank takes part in every chunk (every parameter under FSDP) and keeps its own names.
-        params = [named[n] for n in self.names if zero3 or fsdp or self.mine(n)]
+        params = [named[n] for n in self.names if split or self.mine(n)]
         by_id = {id(p): n for n, p in named.items()}
         for chunk in _chunks(params):
-            if zero3:
-                import deepspeed
-
-                context: Any = deepspeed.zero.GatheredParameters(chunk, modifier_rank=None)
-            else:
-                context = torch.no_grad()
-            with context, torch.no_grad():
+            with placement.gathered(chunk), torch.no_grad():
                 for p in chunk:
                     name = by_id[id(p)]
                     whole = sharded.full(p.detach())  # collective for an FSDP parameter
@@ -208,13 +174,9 @@ class EMA:
             yield name, buffer
 
     def _gather_shards(self, dst: int | None, where: Any) -> dict[str, torch.Tensor]:
-        from torch.distributed.tensor import DTensor
-
         out: dict[str, torch.Tensor] = {}
         for n in self.names:
-            mesh, placements, shape, stride = self.layouts[n]
-            local = self.shadow[n].to(mesh.device_type)
-            value = DTensor.from_local(local, mesh, placements, shape=shape, stride=stride).full_tensor()
+            value = sharded.join(self.shadow[n], self.layouts[n])
             if dst is None or self.rank == dst:
                 out[n] = value.to(where)
         return out
@@ -228,19 +190,21 @@ class EMA:
             sharded.reshard(module)  # the DTensors back in place of whole parameters a forward may have left
         named = dict(module.named_parameters())
         params = [named[n] for n in self.names]
-        zero3 = any(hasattr(p, "ds_id") for p in params)
+        partitioned = any(placement.partitioned(p) for p in params)
         whole = {} if self.layouts else self.full()
         saved: list[tuple[torch.Tensor, torch.Tensor]] = []
         with torch.no_grad():
-            for n, param in zip(self.names, params, strict=True):
-                p: Any = param  # a ZeRO-3 parameter (its partition in ds_tensor), an FSDP2 DTensor, or a plain one
-                target: Any = p.ds_tensor if zero3 else p.detach().to_local() if self.layouts else p.data
-                value = self.shadow[n] if self.layouts else _partition(whole[n], target, self.rank) if zero3 \
-                    else whole[n]
+            for n, p in zip(self.names, params, strict=True):
+                target = placement.storage(p)  # this rank's partition or shard, or the whole tensor
+                if self.layouts:
+                    value = self.shadow[n]
+                elif partitioned:
+                    value = placement.partition_of(whole[n], target, self.rank)
+                else:
+                    value = whole[n]
                 saved.append((target, target.detach().clone()))
                 target.copy_(value.reshape(target.shape))
-            if zero3:
-                _regather(params)
+            placement.regather(params)
         try:
             yield
         finally:
@@ -249,8 +213,7 @@ class EMA:
             with torch.no_grad():
                 for target, value in saved:
                     target.copy_(value)
-                if zero3:
-                    _regather(params)
+                placement.regather(params)
 
     def state_dict(self) -> dict[str, Any]:
         """Collective: what `ema.pt` holds, the whole shadow, on rank 0 (the other ranks get theirs empty)."""

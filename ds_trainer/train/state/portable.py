@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ds_trainer.config import portability
-from ds_trainer.train.backends import deepspeed, inner, nvme_swap, sharded
+from ds_trainer.train.backends import deepspeed, inner, nvme_swap, placement, sharded
 from ds_trainer.train.state import adam8bit, kahan
 
 if TYPE_CHECKING:
@@ -42,7 +42,7 @@ def trainable(module: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
 
 
 def _shape(p: torch.nn.Parameter) -> list[int]:
-    return list(getattr(p, "ds_shape", p.shape))
+    return list(placement.shape(p))
 
 
 def _step_count(base: Any) -> int:
