@@ -282,3 +282,41 @@ def test_the_layout_walk_finds_what_it_names() -> None:
                      "from ds_trainer.train.backends import deepspeed, inner\ny = shard.to_local()\n")
     assert sorted(what for _, what in _layout_asked(tree)) == sorted(
         ["'ds_id'", "ds_tensor", "DTensor", "imports backends.deepspeed", "to_local"])
+
+
+def _loose_conditionals(tree: ast.AST) -> int:
+    """Conditional expressions that hold another or span several lines (STYLE.md: one decision per line)."""
+    return sum(1 for node in ast.walk(tree) if isinstance(node, ast.IfExp) and (
+        node.end_lineno != node.lineno or any(isinstance(s, ast.IfExp) for s in ast.walk(node) if s is not node)))
+
+
+def test_no_module_gains_a_nested_or_multi_line_conditional_expression() -> None:
+    """A ratchet: each module has at most the nested or multi-line conditional expressions it had when the rule came
+    (tests/data/loose_conditionals.json; a new module none), and the file is lowered as they are rewritten as `if`
+    statements or calls, so the figure only falls."""
+    import json
+
+    allowed: dict[str, int] = json.loads((ROOT / "tests" / "data" / "loose_conditionals.json").read_text())
+    now = {_name(p): n for p in MODULES if (n := _loose_conditionals(ast.parse(p.read_text())))}
+    grown = [f"{m}: {n} (at most {allowed.get(m, 0)})" for m, n in sorted(now.items()) if n > allowed.get(m, 0)]
+    fallen = [f"{m}: {now.get(m, 0)}" for m, n in sorted(allowed.items()) if now.get(m, 0) < n]
+    assert grown == [], "nested or multi-line conditional expressions added: " + "; ".join(grown)
+    assert fallen == [], "fewer now, lower tests/data/loose_conditionals.json to: " + "; ".join(fallen)
+
+
+def test_the_loose_conditional_count_finds_both_kinds() -> None:
+    tree = ast.parse("a = 1 if x else 2\nb = 1 if x else 2 if y else 3\nc = (1 if x\n     else 2)\n")
+    assert _loose_conditionals(tree) == 2
+
+
+def test_no_module_gains_a_line_over_100_characters() -> None:
+    """A ratchet toward 100 columns (ruff holds 120 for the code written before): a new module has no line over 100
+    characters, an older one at most those it had (tests/data/long_lines.json, lowered as they are rewrapped)."""
+    import json
+
+    allowed: dict[str, int] = json.loads((ROOT / "tests" / "data" / "long_lines.json").read_text())
+    now = {_name(p): n for p in MODULES if (n := sum(len(line) > 100 for line in p.read_text().splitlines()))}
+    grown = [f"{m}: {n} (at most {allowed.get(m, 0)})" for m, n in sorted(now.items()) if n > allowed.get(m, 0)]
+    fallen = [f"{m}: {now.get(m, 0)}" for m, n in sorted(allowed.items()) if now.get(m, 0) < n]
+    assert grown == [], "lines over 100 characters added: " + "; ".join(grown)
+    assert fallen == [], "fewer now, lower tests/data/long_lines.json to: " + "; ".join(fallen)

@@ -1,9 +1,9 @@
-"""The file formats a run writes, torch-free: one record each, for `adapter.formats` (the LoRA files) and
-`export.formats` (a full fine-tune's model files). A record says what it writes and which adapter methods it can
-hold; the config checks refuse a method a chosen format cannot write from the record, and the run's end writes
-each chosen format through its writer (train/adapters/adapter.py's `LORA_WRITERS`, train/export's `WRITERS`).
-Adding a format: a record here, a value of its enum in config/schema.py, a writer, and `convert` if it can be made
-from an earlier run's export."""
+"""The file formats a run writes, torch-free: one record each, for `adapter.formats` (the LoRA
+files) and `export.formats` (a full fine-tune's model files). A record says what it writes and which
+adapter methods it can hold; the config checks refuse a method a chosen format cannot write from the
+record, and the run's end writes each chosen format through its writer (train/adapters/adapter.py's
+`LORA_WRITERS`, train/export's `WRITERS`). Adding a format: a record here, a value of its enum in
+config/schema.py, a writer, and `convert` if it can be made from an earlier run's export."""
 
 from __future__ import annotations
 
@@ -20,25 +20,54 @@ class Format:
     cannot: dict[str, str] = field(default_factory=dict)
 
 
-LORA: dict[str, Format] = {f.name: f for f in (
-    Format("diffusers", "<run>/lora/pytorch_lora_weights.safetensors", "diffusers' load_lora_weights",
-           methods=("lora", "dora"),
-           cannot={m: (f"diffusers' load_lora_weights loads LoRA and DoRA files only; a {m} file is written in "
-                       "LyCORIS' layout (<run>/lora/kohya.safetensors), which ComfyUI, Forge and kohya's tools load")
-                   for m in ("lokr", "loha")}),
-    Format("kohya", "<run>/lora/kohya.safetensors", "ComfyUI, Forge, kohya's and musubi-tuner's tools",
-           methods=("lora", "lokr", "loha"),
-           cannot={"dora": ("ComfyUI's and LyCORIS' DoRA (kohya's layout, dora_scale) scale each input column of "
-                            "the weight, peft's each output row: no kohya-layout file makes the weights this run "
-                            "trains")}),
-)}
+LORA: dict[str, Format] = {
+    f.name: f
+    for f in (
+        Format(
+            "diffusers",
+            "<run>/lora/pytorch_lora_weights.safetensors",
+            "diffusers' load_lora_weights",
+            methods=("lora", "dora"),
+            cannot={
+                m: (
+                    f"diffusers' load_lora_weights loads LoRA and DoRA files only; a {m} file "
+                    "is written in LyCORIS' layout (<run>/lora/kohya.safetensors), which "
+                    "ComfyUI, Forge and kohya's tools load"
+                )
+                for m in ("lokr", "loha")
+            },
+        ),
+        Format(
+            "kohya",
+            "<run>/lora/kohya.safetensors",
+            "ComfyUI, Forge, kohya's and musubi-tuner's tools",
+            methods=("lora", "lokr", "loha"),
+            cannot={
+                "dora": (
+                    "ComfyUI's and LyCORIS' DoRA (kohya's layout, dora_scale) scale each input "
+                    "column of the weight, peft's each output row: no kohya-layout file makes the "
+                    "weights this run trains"
+                )
+            },
+        ),
+    )
+}
 
-MODEL: dict[str, Format] = {f.name: f for f in (
-    Format("diffusers", "<run>/unet or <run>/transformer (and the pipeline of a tiny or single-file model)",
-           "diffusers' from_pretrained"),
-    Format("single_file", "<run>/single_file/model.safetensors in the makers' layout",
-           "ComfyUI, Forge, InvokeAI, diffusers' from_single_file"),
-)}
+MODEL: dict[str, Format] = {
+    f.name: f
+    for f in (
+        Format(
+            "diffusers",
+            "<run>/unet or <run>/transformer (and the pipeline of a tiny or single-file model)",
+            "diffusers' from_pretrained",
+        ),
+        Format(
+            "single_file",
+            "<run>/single_file/model.safetensors in the makers' layout",
+            "ComfyUI, Forge, InvokeAI, diffusers' from_single_file",
+        ),
+    )
+}
 
 
 def names(values: object) -> list[str]:

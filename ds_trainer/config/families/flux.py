@@ -1,6 +1,6 @@
-"""Flux.1's facts (dev, schnell, Kontext): a transformer of double- and single-stream blocks trained by flow
-matching with the resolution-dependent shift, CLIP-L and T5, dev's distilled guidance input; its single file the
-transformer alone in Black Forest Labs' layout."""
+"""Flux.1's facts (dev, schnell, Kontext): a transformer of double- and single-stream blocks trained
+by flow matching with the resolution-dependent shift, CLIP-L and T5, dev's distilled guidance input;
+its single file the transformer alone in Black Forest Labs' layout."""
 
 from __future__ import annotations
 
@@ -9,24 +9,34 @@ from typing import Any
 from ds_trainer.config.families.sd3 import SPEC as SD3
 from ds_trainer.config.families.spec import FamilySpec, TransformerFile, blocks
 
-WIDTH = 3072  # diffusers' Flux single-file converter splits the single-stream blocks' fused projection at this width
+# diffusers' Flux single-file converter splits the single-stream blocks' fused projection at
+# this width
+WIDTH = 3072
 
 
 def _mismatch(shapes: dict[str, list[int]], arch: dict[str, Any], width: int) -> str | None:
-    """Black Forest Labs' file against the architecture: its double and single blocks, guidance input and width."""
+    """Black Forest Labs' file against the architecture: its double and single blocks, guidance
+    input and width."""
     keys = set(shapes)
     guided = "guidance_in.in_layer.weight" in keys
     if guided != bool(arch.get("guidance_embeds")):
-        file_has, arch_has = ("with" if guided else "without"), ("with" if arch.get("guidance_embeds") else "without")
-        return (f"a Flux transformer {file_has} a guidance input (FLUX.1-dev has one, schnell not), the "
-                f"architecture {arch_has}")
+        file_has, arch_has = (
+            ("with" if guided else "without"),
+            ("with" if arch.get("guidance_embeds") else "without"),
+        )
+        return (
+            f"a Flux transformer {file_has} a guidance input (FLUX.1-dev has one, schnell not), "
+            "the "
+            f"architecture {arch_has}"
+        )
     for name, key in (("double_blocks", "num_layers"), ("single_blocks", "num_single_layers")):
         theirs, ours = len(blocks(keys, f"{name}.")), int(arch[key])
         if theirs != ours:
             return f"{theirs} {name}, the architecture {ours}: another model's transformer"
     file_width = shapes.get("img_in.weight", [0])[0]
     if file_width != width:
-        return f"a transformer {file_width} wide, the architecture {width}: another model's transformer"
+        return (f"a transformer {file_width} wide, the architecture {width}: "
+                "another model's transformer")
     return None
 
 
@@ -36,15 +46,29 @@ def _text_tokens(cfg: Any) -> int:
 
 
 SPEC = FamilySpec(
-    name="flux", label="Flux.1", component="transformer", module_classes=("FluxTransformer2DModel",),
-    implementation="ds_trainer.train.families.flux:Flux", text_encoders=("clip_l", "t5"),
-    guidance_input=True, dynamic_shift=True, pipeline="FluxPipeline", fp16=SD3.fp16,
+    name="flux",
+    label="Flux.1",
+    component="transformer",
+    module_classes=("FluxTransformer2DModel",),
+    implementation="ds_trainer.train.families.flux:Flux",
+    text_encoders=("clip_l", "t5"),
+    guidance_input=True,
+    dynamic_shift=True,
+    pipeline="FluxPipeline",
+    fp16=SD3.fp16,
     transformer_file=TransformerFile(
         mark="double_blocks.0.img_attn.norm.key_norm.scale",
-        label="a Flux.1 transformer (Black Forest Labs' layout)", example="flux1-dev.safetensors",
-        mismatch=_mismatch, width=WIDTH, width_model="flux_dev"),
+        label="a Flux.1 transformer (Black Forest Labs' layout)",
+        example="flux1-dev.safetensors",
+        mismatch=_mismatch,
+        width=WIDTH,
+        width_model="flux_dev",
+    ),
     code_url="https://github.com/black-forest-labs/flux",
-    modelspec_architecture="flux-1-dev", kohya_base_version="flux1",
-    kohya_readers="ComfyUI (`models/loras`), Forge, kohya's sd-scripts, diffusers' `load_lora_weights`",
-    tags=("flux", "text-to-image"), text_tokens=_text_tokens,
+    modelspec_architecture="flux-1-dev",
+    kohya_base_version="flux1",
+    kohya_readers="ComfyUI (`models/loras`), Forge, kohya's sd-scripts, "
+    "diffusers' `load_lora_weights`",
+    tags=("flux", "text-to-image"),
+    text_tokens=_text_tokens,
 )

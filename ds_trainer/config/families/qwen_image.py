@@ -1,6 +1,7 @@
 """Qwen-Image's facts (and Qwen-Image-Edit's): a dual-stream MMDiT trained by flow matching with the
-resolution-dependent shift on a video VAE's packed latents, captions by Qwen2.5-VL (Qwen-Image-Edit's encoded with
-the reference picture); its single file the transformer alone in diffusers' names, as ComfyUI's."""
+resolution-dependent shift on a video VAE's packed latents, captions by Qwen2.5-VL
+(Qwen-Image-Edit's encoded with the reference picture); its single file the transformer alone in
+diffusers' names, as ComfyUI's."""
 
 from __future__ import annotations
 
@@ -17,25 +18,39 @@ def _mismatch(shapes: dict[str, list[int]], arch: dict[str, Any], width: int) ->
         return f"{theirs} transformer_blocks, the architecture {ours}: another model's transformer"
     file_width = shapes.get("img_in.weight", [0])[0]
     if file_width != width:
-        return f"a transformer {file_width} wide, the architecture {width}: another model's transformer"
+        return (f"a transformer {file_width} wide, the architecture {width}: "
+                "another model's transformer")
     return None
 
 
 def _text_tokens(cfg: Any) -> int:
-    """Qwen2.5-VL's caption tokens after the template's prefix (an editing model's reference's vision tokens come
-    before them: the planner adds those)."""
+    """Qwen2.5-VL's caption tokens after the template's prefix (an editing model's reference's
+    vision tokens come before them: the planner adds those)."""
     return int(cfg.model.flow.text_max_length)
 
 
 SPEC = FamilySpec(
-    name="qwen_image", label="Qwen-Image", component="transformer", module_classes=("QwenImageTransformer2DModel",),
-    implementation="ds_trainer.train.families.qwen_image:QwenImage", text_encoders=("qwen_vl",),
-    dynamic_shift=True, caption_limit=1024, caption_sees_reference=True, pipeline="QwenImagePipeline",
+    name="qwen_image",
+    label="Qwen-Image",
+    component="transformer",
+    module_classes=("QwenImageTransformer2DModel",),
+    implementation="ds_trainer.train.families.qwen_image:QwenImage",
+    text_encoders=("qwen_vl",),
+    dynamic_shift=True,
+    caption_limit=1024,
+    caption_sees_reference=True,
+    pipeline="QwenImagePipeline",
     transformer_file=TransformerFile(
-        mark="txt_norm.weight", label="a Qwen-Image transformer (diffusers' names, as ComfyUI's file)",
-        example="qwen_image_bf16.safetensors", mismatch=_mismatch, bare_names=True),
+        mark="txt_norm.weight",
+        label="a Qwen-Image transformer (diffusers' names, as ComfyUI's file)",
+        example="qwen_image_bf16.safetensors",
+        mismatch=_mismatch,
+        bare_names=True,
+    ),
     code_url="https://github.com/QwenLM/Qwen-Image",
-    modelspec_architecture="qwen-image", kohya_base_version="qwen_image",
+    modelspec_architecture="qwen-image",
+    kohya_base_version="qwen_image",
     kohya_readers="ComfyUI (`models/loras`), musubi-tuner, diffusers' `load_lora_weights`",
-    tags=("qwen-image", "text-to-image"), text_tokens=_text_tokens,
+    tags=("qwen-image", "text-to-image"),
+    text_tokens=_text_tokens,
 )

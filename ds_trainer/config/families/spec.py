@@ -1,4 +1,5 @@
-"""The record of a model family's facts (`FamilySpec`), torch-free; each family's is in its module beside this one."""
+"""The record of a model family's facts (`FamilySpec`), torch-free; each family's is in its module
+beside this one."""
 
 from __future__ import annotations
 
@@ -9,16 +10,22 @@ from typing import Any
 
 @dataclass(frozen=True)
 class TransformerFile:
-    """The trained transformer as one file in its makers' layout (`model.transformer`): how to recognise it."""
+    """The trained transformer as one file in its makers' layout (`model.transformer`): how to
+    recognise it."""
 
-    mark: str  # a key only this family's layout has (diffusers' single-file loaders detect families by these)
+    # A key only this family's layout has (diffusers' single-file loaders detect families by these)
+    mark: str
     label: str  # what a message calls such a file
     example: str  # the file its makers ship, for the fix
-    # None when a header's shapes (file names -> shape) are the architecture's (its diffusers config); else why not
+    # None when a header's shapes (file names -> shape) are the architecture's (its diffusers
+    # config); else why not
     mismatch: Callable[[dict[str, list[int]], dict[str, Any], dict[str, Any]], str | None]
-    # diffusers' loader reads the file's names as they are (no whole checkpoint's model.diffusion_model. prefix)
+    # diffusers' loader reads the file's names as they are (no whole checkpoint's
+    # model.diffusion_model. prefix)
     bare_names: bool = False
-    width: int | None = None  # the only width diffusers' loader converts (Flux.1's fused projection)
+    width: int | None = (
+        None  # the only width diffusers' loader converts (Flux.1's fused projection)
+    )
     width_model: str = ""  # the model option of that width, for the fix
 
 
@@ -27,22 +34,33 @@ class FamilySpec:
     name: str  # model.family
     label: str  # what a message calls the family ("Flux.1")
     component: str  # the trained module's pipeline component: "unet" or "transformer"
-    module_classes: tuple[str, ...]  # the trained module's diffusers class (a LoRA file's, FSDP2's subclass's base)
+    module_classes: tuple[
+        str, ...
+    ]  # the trained module's diffusers class (a LoRA file's, FSDP2's subclass's base)
     implementation: str  # "module:Class" of its torch side (train/families/)
     text_encoders: tuple[str, ...]  # as data.text_encoder_dropout names them
     # What its single file holds beside the denoiser, as pipeline components (in the file's order)
     single_file_parts: tuple[str, ...] = ()
-    flow: bool = True  # trains by flow matching (model.flow); else DDPM noise with a prediction type
+    flow: bool = (
+        True  # trains by flow matching (model.flow); else DDPM noise with a prediction type
+    )
     guidance_input: bool = False  # a distilled guidance input (model.flow.guidance)
-    dynamic_shift: bool = False  # the sampler's resolution-dependent shift (model.flow.dynamic_shift)
-    # An editing model's caption is encoded with its reference picture (once, into the cache: never dropped or varied)
+    dynamic_shift: bool = (
+        False  # the sampler's resolution-dependent shift (model.flow.dynamic_shift)
+    )
+    # An editing model's caption is encoded with its reference picture (once, into the cache: never
+    # dropped or varied)
     caption_sees_reference: bool = False
-    caption_limit: int | None = None  # the pipeline's most caption tokens (model.flow.text_max_length), if bounded
+    caption_limit: int | None = (
+        None  # the pipeline's most caption tokens (model.flow.text_max_length), if bounded
+    )
     pipeline: str = ""  # the diffusers pipeline's class, for messages
     fp16: str = ""  # why fp16 cannot train it ("" when it can)
     transformer_file: TransformerFile | None = None
     code_url: str = ""  # modelspec.implementation: the reference code
-    modelspec_architecture: str = ""  # modelspec.architecture of its base, unless the option names another
+    modelspec_architecture: str = (
+        ""  # modelspec.architecture of its base, unless the option names another
+    )
     kohya_base_version: str = ""  # kohya's ss_base_model_version, unless the option names another
     kohya_readers: str = ""  # the model card: what reads its kohya-layout LoRA file
     diffusers_lora_in_comfyui: bool = True  # ComfyUI reads its diffusers-layout LoRA too
@@ -60,4 +78,6 @@ class FamilySpec:
 
 def blocks(keys: set[str], prefix: str) -> set[int]:
     """The block numbers under `prefix` (`joint_blocks.`) among a file's keys."""
-    return {int(k.split(".")[1]) for k in keys if k.startswith(prefix) and k.split(".")[1].isdigit()}
+    return {
+        int(k.split(".")[1]) for k in keys if k.startswith(prefix) and k.split(".")[1].isdigit()
+    }

@@ -1,8 +1,9 @@
-"""A parameter under any layout, as the parts of a run ask about it: its whole shape and size, this rank's share
-of it, and its fp32 master read or set whole. ZeRO-3 partitions a parameter (its data gathered away, this rank's
-share in `ds_tensor`, the whole shape in `ds_shape`); ZeRO-1/2 keep the fp32 master as a fragment of a flat
-partition (`_hp_mapping`); ZeRO-0 in 16 bits keeps it in the optimizer's fp32 groups; FSDP2 holds a DTensor shard
-(sharded.py); DDP the tensor itself. Only this folder names those attributes (tests/test_architecture.py)."""
+"""A parameter under any layout, as the parts of a run ask about it: its whole shape and size, this
+rank's share of it, and its fp32 master read or set whole. ZeRO-3 partitions a parameter (its data
+gathered away, this rank's share in `ds_tensor`, the whole shape in `ds_shape`); ZeRO-1/2 keep the
+fp32 master as a fragment of a flat partition (`_hp_mapping`); ZeRO-0 in 16 bits keeps it in the
+optimizer's fp32 groups; FSDP2 holds a DTensor shard (sharded.py); DDP the tensor itself. Only this
+folder names those attributes (tests/test_architecture.py)."""
 
 from __future__ import annotations
 
@@ -31,14 +32,14 @@ def partitioned(p: Any) -> bool:
 
 
 def split(params: Iterable[Any]) -> bool:
-    """Whether any of them is split over the ranks (ZeRO-3's partitions, FSDP2's shards): reading one whole is then
-    collective."""
+    """Whether any of them is split over the ranks (ZeRO-3's partitions, FSDP2's shards): reading
+    one whole is then collective."""
     return any(hasattr(p, "ds_id") or sharded.is_sharded(p) for p in params)
 
 
 def local(p: Any) -> torch.Tensor | None:
-    """This rank's share of a parameter that is split over the ranks (ZeRO-3's partition, FSDP2's shard); None for
-    one held whole."""
+    """This rank's share of a parameter that is split over the ranks (ZeRO-3's partition, FSDP2's
+    shard); None for one held whole."""
     if hasattr(p, "ds_tensor"):
         return p.ds_tensor  # type: ignore[no-any-return]
     if sharded.is_sharded(p):
@@ -47,35 +48,37 @@ def local(p: Any) -> torch.Tensor | None:
 
 
 def storage(p: Any) -> torch.Tensor:
-    """Where this rank keeps the parameter's values: its share where it is split, else the tensor's data."""
+    """Where this rank keeps the parameter's values: its share where it is split, else the tensor's
+    data."""
     mine = local(p)
     return p.data if mine is None else mine  # type: ignore[no-any-return]
 
 
 def gathered(params: list[Any]) -> contextlib.AbstractContextManager[Any]:
-    """Collective where ZeRO-3 partitions any of them (every rank enters it with the same list): inside, they hold
-    their whole values (read-only); a no-op context otherwise."""
+    """Collective where ZeRO-3 partitions any of them (every rank enters it with the same list):
+    inside, they hold their whole values (read-only); a no-op context otherwise."""
     if not any(hasattr(p, "ds_id") for p in params):
         return contextlib.nullcontext()
     import deepspeed
 
-    return deepspeed.zero.GatheredParameters(params, modifier_rank=None)  # type: ignore[no-any-return]
+    gather = deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+    return gather  # type: ignore[no-any-return]
 
 
 def partition_of(whole: torch.Tensor, share: torch.Tensor, rank: int) -> torch.Tensor:
-    """This rank's ZeRO-3 partition (`share`: its storage) of a whole value: its contiguous share of the flattened
-    tensor, zero-padded."""
+    """This rank's ZeRO-3 partition (`share`: its storage) of a whole value: its contiguous share of
+    the flattened tensor, zero-padded."""
     n = share.numel()
-    flat = whole.reshape(-1)[rank * n:(rank + 1) * n]
+    flat = whole.reshape(-1)[rank * n : (rank + 1) * n]
     out = torch.zeros(n, dtype=share.dtype, device=share.device)
-    out[:flat.numel()] = flat
+    out[: flat.numel()] = flat
     return out
 
 
 def regather(params: list[Any]) -> None:
-    """After writing ZeRO-3 partitions: ZeRO-3 keeps small parameters whole on every rank (and may keep others
-    gathered); those are released and gathered again from the partitions just written (collective). A no-op for
-    parameters ZeRO-3 does not partition."""
+    """After writing ZeRO-3 partitions: ZeRO-3 keeps small parameters whole on every rank (and may
+    keep others gathered); those are released and gathered again from the partitions just written
+    (collective). A no-op for parameters ZeRO-3 does not partition."""
     if not any(hasattr(p, "ds_id") for p in params):
         return
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
@@ -87,8 +90,9 @@ def regather(params: list[Any]) -> None:
 
 
 def zero0_masters(engine: Any) -> dict[int, torch.Tensor]:
-    """ZeRO-0 with bf16/fp16 (FP16_Optimizer or FP16_UnfusedOptimizer): the fp32 master of each 16-bit parameter
-    by its id, which `safe_get_full_fp32_param` does not know (it returns None there); empty elsewhere."""
+    """ZeRO-0 with bf16/fp16 (FP16_Optimizer or FP16_UnfusedOptimizer): the fp32 master of each
+    16-bit parameter by its id, which `safe_get_full_fp32_param` does not know (it returns None
+    there); empty elsewhere."""
     optimizer: Any = getattr(engine, "optimizer", None) if engine is not None else None
     groups16 = getattr(optimizer, "fp16_groups", None)
     if groups16 is None:
@@ -98,7 +102,7 @@ def zero0_masters(engine: Any) -> dict[int, torch.Tensor]:
         for params, flat in zip(groups16, optimizer.fp32_groups_flat, strict=True):
             offset = 0
             for p in params:
-                masters[id(p)] = flat[offset:offset + p.numel()].view_as(p)
+                masters[id(p)] = flat[offset : offset + p.numel()].view_as(p)
                 offset += p.numel()
     elif hasattr(optimizer, "fp32_groups"):
         for params, fp32 in zip(groups16, optimizer.fp32_groups, strict=True):
@@ -107,8 +111,9 @@ def zero0_masters(engine: Any) -> dict[int, torch.Tensor]:
 
 
 def full_fp32(p: Any, masters: dict[int, torch.Tensor]) -> torch.Tensor:
-    """Collective: the fp32 master's whole value (DeepSpeed's for a parameter it maps, `masters`' under ZeRO-0 in
-    16 bits, the gathered DTensor or the tensor otherwise). Every rank calls it in the same order."""
+    """Collective: the fp32 master's whole value (DeepSpeed's for a parameter it maps, `masters`'
+    under ZeRO-0 in 16 bits, the gathered DTensor or the tensor otherwise). Every rank calls it in
+    the same order."""
     if hasattr(p, "ds_id") or hasattr(p, "_hp_mapping"):
         from deepspeed.utils import safe_get_full_fp32_param
 
@@ -117,7 +122,8 @@ def full_fp32(p: Any, masters: dict[int, torch.Tensor]) -> torch.Tensor:
 
 
 def set_full_fp32(p: Any, value: torch.Tensor, masters: dict[int, torch.Tensor]) -> None:
-    """Collective: set the fp32 master and the parameter to `value` (whole, the same on every rank)."""
+    """Collective: set the fp32 master and the parameter to `value` (whole, the same on every rank).
+    """
     if hasattr(p, "ds_id") or hasattr(p, "_hp_mapping"):
         from deepspeed.utils import safe_set_full_fp32_param
 
