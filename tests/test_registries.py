@@ -52,3 +52,16 @@ def test_each_format_has_its_writer_and_each_lora_format_says_why_it_cannot_hold
         assert able, f"no LoRA format holds {method.value}"
         for record in formats.LORA.values():
             assert method.value in record.methods or record.cannot[method.value]
+
+
+def test_each_source_kind_has_its_record_and_its_reader() -> None:
+    from ds_trainer.config import schema, source_kinds
+    from ds_trainer.train.data import sources
+
+    kinds = {k.value for k in schema.SourceKind} - {"auto"}
+    assert set(source_kinds.KINDS) == kinds
+    assert set(sources.READERS) == kinds
+    assert source_kinds.kind_of("/nowhere/shards/{000..009}.tar", "auto") == "webdataset"
+    assert source_kinds.paths_of("/nowhere/shards/{000..002}.tar", "auto") == [
+        f"/nowhere/shards/00{i}.tar" for i in range(3)]
+    assert source_kinds.kind_of("/nowhere/captions.parquet", "auto") == "table"

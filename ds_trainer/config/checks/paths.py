@@ -9,7 +9,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from ds_trainer.config import families, schema, source_repeats, weights_file
+from ds_trainer.config import families, schema, source_kinds, source_repeats, weights_file
 from ds_trainer.config.checks import reference
 from ds_trainer.config.problems import Problem
 
@@ -65,7 +65,8 @@ def _sources(cfg: DictConfig) -> list[Problem]:
         key = f"data.sources[{index}]"
         out += [Problem(f"{key}.path", shard, "does not exist",
                         f"{key}.path=<a folder, a .jsonl/.csv/.parquet file, tar shards or a saved dataset's folder>")
-                for shard in _shards(str(source.path)) if not Path(shard).exists()]
+                for shard in source_kinds.paths_of(str(source.path), str(getattr(source.kind, "value", source.kind)))
+                if not Path(shard).exists()]
         if float(source.repeats) <= 0:
             out.append(Problem(f"{key}.repeats", source.repeats, "must be above 0 (the times an epoch each of its "
                                "images is seen; 0.5: every other epoch)", f"{key}.repeats=1, or remove the source"))
@@ -135,12 +136,3 @@ def _captions(cfg: DictConfig) -> list[Problem]:
                            "zeroes a frozen encoder's cached output; with text_encoders trained a batch carries token "
                            "ids instead", "text_encoders=frozen, or data.caption_dropout (drops whole captions)"))
     return out
-
-
-def _shards(path: str) -> list[str]:
-    """A brace pattern's paths (`shards/{000..009}.tar`), as webdataset expands them; another path as it is."""
-    if "{" not in path:
-        return [path]
-    import braceexpand
-
-    return list(braceexpand.braceexpand(path))

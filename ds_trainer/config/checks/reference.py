@@ -10,7 +10,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from ds_trainer.config import families, source_repeats
+from ds_trainer.config import families, source_kinds, source_repeats
 from ds_trainer.config.problems import Problem
 
 EDITING = ("flux", "qwen_image")  # the families with a reference-image input (Kontext's, Qwen-Image-Edit's)
@@ -49,8 +49,8 @@ def _data(cfg: DictConfig) -> list[Problem]:
     for index, entry in enumerate(cfg.data.sources if source == "sources" else []):
         key, path = f"data.sources[{index}]", str(entry.path)
         kind = str(getattr(entry.kind, "value", entry.kind))
-        table = kind == "table" or (kind == "auto" and Path(path).suffix.lower() in (".jsonl", ".csv", ".parquet"))
-        folder = kind == "folder" or (kind == "auto" and Path(path).is_dir() and not table)
+        pairing = source_kinds.KINDS[source_kinds.kind_of(path, kind)]
+        table, folder = pairing.references == "control_column", pairing.references == "control_path"
         if table and not entry.get("control_column"):
             out.append(Problem(f"{key}.control_column", None, f"model={cfg.model.name} edits a reference image: the "
                                "table names each image's reference in a column of paths", f"{key}.control_column="

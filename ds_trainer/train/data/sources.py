@@ -19,12 +19,13 @@ from typing import Any, BinaryIO
 
 from omegaconf import DictConfig, OmegaConf
 
+from ds_trainer.config import source_kinds
 from ds_trainer.errors import DataError
 from ds_trainer.train.data.captions import Policy
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp")
 MASK_SUFFIX = ".mask.png"  # `photo.jpg`'s mask is `photo.mask.png` beside it (data.masked_loss)
-TABLE_SUFFIXES = (".jsonl", ".csv", ".parquet")
+TABLE_SUFFIXES = source_kinds.TABLE_SUFFIXES
 IMAGE_COLUMNS = ("image", "file_name", "path", "jpg", "png")
 CAPTION_COLUMNS = ("text", "caption", "prompt", "txt")
 
@@ -124,38 +125,25 @@ def _name_of(path: str) -> str:
 
 
 def kind_of(path: str, kind: str) -> str:
-    """`auto`: a folder holding a saved Hugging Face dataset is `hf`, another folder `folder`, a .jsonl/.csv/.parquet
-    file `table`, a .tar file or a brace pattern of them `webdataset`."""
-    if kind != "auto":
-        return kind
-    p = Path(path)
-    if p.is_dir():
-        saved = (p / "dataset_info.json").exists() or (p / "dataset_dict.json").exists() or (p / "state.json").exists()
-        return "hf" if saved else "folder"
-    if p.suffix.lower() in TABLE_SUFFIXES:
-        return "table"
-    return "webdataset" if ".tar" in path else "folder"
+    """`auto`: the kind its record recognises (config/source_kinds.py)."""
+    return source_kinds.kind_of(path, kind)
 
 
 def shards(path: str) -> list[str]:
     """A webdataset source's tar files: a path, or a brace pattern (`shards/{000..063}.tar`), expanded as webdataset
     expands it."""
-    import braceexpand
-
-    return [str(p) for p in braceexpand.braceexpand(path)]
+    return source_kinds.shards(path)
 
 
 def items(source: Source) -> list[Item]:
     """The items of a source, sorted by key (none: the caller says so, naming the source); a missing source or a
     column that is not there is a DataError naming the source, what was found and the fix."""
-    reader = {"folder": _folder, "table": _table, "webdataset": _webdataset, "hf": _hf}
-    return sorted(reader[source.kind](source), key=lambda item: item.key)
+    return sorted(READERS[source.kind](source), key=lambda item: item.key)
 
 
 def what_is_read(kind: str) -> str:
     """What a source of `kind` holds images as (for "no ..." when it holds none)."""
-    return {"folder": "jpg/png/webp files", "table": "rows with an image", "webdataset": "tar members with an image "
-            "extension", "hf": "rows"}.get(kind, kind)
+    return source_kinds.KINDS[kind].holds if kind in source_kinds.KINDS else kind
 
 
 def _file_reader(path: Path) -> Callable[[], BinaryIO]:
@@ -426,3 +414,8 @@ def _row_reader(table: Any, column: str, row: int, root: Path) -> Callable[[], B
         return (path if path.is_absolute() else root / path).open("rb")
 
     return read
+
+
+# Each kind's reader (config/source_kinds.py has the rest of what a kind is; a test holds the two to the same kinds).
+READERS: dict[str, Callable[[Source], list[Item]]] = {"folder": _folder, "table": _table, "webdataset": _webdataset,
+                                                      "hf": _hf}
