@@ -58,7 +58,7 @@ def _type_name(tp: Any) -> str:
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
         return " | ".join(f"`{m.value}`" for m in tp)
     name = getattr(tp, "__name__", None) if not typing.get_args(tp) else None
-    return name if name else str(tp).replace("typing.", "").replace("ds_trainer.config.schema.", "")
+    return name if name else re.sub(r"(typing|ds_trainer\.config\.\w+)\.", "", str(tp))
 
 
 def _default(f: dataclasses.Field) -> str:
@@ -70,6 +70,8 @@ def _default(f: dataclasses.Field) -> str:
         return "(required)"
     if isinstance(value, enum.Enum):
         value = value.value
+    if isinstance(value, list) and all(isinstance(v, enum.Enum) for v in value):
+        return "`[" + ", ".join(v.value for v in value) + "]`"
     if dataclasses.is_dataclass(value):
         return "(group)"
     return f"`{value!r}`" if not isinstance(value, str) else f"`{value}`"

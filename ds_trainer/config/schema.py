@@ -7,161 +7,39 @@ or override fails at composition with Hydra's own message. Torch-free.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
 
-from ds_trainer.config import families, formats
-
-
-class Backend(str, Enum):
-    ddp = "ddp"
-    deepspeed = "deepspeed"
-    fsdp = "fsdp"  # PyTorch FSDP2 through Accelerate; `stage` 3 reshards after forward, 2 does not
-
-
-class ResumeOptimizer(str, Enum):
-    keep = "keep"  # the optimizer state carries over (refused when it cannot)
-    reset = "reset"  # weights only: the optimizer starts fresh (recorded as a warning)
-
-
-class OffloadDevice(str, Enum):
-    none = "none"
-    cpu = "cpu"
-    nvme = "nvme"
-
-
-class SchedulerName(str, Enum):
-    warmup = "warmup"
-    warmup_decay = "warmup_decay"
-    warmup_cosine = "warmup_cosine"
-    one_cycle = "one_cycle"
-    constant = "constant"
-
-
-class Precision(str, Enum):
-    bf16 = "bf16"
-    bf16_pure = "bf16_pure"
-    fp16 = "fp16"
-    fp32 = "fp32"
-
-
-class Attention(str, Enum):
-    sdpa = "sdpa"  # torch's scaled_dot_product_attention picks the kernel (the fastest that takes the inputs)
-    flash = "flash"  # FlashAttention-2 (CUDA sm80+ in fp16/bf16; torch's own CPU kernel)
-    efficient = "efficient"  # memory-efficient attention (xFormers' kernel; CUDA)
-    cudnn = "cudnn"  # cuDNN's fused attention (CUDA sm80+ with cuDNN 9)
-    math = "math"  # the unfused reference: every device, most memory
-
-
-class Compile(str, Enum):
-    none = "none"  # eager
-    blocks = "blocks"  # torch.compile each repeated block of the trained module (model.compile_blocks)
-    full = "full"  # torch.compile the whole trained module (one graph where it traces; longer to compile)
-
-
-class WeightUpdate(str, Enum):
-    nearest = "nearest"  # the update is added and rounded to the weight's dtype (what DeepSpeed and FSDP do)
-    kahan = "kahan"  # bf16 weights keep a bf16 compensation of what rounding lost (optimi's Kahan summation)
-
-
-class DataSource(str, Enum):
-    synthetic = "synthetic"
-    folder = "folder"
-    sources = "sources"  # data.sources: several folders, tables, tar shards, saved datasets
-
-
-class SourceKind(str, Enum):
-    auto = "auto"  # from the path: a saved dataset's folder is hf, another folder folder, .jsonl/.csv/.parquet table
-    folder = "folder"  # images with same-name caption files (or a metadata.jsonl)
-    table = "table"  # a .jsonl, .csv or .parquet file of image paths (or image bytes) and captions
-    webdataset = "webdataset"  # tar shards (a path or a brace pattern), a sample's members sharing a key
-    hf = "hf"  # a Hugging Face dataset saved with save_to_disk
-
-
-class Remainder(str, Enum):
-    drop = "drop"
-    repeat = "repeat"
-
-
-class LoggerName(str, Enum):
-    wandb = "wandb"
-    none = "none"
-
-
-class LoggerMode(str, Enum):
-    offline = "offline"
-    online = "online"
-    disabled = "disabled"
-
-
-class AdapterMethod(str, Enum):
-    none = "none"
-    lora = "lora"
-    dora = "dora"  # LoRA with a trained magnitude per output row (peft's use_dora)
-    lokr = "lokr"  # LyCORIS' Kronecker product (peft's LoKr)
-    loha = "loha"  # LyCORIS' Hadamard product of two low-rank pairs (peft's LoHa)
-
-
-# The methods whose file is LyCORIS' layout (lycoris.kohya's module names), not a LoRA's: what writes, loads and
-# describes them differs (config/checks/adapter.py, train/layouts/metadata.py, export/card.py, tools/convert.py).
-LYCORIS_METHODS = frozenset({AdapterMethod.lokr.value, AdapterMethod.loha.value})
-
-
-class QuantizeKind(str, Enum):
-    none = "none"
-    int8 = "int8"
-    nf4 = "nf4"
-    fp8 = "fp8"
-
-
-class TextEncoderMode(str, Enum):
-    frozen = "frozen"
-    lora = "lora"
-    full = "full"
-
-
-class TextEncoderChoice(str, Enum):
-    both = "both"
-    clip_l = "clip_l"  # SDXL's text_encoder: CLIP ViT-L/14
-    bigg = "bigg"  # SDXL's text_encoder_2: OpenCLIP ViT-bigG/14
-
-
-class SaveDtype(str, Enum):
-    fp32 = "fp32"
-    fp16 = "fp16"
-    bf16 = "bf16"
-
-
-# export.formats and adapter.formats: one value per record of config/formats.py.
-ExportFormat = Enum("ExportFormat", {name: name for name in formats.MODEL}, type=str)  # type: ignore[misc]
-LoraFormat = Enum("LoraFormat", {name: name for name in formats.LORA}, type=str)  # type: ignore[misc]
-
-
-# model.family: one value per family of the registry (config/families/: each family's facts in its spec).
-ModelFamily = Enum("ModelFamily", {name: name for name in families.NAMES}, type=str)  # type: ignore[misc]
-
-
-class TimestepDensity(str, Enum):
-    logit_normal = "logit_normal"
-    mode = "mode"
-    uniform = "uniform"
-
-
-class LossWeighting(str, Enum):
-    none = "none"
-    sigma_sqrt = "sigma_sqrt"
-    cosmap = "cosmap"
-
-
-class Platform(str, Enum):
-    auto = "auto"
-    cuda = "cuda"
-    cpu = "cpu"
-    mps = "mps"
-    rocm = "rocm"
+from ds_trainer.config import formats
+from ds_trainer.config.choices import (  # noqa: F401 - the choices are read as schema.<Name> too
+    LYCORIS_METHODS,
+    AdapterMethod,
+    Attention,
+    Backend,
+    Compile,
+    DataSource,
+    ExportFormat,
+    LoggerMode,
+    LoggerName,
+    LoraFormat,
+    LossWeighting,
+    ModelFamily,
+    OffloadDevice,
+    Platform,
+    Precision,
+    QuantizeKind,
+    Remainder,
+    ResumeOptimizer,
+    SaveDtype,
+    SchedulerName,
+    SourceKind,
+    TextEncoderChoice,
+    TextEncoderMode,
+    TimestepDensity,
+    WeightUpdate,
+)
+from ds_trainer.config.inputs import DataConfig, EncoderDropout, FlowConfig, ModelAbout, ModelConfig, SourceConfig  # noqa: F401 - read as schema.<Name> too
 
 
 @dataclass
@@ -261,191 +139,6 @@ class PrecisionConfig:
     loss_scale_window: int = 1000
     hysteresis: int = 2
     min_loss_scale: float = 1.0
-
-
-@dataclass
-class FlowConfig:
-    """`model.flow`: the flow-matching training of a diffusion transformer (SD3's family). A sample's noise level
-    sigma is drawn as u from `density` (`logit_normal`: sigmoid of N(logit_mean, logit_std), the SD3 paper's; `mode`
-    with `mode_scale`; `uniform`), looked up in the 1000-entry table sigma_i = (1000 - i) / 1000 shifted by
-    `shift` (shift * s / (1 + (shift - 1) * s): SD3's 3.0 favours noisier steps), the latents noised as
-    (1 - sigma) x0 + sigma noise and the transformer's prediction compared with noise - x0, weighted by
-    `weighting` (`none`; `sigma_sqrt`: 1/sigma^2; `cosmap`: 2 / (pi (1 - 2 sigma + 2 sigma^2)))."""
-
-    # How a sample's u (its noise level's place in the table) is drawn: SD3's paper and diffusers' SD3 script use
-    # logit_normal.
-    density: TimestepDensity = TimestepDensity.logit_normal
-    # logit_normal: u = sigmoid(N(logit_mean, logit_std)).
-    logit_mean: float = 0.0
-    logit_std: float = 1.0
-    # mode: u = 1 - v - mode_scale (cos(pi v / 2)^2 - 1 + v) for v uniform.
-    mode_scale: float = 1.29
-    # The per-sample loss weight: none, sigma_sqrt (1/sigma^2), cosmap.
-    weighting: LossWeighting = LossWeighting.none
-    # sigma' = shift sigma / (1 + (shift - 1) sigma) on the table (SD3: 3.0; 1.0: no shift).
-    shift: float = 3.0
-    # Flux's resolution-dependent shift instead of `shift` (which must then be 1.0): mu = 0.5 at 256 image tokens to
-    # 1.15 at 4096, linear in between and beyond, and sigma' = e^mu / (e^mu + 1/sigma - 1), as its sampler shifts.
-    dynamic_shift: bool = False
-    # The guidance a guidance-distilled transformer (Flux.1-dev: guidance_embeds) is given in training (diffusers'
-    # Flux scripts: 3.5; 1.0 is also used); null for a model without that input.
-    guidance: float | None = None
-    # Tokens of T5 per caption (the pipeline's max_sequence_length; SD3's own default is 256).
-    t5_max_length: int = 256
-    # Qwen-Image: tokens of Qwen2.5-VL's hidden states per caption after the template's system prefix (the
-    # pipeline's max_sequence_length: 512 by default, at most 1024).
-    text_max_length: int = 512
-
-
-@dataclass
-class ModelAbout:
-    """`model.about`: what a model option is, for the model card and the exported files' headers (nothing trains by
-    it; the latent cache's key leaves it out)."""
-
-    tiny: bool = False  # random weights built offline (ds_trainer/assets): exports the whole pipeline
-    base_id: str | None = None  # the base model's hub id (the card's base_model)
-    license: str | None = None  # as the hub names it ("apache-2.0", "other")
-    license_name: str | None = None  # the hub's license_name where license is "other"
-    license_url: str | None = None
-    modelspec_architecture: str | None = None  # modelspec.architecture (null: the family's, config/families/)
-    kohya_base_version: str | None = None  # kohya's ss_base_model_version (null: the family's)
-
-
-@dataclass
-class ModelConfig:
-    """`model` group: which model to train, of which family (`sdxl`: a UNet; `sd3`: SD3/SD3.5's MMDiT, `flux`:
-    Flux.1's transformer, both trained by flow matching, which `flow` sets).
-
-    `param_count`, `max_param_numel` and `downsample_factor` describe the trained module (UNet or transformer)
-    so the torch-free config checks can size NVMe buffers and swap and check resolutions (the VAE's factor times the
-    transformer's patch); a test checks them against the built model.
-    """
-
-    name: str = MISSING
-    # What the model is: its frozen parts and how they encode, its trained module, loss, pipeline (ds_trainer/families).
-    family: ModelFamily = ModelFamily["sdxl"]  # type: ignore[valid-type]
-    # The sd3 family's flow-matching training (null for SDXL): its keys below.
-    flow: FlowConfig | None = None
-    # A local diffusers folder, a hub id, or a single-file SDXL checkpoint (.safetensors/.ckpt, original
-    # layout; `architecture` gives its configs); None builds the architecture in `architecture`.
-    pretrained: str | None = None
-    revision: str | None = None
-    variant: str | None = None
-    # A VAE to use instead of the model's: a diffusers folder or a single .safetensors/.ckpt file.
-    vae: str | None = None
-    # SD3/SD3.5 and Flux: the trained transformer from one .safetensors file in its makers' layout (Stability's
-    # sd3.5_medium.safetensors, Black Forest Labs' flux1-dev.safetensors, a fine-tune shared that way) instead of
-    # `pretrained`'s; the rest (VAE, text encoders) comes from `pretrained` (or the architecture when null).
-    transformer: str | None = None
-    # Folder of diffusers/transformers configs kept in the repo (ds_trainer/assets/<name>).
-    architecture: str = MISSING
-    # An editing model (Flux.1 Kontext): each image trains beside its reference (control) image, whose latents are
-    # appended to its tokens; the data pairs the images by name (data.control_path, a source's control_path or
-    # control_column), samples take samples.images.
-    reference_images: bool = False
-    about: ModelAbout = field(default_factory=ModelAbout)
-    param_count: int = MISSING
-    max_param_numel: int = MISSING
-    downsample_factor: int = MISSING
-    # The trained module's repeated blocks: FSDP's units (zero.fsdp_wrap follows them), the planner's checkpointed
-    # layers. SDXL's UNet: its attention and ResNet blocks; SD3's transformer: JointTransformerBlock.
-    blocks: list[str] = field(default_factory=lambda: ["BasicTransformerBlock", "ResnetBlock2D"])
-    # train.compile=blocks: the blocks compiled one by one, each class's instances sharing its compiled code (diffusers'
-    # `_repeated_blocks`). SDXL: its transformer blocks only (its ResNet blocks change width at each level, and every
-    # width would compile again).
-    compile_blocks: list[str] = field(default_factory=lambda: ["BasicTransformerBlock"])
-
-
-@dataclass
-class EncoderDropout:
-    """data.text_encoder_dropout: per text encoder, the probability that its output is dropped (zeros) for a sample."""
-
-    clip_l: float = 0.0
-    clip_g: float = 0.0
-    t5: float = 0.0
-    qwen_vl: float = 0.0  # Qwen-Image's one encoder: refused (data.caption_dropout drops its caption)
-
-
-@dataclass
-class SourceConfig:
-    """One entry of `data.sources` (data=sources)."""
-
-    path: str = MISSING
-    kind: SourceKind = SourceKind.auto
-    name: str | None = None  # its name in the log, summary.json and the sweep report (default: the path's last part)
-    # Times each of its images is seen an epoch (3 beside another source's 1: three times as often). A fraction weighs a
-    # source down (0.5: each image every other epoch); the epoch is then the passes that see every source whole.
-    repeats: float = 1
-    caption_dropout: float | None = None  # this source's probability of an empty caption (default data.caption_dropout)
-    # This source's tag policy (default: data.tag_shuffle, data.keep_tokens, data.tag_dropout).
-    tag_shuffle: bool | None = None
-    keep_tokens: int | None = None
-    tag_dropout: float | None = None
-    caption_ext: str = "txt"  # folder: the caption files' extension; webdataset: the caption member's
-    image_column: str | None = None  # table, hf: the column of image paths or bytes (default image, file_name, path)
-    caption_column: str | None = None  # table, hf: the captions' column (default text, caption, prompt)
-    split: str = "train"  # hf: the split of a saved DatasetDict
-    # The side of its buckets' area (512: about 512x512 pixels, in buckets of that area), default the run's resolution:
-    # a source of small images beside large ones trains at its own size (every global batch still one bucket).
-    resolution: int | None = None
-    # Regularisation (prior-preservation) images: their loss is logged apart (loss_regularization beside
-    # loss_images); loss_weight weighs any source's samples in the training loss (DreamBooth's prior_loss_weight).
-    regularization: bool = False
-    loss_weight: float = 1.0
-    # A model that edits a reference image (model.reference_images): folder: the folder of the reference (control)
-    # images, each under its image's relative path and name (any image extension); table: the column of their paths.
-    control_path: str | None = None
-    control_column: str | None = None
-
-
-@dataclass
-class DataConfig:
-    """`data` group: where images and captions come from."""
-
-    source: DataSource = DataSource.synthetic
-    path: str | None = None
-    # data=folder with a model that edits a reference image (model.reference_images): the folder of the reference
-    # (control) images, each under its image's relative path and name, any image extension.
-    control_path: str | None = None
-    sources: list[SourceConfig] = field(default_factory=list)
-    # The probability that a sample's caption is dropped (an empty prompt, so classifier-free guidance keeps working):
-    # drawn from the seed and the sample's position in the run, so a resume under any layout drops the same ones.
-    caption_dropout: float = 0.0
-    # Tag captions ("name, red hair, smiling"): split at tag_separator, the first keep_tokens tags kept in place, the
-    # others shuffled (tag_shuffle) and each dropped with tag_dropout; drawn per sample like caption_dropout. Captions
-    # that vary are encoded each step (the latents stay cached; the frozen text encoders stay on the device).
-    tag_shuffle: bool = False
-    keep_tokens: int = 0
-    tag_dropout: float = 0.0
-    tag_separator: str = ","
-    # Per text encoder, the probability that its part of a sample's conditioning is zeros, as a pipeline runs without
-    # that encoder (SD3's without T5): data.text_encoder_dropout.t5=0.1. Drawn apart from caption_dropout and from
-    # each other; an encoder the model lacks is refused (its family spec's text_encoders).
-    text_encoder_dropout: EncoderDropout = field(default_factory=lambda: EncoderDropout())
-    # Masked loss: each image's mask (its alpha channel, else a <name>.mask.png beside it; none: the whole image)
-    # weighs the training loss, cached at the latents' resolution; outside the mask the loss counts unmasked_weight
-    # times (0: not at all). The validation loss stays unmasked.
-    masked_loss: bool = False
-    unmasked_weight: float = 0.0
-    num_samples: int = 64
-    caption_ext: str = "txt"
-    center_crop: bool = True
-    random_flip: bool = False
-    cache: bool = True
-    cache_dir: str = "${paths.outputs}/cache"
-    # Samples per file of the cache (each rank writes its share as packs of this many): a build killed in the middle
-    # loses at most the pack in flight; fewer, larger files suit shared filesystems.
-    cache_pack: int = 256
-    num_workers: int = 0
-    # Aspect-ratio buckets (data=folder turns them on; see config/buckets.py). Sides default to half
-    # and twice the resolution's side; every global batch comes from one bucket, and what is left
-    # over in a bucket each epoch is dropped or filled up by repeating images of that bucket.
-    buckets: bool = False
-    bucket_min_side: int | None = None
-    bucket_max_side: int | None = None
-    bucket_max_aspect_ratio: float = 4.0
-    bucket_step: int = 64
-    bucket_remainder: Remainder = Remainder.drop
 
 
 @dataclass
