@@ -120,3 +120,23 @@ def test_what_fails_on_a_gpu_after_its_first_step_is_refused_before_it() -> None
         assert "T5 overflows in fp16" in _refused(f"model={model}", "precision=fp16")["precision"]
         assert "precision" not in _refused(f"model={model}", "precision=bf16")
     assert "precision" not in _refused("model=sdxl_tiny", "precision=fp16")
+
+
+def test_the_attention_kernels_cuda_cannot_run_for_a_run_are_refused_before_it() -> None:
+    """Review 3's C2 (Qwen-Image trains with a caption mask, which CUDA's flash kernel takes none of), C3 (cuDNN's
+    attention has no fp32), C4 (a DDP full fine-tune samples its fp32 module without autocast: flash and cuDNN take
+    fp16/bf16 only) and L1 (Qwen-Image in fp16, clipped as Flux's): refused with their fixes, only where they fail."""
+    for model in ("qwen_image_tiny", "qwen_image_edit_tiny"):
+        assert "takes no mask" in _refused(f"model={model}", "train.attention=flash")["train.attention"]
+        assert "train.attention" not in _refused(f"model={model}", "train.attention=efficient")
+        assert "train.attention" not in _refused(f"model={model}", "train.attention=cudnn")
+    assert "train.attention" not in _refused("model=flux_tiny", "train.attention=flash")
+    for kernel in ("flash", "cudnn"):
+        assert "fp16 or bf16" in _refused("precision=fp32", f"train.attention={kernel}")["train.attention"]
+        ddp = ("zero=ddp", f"train.attention={kernel}", "samples=on")
+        assert "without autocast" in _refused(*ddp)["train.attention"]
+        assert "train.attention" not in _refused(*ddp, "adapter=lora")  # a LoRA's base is held in bf16
+        assert "train.attention" not in _refused("zero=ddp", f"train.attention={kernel}")  # no samples
+        assert "train.attention" not in _refused("zero=stage2", f"train.attention={kernel}", "samples=on")
+    assert "train.attention" not in _refused("precision=fp32", "train.attention=efficient")
+    assert "clips its transformer's streams" in _refused("model=qwen_image_tiny", "precision=fp16")["precision"]

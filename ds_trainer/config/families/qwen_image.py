@@ -37,6 +37,11 @@ SPEC = FamilySpec(
     implementation="ds_trainer.train.families.qwen_image:QwenImage",
     text_encoders=("qwen_vl",),
     dynamic_shift=True,
+    attention_mask=True,
+    fp16=(
+        "diffusers clips its transformer's streams to +-65504 in fp16 as it does Flux.1's (their "
+        "activations leave fp16's range), and Qwen2.5-VL encodes the captions in the same dtype"
+    ),
     caption_limit=1024,
     caption_sees_reference=True,
     pipeline="QwenImagePipeline",

@@ -56,6 +56,8 @@ class FamilySpec:
     )
     pipeline: str = ""  # the diffusers pipeline's class, for messages
     fp16: str = ""  # why fp16 cannot train it ("" when it can)
+    # Training hands attention a mask (padded captions): CUDA's FlashAttention kernel takes none
+    attention_mask: bool = False
     transformer_file: TransformerFile | None = None
     code_url: str = ""  # modelspec.implementation: the reference code
     modelspec_architecture: str = (
