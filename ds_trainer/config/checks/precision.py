@@ -53,26 +53,29 @@ def _attention(cfg: DictConfig, info: hardware.PlatformInfo) -> list[Problem]:
     label = {"flash": "FlashAttention", "cudnn": "cuDNN's attention"}.get(kernel, "")
     spec = families.of(cfg)
     if label and cfg.precision.name.value == "fp32":
-        return [Problem("train.attention", kernel, f"{label} computes in fp16 or bf16, and precision=fp32 runs "
-                        "attention in fp32", "precision=bf16, or train.attention=efficient (fp32 too)")]
+        why = f"{label} computes in fp16 or bf16, and precision=fp32 runs attention in fp32"
+        return [Problem("train.attention", kernel, why,
+                        "precision=bf16, or train.attention=efficient (fp32 too)")]
     if kernel == "flash" and spec.attention_mask:
-        return [Problem("train.attention", kernel, f"model.family={spec.name} trains with each caption's padding "
-                        "mask in its attention, and CUDA's FlashAttention kernel takes no mask",
-                        "train.attention=efficient or train.attention=cudnn (both take a mask), or sdpa")]
+        why = (f"model.family={spec.name} trains with each caption's padding mask in its "
+               "attention, and CUDA's FlashAttention kernel takes no mask")
+        return [Problem("train.attention", kernel, why,
+                        "train.attention=efficient or cudnn (both take a mask), or sdpa")]
     return _sampled_in_fp32(cfg, kernel, label)
 
 
 def _sampled_in_fp32(cfg: DictConfig, kernel: str, label: str) -> list[Problem]:
-    """DDP's full fine-tune holds its fp32 weights in the module, and the sampler runs the live module without
-    autocast: its attention gets fp32, which flash and cuDNN's kernels do not take."""
+    """DDP's full fine-tune holds its fp32 weights in the module, and the sampler runs the live
+    module without autocast: its attention gets fp32, which flash and cuDNN's kernels do not take."""
     fp32_module = ds_config.zero_option(cfg) == "ddp" and cfg.adapter.method.value == "none"
     if not label or not fp32_module or not cfg.samples.enabled:
         return []
-    return [Problem("train.attention", kernel, f"zero=ddp trains the full {families.of(cfg).module_label} in "
-                    f"fp32 weights, which the samples run without autocast: {label} takes fp16 or bf16 only "
-                    "(the training step's autocast does not reach the sampler)",
-                    "train.attention=efficient or sdpa, or zero=stage2 (DeepSpeed holds 16-bit weights), or "
-                    "samples.enabled=false")]
+    why = (f"zero=ddp trains the full {families.of(cfg).module_label} in fp32 weights, which the "
+           f"samples run without autocast: {label} takes fp16 or bf16 only (the training step's "
+           "autocast does not reach the sampler)")
+    return [Problem("train.attention", kernel, why,
+                    "train.attention=efficient or sdpa, or zero=stage2 (DeepSpeed holds 16-bit "
+                    "weights), or samples.enabled=false")]
 
 
 def _compile(cfg: DictConfig, info: hardware.PlatformInfo) -> list[Problem]:

@@ -7,7 +7,12 @@ from __future__ import annotations
 from typing import Any
 
 from ds_trainer.config.families.sd3 import SPEC as SD3
-from ds_trainer.config.families.spec import FamilySpec, TransformerFile, blocks
+from ds_trainer.config.families.spec import (
+    FamilySpec,
+    TransformerFile,
+    blocks_mismatch,
+    width_mismatch,
+)
 
 # diffusers' Flux single-file converter splits the single-stream blocks' fused projection at
 # this width
@@ -30,14 +35,10 @@ def _mismatch(shapes: dict[str, list[int]], arch: dict[str, Any], width: int) ->
             f"architecture {arch_has}"
         )
     for name, key in (("double_blocks", "num_layers"), ("single_blocks", "num_single_layers")):
-        theirs, ours = len(blocks(keys, f"{name}.")), int(arch[key])
-        if theirs != ours:
-            return f"{theirs} {name}, the architecture {ours}: another model's transformer"
-    file_width = shapes.get("img_in.weight", [0])[0]
-    if file_width != width:
-        return (f"a transformer {file_width} wide, the architecture {width}: "
-                "another model's transformer")
-    return None
+        found = blocks_mismatch(keys, name, int(arch[key]))
+        if found:
+            return found
+    return width_mismatch(shapes, "img_in.weight", width)
 
 
 def _text_tokens(cfg: Any) -> int:

@@ -7,20 +7,21 @@ from __future__ import annotations
 
 from typing import Any
 
-from ds_trainer.config.families.spec import FamilySpec, TransformerFile, blocks
+from ds_trainer.config.families.spec import (
+    FamilySpec,
+    TransformerFile,
+    blocks_mismatch,
+    width_mismatch,
+)
 
 
 def _mismatch(shapes: dict[str, list[int]], arch: dict[str, Any], width: int) -> str | None:
     """ComfyUI's file (diffusers' names) against the architecture: its blocks and width."""
     keys = set(shapes)
-    theirs, ours = len(blocks(keys, "transformer_blocks.")), int(arch["num_layers"])
-    if theirs != ours:
-        return f"{theirs} transformer_blocks, the architecture {ours}: another model's transformer"
-    file_width = shapes.get("img_in.weight", [0])[0]
-    if file_width != width:
-        return (f"a transformer {file_width} wide, the architecture {width}: "
-                "another model's transformer")
-    return None
+    found = blocks_mismatch(keys, "transformer_blocks", int(arch["num_layers"]))
+    if found:
+        return found
+    return width_mismatch(shapes, "img_in.weight", width)
 
 
 def _text_tokens(cfg: Any) -> int:

@@ -5,7 +5,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from ds_trainer.config.families.spec import FamilySpec, TransformerFile, blocks
+from ds_trainer.config.families.spec import (
+    FamilySpec,
+    TransformerFile,
+    blocks,
+    blocks_mismatch,
+    width_mismatch,
+)
 
 _T5_FP16 = (
     "T5 overflows in fp16 (transformers keeps its feed-forward output projections in fp32 for "
@@ -37,14 +43,10 @@ def _mismatch(shapes: dict[str, list[int]], arch: dict[str, Any], width: int) ->
         return (
             f"a transformer {file_has} QK-norm, the architecture {arch_has} (SD3.5 has it, SD3 not)"
         )
-    theirs, ours = len(blocks(keys, "joint_blocks.")), int(arch["num_layers"])
-    if theirs != ours:
-        return f"{theirs} joint_blocks, the architecture {ours}: another model's transformer"
-    file_width = shapes.get("x_embedder.proj.weight", [0])[0]
-    if file_width != width:
-        return (f"a transformer {file_width} wide, the architecture {width}: "
-                "another model's transformer")
-    return None
+    found = blocks_mismatch(keys, "joint_blocks", int(arch["num_layers"]))
+    if found:
+        return found
+    return width_mismatch(shapes, "x_embedder.proj.weight", width)
 
 
 def _text_tokens(cfg: Any) -> int:

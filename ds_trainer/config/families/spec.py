@@ -83,3 +83,20 @@ def blocks(keys: set[str], prefix: str) -> set[int]:
     return {
         int(k.split(".")[1]) for k in keys if k.startswith(prefix) and k.split(".")[1].isdigit()
     }
+
+
+def blocks_mismatch(keys: set[str], name: str, ours: int) -> str | None:
+    """None when the file holds `ours` blocks under `name.`; else what it holds."""
+    theirs = len(blocks(keys, f"{name}."))
+    if theirs != ours:
+        return f"{theirs} {name}, the architecture {ours}: another model's transformer"
+    return None
+
+
+def width_mismatch(shapes: dict[str, list[int]], key: str, width: int) -> str | None:
+    """None when the file's `key` (its first projection) is `width` wide; else how wide it is."""
+    file_width = shapes.get(key, [0])[0]
+    if file_width != width:
+        return (f"a transformer {file_width} wide, the architecture {width}: "
+                "another model's transformer")
+    return None
