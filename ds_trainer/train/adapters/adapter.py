@@ -230,7 +230,7 @@ class Trained:
 
     def export(self, run: Run) -> None:
         """Collective: the LoRA files in `<run>/lora/` (and `<run>/lora_ema/` with EMA) from the fp32 master weights,
-        gathered on every rank whatever the ZeRO stage; rank 0 writes, as `adapter.format` asks: diffusers'
+        gathered on every rank whatever the ZeRO stage; rank 0 writes, as `adapter.formats` asks: diffusers'
         `pytorch_lora_weights.safetensors` (`unet.`, `text_encoder.`, `text_encoder_2.` keys) and kohya's
         `kohya.safetensors` (lora_unet_*, lora_te1_*, lora_te2_*), every LoRA of the run in each."""
         accelerator, ema, run_dir = run.accelerator, run.ema, run.run_dir
