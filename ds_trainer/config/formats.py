@@ -1,5 +1,5 @@
 """The file formats a run writes, torch-free: one record each, for `adapter.formats` (the LoRA
-files) and `export.formats` (a full fine-tune's model files). A record says what it writes and which
+files) and `export.formats` (a full fine-tune's model files). A record says who reads it and which
 adapter methods it can hold; the config checks refuse a method a chosen format cannot write from the
 record, and the run's end writes each chosen format through its writer (train/adapters/adapter.py's
 `LORA_WRITERS`, train/export's `WRITERS`). Adding a format: a record here, a value of its enum in
@@ -13,8 +13,7 @@ from dataclasses import dataclass, field
 @dataclass(frozen=True)
 class Format:
     name: str  # the value in the list
-    writes: str  # what it writes, for messages and docs
-    readers: str  # who loads it
+    readers: str  # who loads it (the refusals' fixes name them)
     methods: tuple[str, ...] = ()  # the adapter methods it holds (LoRA formats)
     # why it cannot hold a method, by method (a LoRA format); the fix names a format that can
     cannot: dict[str, str] = field(default_factory=dict)
@@ -25,7 +24,6 @@ LORA: dict[str, Format] = {
     for f in (
         Format(
             "diffusers",
-            "<run>/lora/pytorch_lora_weights.safetensors",
             "diffusers' load_lora_weights",
             methods=("lora", "dora"),
             cannot={
@@ -39,7 +37,6 @@ LORA: dict[str, Format] = {
         ),
         Format(
             "kohya",
-            "<run>/lora/kohya.safetensors",
             "ComfyUI, Forge, kohya's and musubi-tuner's tools",
             methods=("lora", "lokr", "loha"),
             cannot={
@@ -58,12 +55,10 @@ MODEL: dict[str, Format] = {
     for f in (
         Format(
             "diffusers",
-            "<run>/unet or <run>/transformer (and the pipeline of a tiny or single-file model)",
             "diffusers' from_pretrained",
         ),
         Format(
             "single_file",
-            "<run>/single_file/model.safetensors in the makers' layout",
             "ComfyUI, Forge, InvokeAI, diffusers' from_single_file",
         ),
     )

@@ -115,8 +115,8 @@ def _captions(cfg: DictConfig) -> list[Problem]:
         out.append(Problem("data.tag_shuffle" if data.tag_shuffle else "data.tag_dropout",
                            data.tag_shuffle or data.tag_dropout, "synthetic captions are sentences, not tags",
                            "data=folder or data=sources with tag captions"))
-    family = families.of(cfg).name
-    names = families.of(cfg).text_encoders
+    spec = families.of(cfg)
+    family, names = spec.name, spec.text_encoders
     asked = {name: value for name, value in data.text_encoder_dropout.items() if float(value) != 0.0}
     for name, value in asked.items():
         key = f"data.text_encoder_dropout.{name}"

@@ -58,8 +58,3 @@ def with_flow() -> list[FamilySpec]:
     """The families trained by flow matching, in the registry's order (for messages that list them).
     """
     return [s for s in SPECS.values() if s.flow]
-
-
-def listed(specs: Iterable[FamilySpec], sep: str = ", ") -> str:
-    """Their names joined for a message."""
-    return sep.join(s.name for s in specs)

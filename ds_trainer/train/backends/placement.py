@@ -34,7 +34,7 @@ def partitioned(p: Any) -> bool:
 def split(params: Iterable[Any]) -> bool:
     """Whether any of them is split over the ranks (ZeRO-3's partitions, FSDP2's shards): reading
     one whole is then collective."""
-    return any(hasattr(p, "ds_id") or sharded.is_sharded(p) for p in params)
+    return any(partitioned(p) or sharded.is_sharded(p) for p in params)
 
 
 def local(p: Any) -> torch.Tensor | None:
@@ -57,12 +57,22 @@ def storage(p: Any) -> torch.Tensor:
 def gathered(params: list[Any]) -> contextlib.AbstractContextManager[Any]:
     """Collective where ZeRO-3 partitions any of them (every rank enters it with the same list):
     inside, they hold their whole values (read-only); a no-op context otherwise."""
-    if not any(hasattr(p, "ds_id") for p in params):
+    held = [p for p in params if partitioned(p)]
+    if not held:
         return contextlib.nullcontext()
     import deepspeed
 
-    gather = deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+    gather = deepspeed.zero.GatheredParameters(held, modifier_rank=None)
     return gather  # type: ignore[no-any-return]
+
+
+def whole_copies(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A float32 copy of each parameter's whole value on every rank: gathered from ZeRO-3's
+    partitions or FSDP2's shards, else the tensor's own. Collective: every rank calls it with the
+    same names in the same order."""
+    with gathered(list(params.values())):
+        return {name: sharded.full(p).detach().to(torch.float32, copy=True)
+                for name, p in params.items()}
 
 
 def partition_of(whole: torch.Tensor, share: torch.Tensor, rank: int) -> torch.Tensor:
@@ -79,7 +89,7 @@ def regather(params: list[Any]) -> None:
     """After writing ZeRO-3 partitions: ZeRO-3 keeps small parameters whole on every rank (and may
     keep others gathered); those are released and gathered again from the partitions just written
     (collective). A no-op for parameters ZeRO-3 does not partition."""
-    if not any(hasattr(p, "ds_id") for p in params):
+    if not any(partitioned(p) for p in params):
         return
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
@@ -87,6 +97,12 @@ def regather(params: list[Any]) -> None:
     if available:
         available[0].partition(available)
         available[0].all_gather(available)
+
+
+def _deepspeed_master(p: Any) -> bool:
+    """Whether DeepSpeed maps its fp32 master (ZeRO-3's partition, ZeRO-1/2's fragment), which its
+    `safe_get_full_fp32_param` / `safe_set_full_fp32_param` read and write."""
+    return partitioned(p) or hasattr(p, "_hp_mapping")
 
 
 def zero0_masters(engine: Any) -> dict[int, torch.Tensor]:
@@ -114,7 +130,7 @@ def full_fp32(p: Any, masters: dict[int, torch.Tensor]) -> torch.Tensor:
     """Collective: the fp32 master's whole value (DeepSpeed's for a parameter it maps, `masters`'
     under ZeRO-0 in 16 bits, the gathered DTensor or the tensor otherwise). Every rank calls it in
     the same order."""
-    if hasattr(p, "ds_id") or hasattr(p, "_hp_mapping"):
+    if _deepspeed_master(p):
         from deepspeed.utils import safe_get_full_fp32_param
 
         return safe_get_full_fp32_param(p)  # type: ignore[no-any-return]
@@ -124,12 +140,12 @@ def full_fp32(p: Any, masters: dict[int, torch.Tensor]) -> torch.Tensor:
 def set_full_fp32(p: Any, value: torch.Tensor, masters: dict[int, torch.Tensor]) -> None:
     """Collective: set the fp32 master and the parameter to `value` (whole, the same on every rank).
     """
-    if hasattr(p, "ds_id") or hasattr(p, "_hp_mapping"):
+    if _deepspeed_master(p):
         from deepspeed.utils import safe_set_full_fp32_param
 
         safe_set_full_fp32_param(p, value.to(p.device))
     elif id(p) in masters:
         masters[id(p)].copy_(value.view_as(masters[id(p)]))
     with torch.no_grad():
-        if not hasattr(p, "ds_id"):
+        if not partitioned(p):
             p.copy_(sharded.like(value, p))

@@ -31,20 +31,6 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor()  # type: ignore[attr-defined,no-any-return]
 
 
-def whole_copies(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A float32 copy of each parameter's whole value on every rank: gathered from ZeRO-3's partitions (DeepSpeed's
-    GatheredParameters) or FSDP2's shards (`full`), else the tensor's own. Collective: every rank calls it with the
-    same names in the same order."""
-    partitioned = [p for p in params.values() if hasattr(p, "ds_id")]
-    context: Any = contextlib.nullcontext()
-    if partitioned:
-        import deepspeed
-
-        context = deepspeed.zero.GatheredParameters(partitioned, modifier_rank=None)
-    with context:
-        return {name: full(p).detach().to(torch.float32, copy=True) for name, p in params.items()}
-
-
 def like(value: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """`value` (whole, the same on every rank) laid out as `p`: this rank's shard of it for a DTensor, in `p`'s
     dtype and where `p`'s shard lives. No communication: each rank cuts its own shard.

@@ -28,7 +28,7 @@ ADAPTER_LABELS = {"lora": "LoRA", "dora": "DoRA", "lokr": "LoKr (LyCORIS)", "loh
 
 
 def _front_matter(cfg: DictConfig, lora: bool) -> str:
-    about = cfg.model.get("about") or {}
+    about = metadata.about(cfg)
     lines = ["---"]
     if about.get("base_id"):
         lines.append(f"base_model: {about['base_id']}")
@@ -168,7 +168,7 @@ def text(cfg: DictConfig, run_dir: Path, facts: dict[str, Any],
     kind = ADAPTER_LABELS.get(method, "LoRA")
     name = str(cfg.model.name)
     base = metadata.base_model(cfg)
-    license_line = (cfg.model.get("about") or {}).get("license_url")
+    license_line = metadata.about(cfg).get("license_url")
     sections = [
         _front_matter(cfg, lora),
         f"# {name}: {kind if lora else 'fine-tune'} of {run_dir.parent.name} {run_dir.name}",

@@ -17,7 +17,7 @@ from omegaconf import DictConfig
 
 from ds_trainer.config import families as specs
 from ds_trainer.config.families import FamilySpec
-from ds_trainer.train.families.base import Family, component_of, label_of
+from ds_trainer.train.families.base import Family, component_of, label_of, spec_of
 
 __all__ = ["Family", "component_of", "label_of", "named", "of", "of_module"]
 
@@ -35,7 +35,7 @@ def named(name: str) -> Family:
 def of_module(module: Any) -> Family:
     """The family a trained module belongs to, by its class (a LoRA file's pipeline class). By the classes it derives
     from: FSDP2 swaps a sharded module's class for a subclass of its own (`FSDPSD3Transformer2DModel`)."""
-    return _build(specs.of_classes(cls.__name__ for cls in type(module).__mro__), None)
+    return _build(spec_of(module), None)
 
 
 def _build(spec: FamilySpec, cfg: DictConfig | None) -> Family:

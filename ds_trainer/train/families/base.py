@@ -9,6 +9,7 @@ from typing import Any, Protocol
 import torch
 from omegaconf import DictConfig
 
+from ds_trainer.config import families as specs
 from ds_trainer.config.families import FamilySpec
 from ds_trainer.train.layouts.table import Part
 
@@ -95,12 +96,19 @@ class Family(Protocol):
         LoRA file (train/layouts/kohya.py; no file prefix)."""
 
 
+def spec_of(module: Any) -> FamilySpec:
+    """The spec of the family a trained module belongs to, by the classes it derives from (FSDP2
+    swaps a sharded module's class for a subclass of its own, `FSDPSD3Transformer2DModel`); SDXL's
+    for any other."""
+    return specs.of_classes(cls.__name__ for cls in type(module).__mro__)
+
+
 def label_of(module: Any) -> str:
     """What a message calls a trained module: "UNet" or "transformer"."""
-    return "UNet" if component_of(module) == "unet" else "transformer"
+    return spec_of(module).module_label
 
 
 def component_of(module: Any) -> str:
     """The pipeline component a trained module is (`unet`, `transformer`): its name in a diffusers folder and its
     keys' prefix in a LoRA file."""
-    return "transformer" if type(module).__name__.endswith("Transformer2DModel") else "unet"
+    return spec_of(module).component

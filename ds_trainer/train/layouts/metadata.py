@@ -27,16 +27,18 @@ def value_of(v: object) -> str:
 def architecture(cfg: DictConfig) -> str:
     """modelspec.architecture of the base model, in sd-scripts' names (SwarmUI reads them too): the model option's
     (`model.about`), else its family's."""
-    return str(_about(cfg).get("modelspec_architecture") or families.of(cfg).modelspec_architecture)
+    return str(about(cfg).get("modelspec_architecture") or families.of(cfg).modelspec_architecture)
 
 
 def kohya_version(cfg: DictConfig) -> str:
     """kohya's ss_base_model_version (sdxl_model_util, flux_utils, SD3's mmdit.model_type): the option's, else its
     family's."""
-    return str(_about(cfg).get("kohya_base_version") or families.of(cfg).kohya_base_version)
+    return str(about(cfg).get("kohya_base_version") or families.of(cfg).kohya_base_version)
 
 
-def _about(cfg: DictConfig) -> DictConfig:
+def about(cfg: DictConfig) -> DictConfig:
+    """What the model option says it is (`model.about`: license, base id, ...); empty where a
+    config has none."""
     return cfg.model.get("about") or DictConfig({})
 
 
