@@ -65,3 +65,22 @@ def test_each_source_kind_has_its_record_and_its_reader() -> None:
     assert source_kinds.paths_of("/nowhere/shards/{000..002}.tar", "auto") == [
         f"/nowhere/shards/00{i}.tar" for i in range(3)]
     assert source_kinds.kind_of("/nowhere/captions.parquet", "auto") == "table"
+
+
+def test_a_run_written_before_model_about_gets_its_options_facts_for_convert(tmp_path: Path) -> None:
+    """`convert --to card` on a run whose config.yaml predates `model.about`: the card still names the base model and
+    its license (the model option's facts, as the card tables held them before); a run's own `about` is kept."""
+    from omegaconf import OmegaConf
+
+    from ds_trainer.tools import convert
+    from ds_trainer.train.export import card
+
+    saved = OmegaConf.to_container(make_cfg("model=flux_dev"), resolve=False)
+    del saved["model"]["about"]  # type: ignore[index]
+    OmegaConf.save(saved, tmp_path / "config.yaml")
+    text = card._front_matter(convert._run_config(tmp_path), lora=True)
+    assert "base_model: black-forest-labs/FLUX.1-dev" in text
+    assert "license_name: flux-1-dev-non-commercial-license" in text
+    saved["model"]["about"] = {"base_id": "someone/their-flux"}  # type: ignore[index]
+    OmegaConf.save(saved, tmp_path / "config.yaml")
+    assert "base_model: someone/their-flux" in card._front_matter(convert._run_config(tmp_path), lora=True)

@@ -75,9 +75,26 @@ def _run_config(run_dir: Path) -> Any:
     config = run_dir / "config.yaml"
     if not config.is_file():
         raise ConvertError(f"{run_dir}: no config.yaml (is it a ds_trainer run folder?)")
-    cfg = OmegaConf.merge(OmegaConf.structured(schema.Config), OmegaConf.load(config))
+    saved = OmegaConf.load(config)
+    cfg = OmegaConf.merge(OmegaConf.structured(schema.Config), saved, _about_of_older(saved))
     assert isinstance(cfg, DictConfig)
     return cfg
+
+
+def _about_of_older(saved: Any) -> dict[str, Any]:
+    """A run written before `model.about` existed: its model option's facts (license, base id,
+    ...) as the option's yaml states them now, so its card names them as it did then; nothing for a
+    run that has them, or whose option is not one of conf/model's."""
+    from omegaconf import OmegaConf
+
+    from ds_trainer import CONF_DIR
+
+    option = CONF_DIR / "model" / f"{OmegaConf.select(saved, 'model.name')}.yaml"
+    if OmegaConf.select(saved, "model.about") is not None:
+        return {}
+    if not option.is_file():
+        return {}
+    return {"model": {"about": OmegaConf.load(option).get("about", {})}}
 
 
 def export_unet(checkpoint: Path, out: Path, ema: bool = False) -> Path:
