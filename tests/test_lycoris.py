@@ -213,6 +213,7 @@ def test_a_dora_file_loads_into_a_pipeline_that_then_computes_what_the_trained_u
     (("adapter=dora", "adapter.formats=[kohya]"), "adapter.formats", "each input column"),
     (("adapter=lokr", "adapter.dropout=0.1"), "adapter.dropout", "no dropout on their input"),
     (("adapter=loha", "quantize=nf4", "zero=stage2"), "adapter", "no bitsandbytes version"),
+    (("adapter=dora", "quantize=int8", "zero=ddp"), "adapter", "drops LLM.int8's row scales"),  # on the CPU
     (("adapter=lokr", "adapter.factor=0"), "adapter.factor", "smaller Kronecker matrix"),
 ])
 def test_what_a_method_cannot_do_is_refused_before_the_run(overrides: tuple[str, ...], key: str, says: str) -> None:

@@ -37,7 +37,7 @@ def check(cfg: DictConfig, info: hardware.PlatformInfo | None = None) -> Report:
     if not problems:  # the swap is sized, and its disk asked, only for a config that otherwise runs
         resolve.size_swap(cfg)
         problems += swap.problems(cfg, info)
-    problems += [*paths.problems(cfg), *reference.problems(cfg), *adapter.problems(cfg), *samples.problems(cfg),
+    problems += [*paths.problems(cfg), *reference.problems(cfg), *adapter.problems(cfg, info), *samples.problems(cfg),
                  *holdout.problems(cfg)]
     if not problems:  # the last question, the slowest: can this machine build the DeepSpeed ops the run loads
         problems += ops.problems(cfg)

@@ -12,17 +12,19 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from ds_trainer.config import ds_config, formats, schema
+from ds_trainer.config import ds_config, formats, hardware, schema
 from ds_trainer.config.problems import Problem
 
 
-def problems(cfg: DictConfig) -> list[Problem]:
-    """Problems of `cfg.adapter`, `cfg.text_encoders` and `cfg.quantize` that the values alone show."""
+def problems(cfg: DictConfig, info: hardware.PlatformInfo) -> list[Problem]:
+    """Problems of `cfg.adapter`, `cfg.text_encoders` and `cfg.quantize` that the values (and the
+    platform) show."""
     out = _text_encoders(cfg) + _quantize(cfg)
     a = cfg.adapter
     if a.method.value == "none":
         return out + _model_formats(cfg)
-    out += _lora_shape("adapter", a, 16, "[to_q,to_k,to_v,to_out.0] (or adapter=lora_wide)") + _method(cfg)
+    out += _lora_shape("adapter", a, 16, "[to_q,to_k,to_v,to_out.0] (or adapter=lora_wide)")
+    out += _method(cfg, info)
     if a.init_from is not None and not Path(a.init_from).exists():
         out.append(Problem("adapter.init_from", a.init_from, "no such file or folder",
                            "adapter.init_from=<run>/lora/pytorch_lora_weights.safetensors (or null)"))
@@ -112,7 +114,7 @@ def _quantize(cfg: DictConfig) -> list[Problem]:
     return out
 
 
-def _method(cfg: DictConfig) -> list[Problem]:
+def _method(cfg: DictConfig, info: hardware.PlatformInfo) -> list[Problem]:
     """DoRA, LoKr and LoHa: the file layouts that load them, and what peft's layers of them do not have."""
     a = cfg.adapter
     method = a.method.value
@@ -121,15 +123,24 @@ def _method(cfg: DictConfig) -> list[Problem]:
         if a.dropout != 0:
             out.append(Problem("adapter.dropout", a.dropout, f"peft's {method} layers have no dropout on their "
                                "input (LoRA's); their rank and module dropouts are not offered", "adapter.dropout=0.0"))
-        if cfg.quantize.kind.value != "none":
-            out.append(Problem("adapter", method, f"peft's {method} layers reshape their product to the base "
-                               "layer's weight, which bitsandbytes packs (a 4-bit weight is half a byte an element, "
-                               "stored flat); peft has no bitsandbytes version of them",
-                               "adapter=lora or adapter=dora with quantize=" + cfg.quantize.kind.value
-                               + ", or quantize=none"))
+        if cfg.quantize.kind.value == "nf4":  # int8's and fp8's weights keep their shape
+            out.append(Problem(
+                "adapter", method, f"peft's {method} layers reshape their product to the base "
+                "layer's weight, which bitsandbytes packs for nf4 (a 4-bit weight is half a byte an "
+                "element, stored flat); peft has no bitsandbytes version of them",
+                "adapter=lora or adapter=dora with quantize=nf4, or quantize=int8 (or fp8, or none)"))
     if method == "lokr" and (a.factor == 0 or a.factor < -1):
         out.append(Problem("adapter.factor", a.factor, "LoKr's factor is the size of its smaller Kronecker matrix "
                            "(at least 1), or -1 for as square as the layer allows", "adapter.factor=-1 (or 4, 8, 16)"))
+    if method == "dora" and cfg.quantize.kind.value == "int8" and info.kind == "cpu":
+        # peft 0.21's dequantize_module_weight moves a CPU weight back with Int8Params.to, which
+        # leaves its scales behind (bitsandbytes moved them into the layer's state at the first
+        # forward): the next forward has none
+        out.append(Problem(
+            "adapter", method, "on the CPU peft's DoRA drops LLM.int8's row scales when it "
+            "measures the base weight's norm (it moves the weight again with bitsandbytes' "
+            "Int8Params.to, which leaves them behind): the second step would fail",
+            "quantize=nf4 with adapter=dora, adapter=lora with quantize=int8, or a CUDA GPU"))
     if method == "dora" and cfg.quantize.kind.value == "fp8":
         out.append(Problem("adapter", method, "peft's LoRA layer on a torchao weight (quantize=fp8) has no DoRA: its "
                            "magnitude is the norm of the dequantized base, which that layer does not compute",
