@@ -240,10 +240,9 @@ _LAYOUT_NAMES = {"DTensor", "GatheredParameters", "distribute_tensor", "safe_get
                  "safe_set_full_fp32_param", "safe_get_full_optimizer_state", "safe_set_full_optimizer_state",
                  "safe_get_local_fp32_param", "safe_get_local_optimizer_state", "safe_set_local_fp32_param"}
 _BACKEND_MODULES = {"deepspeed", "fsdp", "ddp", "nvme_swap"}
-# Still asking their backend's layout directly (issue 60: DeepSpeed's optimizer-state moves, whose collective order is
-# the risk, go behind train/backends/ one module at a time); the GPU check's probe inspects FSDP2's placement itself.
-_LAYOUT_STILL_ASKED = {"train/optim/schedule_free.py", "train/state/carry.py", "train/state/portable.py",
-                       "gpucheck/probes.py"}
+# The GPU check's probes import nothing of ds_trainer (they measure torch and the libraries themselves, on a machine
+# whose ds_trainer may not install): the FSDP2 probe reads a DTensor's placement itself.
+_LAYOUT_STILL_ASKED = {"gpucheck/probes.py"}
 
 
 def _layout_asked(tree: ast.AST) -> list[tuple[int, str]]:

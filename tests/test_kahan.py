@@ -152,6 +152,33 @@ def test_a_kahan_run_resumes_under_fsdp2_from_its_learned_weights_and_step(tmp_p
     assert end["optimizer_step"] == 4
 
 
+def test_a_weight_carried_into_a_bf16_kahan_module_keeps_what_its_rounding_lost() -> None:
+    """A resume (or a fresh start's exact masters) into bf16 weights under optimi's Kahan summation, where the module
+    holds the weights itself (DDP, FSDP2's shards): each weight is the carried fp32 rounded to bf16, and its
+    compensation what that rounding lost, so weight + compensation is the carried value to bf16's next bits (the
+    compensation was zero before: the lost part was dropped) and the moments are the carried ones."""
+    _package("optimi")
+    import optimi
+    from accelerate import Accelerator
+
+    from ds_trainer.train.state import carry, kahan
+
+    torch.manual_seed(0)
+    model = SmallNet().to(torch.bfloat16)
+    base = optimi.AdamW(model.parameters(), lr=1e-4, kahan_sum=True)
+    saved = {name: torch.randn(p.shape) for name, p in model.named_parameters()}
+    values = {f"{kind}/{name}": value * scale for name, value in saved.items()
+              for kind, scale in (("fp32", 1.0), ("exp_avg", 1e-3), ("exp_avg_sq", 1e-6))}
+    carry.write(Accelerator(cpu=True), model, base, values, set(saved), moments=True, t=2)  # a dict is a Source
+    for name, p in model.named_parameters():
+        state = base.state[p]
+        assert torch.equal(p.detach(), saved[name].to(torch.bfloat16))
+        assert state[kahan.COMP].abs().max() > 0, name
+        learned = kahan.with_compensation(p.detach(), state[kahan.COMP])
+        assert (learned - saved[name]).abs().max() < (saved[name] - p.detach().float()).abs().max() / 100
+        assert torch.equal(state["exp_avg"], (saved[name] * 1e-3).to(torch.bfloat16))
+
+
 @pytest.mark.parametrize("zero", ["stage2", "stage3", "fsdp_full_shard"])
 def test_the_planner_counts_the_compensation_beside_bf16_pures_state(zero: str) -> None:
     """Two bytes a trained parameter more than bf16_pure, sharded as the optimizer state is (full and LoRA)."""

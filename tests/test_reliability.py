@@ -272,7 +272,7 @@ def test_kill_9_then_resume_matches_an_uninterrupted_run(tmp_path: Path, referen
     assert start == complete[-1] + 1  # resumed from the newest complete checkpoint, never a partial one
     # Bit for bit, the UNet and its EMA: the resume restores the learning rate (without DeepSpeed, the schedule
     # saved as a checkpoint object: before it was, DDP resumed at LR 0), DeepSpeed's C++ Adam step state
-    # (backends.deepspeed.restore_optimizer_clocks; without it the weights differ by ~5e-4 after a few steps) and the
+    # (backends.masters.restore_optimizer_clocks; without it the weights differ by ~5e-4 after a few steps) and the
     # EMA.
     for folder, expected in references[(zero, offload)].items():
         got = unet_weights(second / folder)

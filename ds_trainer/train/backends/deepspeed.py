@@ -3,7 +3,7 @@
 DeepSpeed builds the optimizer and LR schedule its JSON defines (DummyOptim/DummyScheduler stand in for them), or
 takes a client optimizer ds_trainer builds; it clips inside its step, keeps the fp32 masters apart from the
 module's 16-bit parameters, and saves its own checkpoint (frozen parameters left out with
-`exclude_frozen_parameters`). Where its load leaves something out, `restore_optimizer_clocks` puts it back.
+`exclude_frozen_parameters`). Where its load leaves something out, `masters.restore_optimizer_clocks` puts it back.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from omegaconf import DictConfig
 
 from ds_trainer.errors import TrainingError
 from ds_trainer.train.backends import accelerator as accel
-from ds_trainer.train.backends import inner, nvme_swap
+from ds_trainer.train.backends import inner, masters, nvme_swap
 
 log = logging.getLogger("ds_trainer")
 
@@ -95,7 +95,7 @@ class DeepSpeed:
 
     def load(self, accelerator: Any, path: Path, partial: bool) -> None:
         accelerator.load_state(str(path), **({"load_module_strict": False} if partial else {}))
-        restore_optimizer_clocks(inner.engine(accelerator))
+        masters.restore_optimizer_clocks(inner.engine(accelerator))
 
 
 def plugin(ds: dict[str, Any]) -> Any:
@@ -169,80 +169,3 @@ def _check_swap_space(cfg: DictConfig, accelerator: Any) -> None:
                             "filled up after the configuration was checked; nothing was trained and no checkpoint "
                             "was touched. Free space there or set offload.nvme_path to a larger disk, then run "
                             "again (resume=latest continues)")
-
-
-def restore_optimizer_clocks(engine: Any, optimizer_step: int | None = None) -> None:
-    """After a DeepSpeed checkpoint load, restore what `load_checkpoint` leaves out, so that a resumed run
-    takes the same steps as an uninterrupted one, bit for bit.
-
-    - The learning rate the optimizer holds: DeepSpeed restores its LR scheduler's position but not the
-      rate the scheduler had set for the next step (visible during warmup).
-    - DeepSpeed's C++ Adam (`DeepSpeedCPUAdam` for CPU and NVMe offload, `FusedAdam` on the CPU accelerator) keeps
-      beta1**t and beta2**t as running float32 products inside a C++ object that a new process creates
-      afresh; its first step after a resume computes them with pow() instead, which differs from the
-      running product in the last bit for most t, and the bias correction with it. Replaying steps 1..t
-      on empty tensors rebuilds the same running products. (CUDA's FusedAdam computes pow() every step
-      and needs nothing.) The step t comes from the optimizer's state, or where that is swapped out to NVMe (not
-      in `base.state` between steps), from `optimizer_step` (the portable state's count).
-    """
-    import torch
-    from deepspeed.accelerator import get_accelerator
-    from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
-
-    if engine.lr_scheduler is not None:
-        engine.lr_scheduler.step(engine.lr_scheduler.last_batch_iteration)
-    base = getattr(engine.optimizer, "optimizer", engine.optimizer)
-    if not isinstance(base, DeepSpeedCPUAdam | FusedAdam):
-        return  # no running products outside the state (a client optimizer: Adagrad, Lion, Prodigy, ...)
-    steps = {int(s["step"]) for s in base.state.values() if isinstance(s, dict) and "step" in s}
-    if not steps and optimizer_step:
-        steps = {optimizer_step}
-    if len(steps) != 1 or not base.param_groups:
-        return
-    (t,), group, empty = steps, base.param_groups[0], torch.empty(0)
-    beta1, beta2 = group["betas"]
-    hyper = (group["lr"], beta1, beta2, group["eps"])
-    if isinstance(base, DeepSpeedCPUAdam):
-        for s in range(1, t + 1):
-            base.ds_opt_adam.adam_update(base.opt_id, s, *hyper, group["weight_decay"], group["bias_correction"],
-                                         empty, empty, empty, empty)
-    elif isinstance(base, FusedAdam) and get_accelerator().device_name() == "cpu":
-        lists = [[empty] for _ in range(4)]
-        for s in range(1, t + 1):
-            base.multi_tensor_adam(2048, base._dummy_overflow_buf, lists, *hyper, s, base.adam_w_mode,
-                                   int(group["bias_correction"]), group["weight_decay"])
-
-
-# --- where DeepSpeed keeps a parameter's fp32 master (the portable state, the LoRA file, schedule-free read it)
-
-
-def mapped(p: Any) -> bool:
-    """Whether DeepSpeed keeps this parameter's fp32 master apart (ZeRO-1/2/3, BF16_Optimizer)."""
-    return hasattr(p, "ds_id") or hasattr(p, "_hp_mapping")
-
-
-def flat_places(engine: Any) -> dict[int, tuple[Any, int, int]]:
-    """ZeRO-0 with bf16/fp16 (DeepSpeed's FP16_Optimizer keeps one flat fp32 master per group, and the Adam
-    state on it): each parameter's (flat master, offset, numel), by the parameter's id. Empty elsewhere."""
-    outer = engine.optimizer if engine is not None else None
-    flats, groups = getattr(outer, "fp32_groups_flat", None), getattr(outer, "fp16_groups", None)
-    places: dict[int, tuple[Any, int, int]] = {}
-    if flats is None or groups is None:  # ZeRO-3 has fp16_groups too, but partitioned masters
-        return places
-    for flat, params in zip(flats, groups, strict=True):
-        offset = 0
-        for p in params:  # flattened in this order, without padding
-            places[id(p)] = (flat, offset, p.numel())
-            offset += p.numel()
-    return places
-
-
-def unfused_masters(engine: Any) -> dict[int, Any]:
-    """ZeRO-0 with bf16/fp16 and an optimizer ds_trainer built (DeepSpeed's FP16_UnfusedOptimizer keeps an fp32
-    master per parameter, and the optimizer's state on it): each 16-bit parameter's master, by its id. Empty
-    without such an optimizer (or without DeepSpeed: `engine` None)."""
-    outer: Any = engine.optimizer if engine is not None else None
-    if type(outer).__name__ != "FP16_UnfusedOptimizer":
-        return {}
-    return {id(p): master for group, masters in zip(outer.fp16_groups, outer.fp32_groups, strict=True)
-            for p, master in zip(group, masters, strict=True)}

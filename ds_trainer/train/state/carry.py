@@ -11,6 +11,7 @@ where DeepSpeed 0.19.8's own load loses Adam's moments and the portable state (b
 from __future__ import annotations
 
 import logging
+from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -19,7 +20,7 @@ from omegaconf import DictConfig
 
 from ds_trainer.config import portability
 from ds_trainer.errors import TrainingError
-from ds_trainer.train.backends import deepspeed, inner, nvme_swap, sharded
+from ds_trainer.train.backends import inner, masters
 from ds_trainer.train.state import adam8bit, kahan
 from ds_trainer.train.state.portable import KINDS, Reader, trainable
 
@@ -147,7 +148,7 @@ class Carry:
             if engine is None:
                 sched.step(sched.last_batch_iteration)  # the LR of the current position (as DeepSpeed's load)
         if engine is not None:
-            deepspeed.restore_optimizer_clocks(engine, t if moments else None)
+            masters.restore_optimizer_clocks(engine, t if moments else None)
             engine.global_steps, engine.global_samples = step, int(self.meta["samples"])
         self._load_ema(ema)
         if self.rounding:
@@ -205,72 +206,20 @@ def swaps_optimizer(cfg: DictConfig) -> bool:
 
 def write(accelerator: Any, model: Any, base: Any, reader: Source, names: set[str], moments: bool, t: int) -> None:
     """Collective: the fp32 weight (and with `moments` Adam's moments) of each named trainable parameter from
-    `reader` into wherever this layout keeps them: DeepSpeed's masters and state (ZeRO-1/2/3, on NVMe a subgroup at
-    a time; ZeRO-0's flat or per-parameter masters), FSDP's shards, or the parameter itself."""
-    engine = inner.engine(accelerator)
+    `reader` into wherever this layout keeps them (`backends.masters`: DeepSpeed's masters and state, on NVMe a
+    subgroup at a time, ZeRO-0's flat or per-parameter masters, FSDP's shards, or the parameter itself). With
+    optimi's Kahan summation the rounding of each weight to its dtype starts its compensation."""
     named = [(name, p) for name, p in trainable(accelerator.unwrap_model(model)) if name in names]
-    zero = engine.optimizer if engine is not None else None
-    if zero is not None and nvme_swap.swapping(zero):
-        _set_swapped(zero, base, reader, dict(named), moments)
-        return
-    places, masters = deepspeed.flat_places(engine), deepspeed.unfused_masters(engine)
-    for name, p in named:
-        if id(p) in places:
-            _set_flat(name, base, reader, moments, places[id(p)])
-        else:  # a 16-bit parameter holds the weight already (set before `prepare`); its fp32 master gets it too
-            _set(masters.get(id(p), p), name, base, reader, moments, t)
+    compensated = moments and kahan.is_kahan(base)
 
+    def values(name: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        out = {kind: reader.get(f"{kind}/{name}") for kind in KINDS
+               if kind == "fp32" or moments and f"{kind}/{name}" in reader}
+        if compensated:  # what rounding to the master's dtype loses, into optimi's compensation
+            out[kahan.COMP] = kahan.remainder(out["fp32"], out["fp32"].to(dtype))
+        return out
 
-def _set(p: torch.Tensor, name: str, base: Any, reader: Source, moments: bool, t: int) -> None:
-    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
-
-    values = {kind: reader.get(f"{kind}/{name}") for kind in KINDS
-              if kind == "fp32" or moments and f"{kind}/{name}" in reader}
-    compensated = moments and kahan.is_kahan(base)  # the rounding's remainder into optimi's compensation
-    if deepspeed.mapped(p):
-        safe_set_full_fp32_param(p, values["fp32"].to(p.device))
-        for kind in ("exp_avg", "exp_avg_sq"):
-            if kind in values:
-                safe_set_full_optimizer_state(p, values[kind].to(p.device), kind)
-        if compensated:
-            rounded = values["fp32"].to(p.dtype)
-            safe_set_full_optimizer_state(p, kahan.remainder(values["fp32"], rounded).to(p.device), kahan.COMP)
-        return
-    value = sharded.like(values["fp32"], p)  # FSDP: this rank's shard of it
-    with torch.no_grad():
-        p.copy_(value)
-    if moments and "exp_avg" in values:
-        base.state[p] = {"step": _step_value(base, t, p.device), "exp_avg": sharded.like(values["exp_avg"], p),
-                         "exp_avg_sq": sharded.like(values["exp_avg_sq"], p)}
-        if compensated:
-            base.state[p][kahan.COMP] = kahan.remainder(value, p.detach())
-
-
-def _set_flat(name: str, base: Any, reader: Source, moments: bool,
-              place: tuple[torch.Tensor, int, int]) -> None:
-    """ZeRO-0 with bf16/fp16: the fp32 master and moments are slices of the group's flat tensors; the
-    bf16/fp16 parameter already holds the carried weight (loaded before `prepare`, then cast)."""
-    flat, offset, numel = place
-    with torch.no_grad():
-        for kind in KINDS if moments else KINDS[:1]:
-            key = f"{kind}/{name}"
-            if key in reader:
-                target = flat if kind == "fp32" else base.state[flat][kind]
-                target.narrow(0, offset, numel).copy_(reader.get(key).flatten())
-
-
-def _set_swapped(zero: Any, base: Any, reader: Source, named: dict[str, torch.nn.Parameter], moments: bool) -> None:
-    """ZeRO-3 with the optimizer state on NVMe: each subgroup swapped in once, written, swapped out."""
-    names = {id(p): name for name, p in named.items()}
-    for group, _ in nvme_swap.subgroups(zero, write=True):
-        for p in nvme_swap.params_of(zero, group):
-            name = names.get(id(p))
-            if name is None:
-                continue
-            for kind in KINDS if moments else KINDS[:1]:
-                if f"{kind}/{name}" in reader:
-                    nvme_swap.scatter(zero, p, nvme_swap.partition(zero, base, p, kind),
-                                      reader.get(f"{kind}/{name}"))
+    masters.Masters(inner.engine(accelerator), base).write(named, values, partial(_step_value, base, t))
 
 
 def _step_value(base: Any, t: int, device: Any = "cpu") -> Any:
@@ -284,34 +233,16 @@ def _step_value(base: Any, t: int, device: Any = "cpu") -> Any:
 
 def _prefill(engine: Any, base: Any, t: int) -> None:
     """Create DeepSpeed's optimizer state (zeros, at step t) that its first step would create, and link it to
-    the parameters, so `safe_set_full_optimizer_state` has somewhere to write before any step ran."""
-    if kahan.is_kahan(base):
-        kahan.set_clock(base, t)
-    if engine is None:
-        return
-    zero = engine.optimizer
-    if nvme_swap.swapping(zero):  # the state lives on NVMe: created in each subgroup while it is swapped in
-        for _, flat in nvme_swap.subgroups(zero, write=True):
-            base.state[flat] = {"step": _step_value(base, t), "exp_avg": torch.zeros_like(flat),
-                                "exp_avg_sq": torch.zeros_like(flat)}
-        return
-    flats = (getattr(zero, "fp32_partitioned_groups_flat", None)  # ZeRO-3
-             or getattr(zero, "single_partition_of_fp32_groups", None)  # ZeRO-1/2
-             or getattr(zero, "fp32_groups_flat_partition", None)  # BF16_Optimizer
-             or getattr(zero, "fp32_groups_flat", None))  # FP16_Optimizer (ZeRO-0 with bf16/fp16)
-    if not flats:
-        for group in base.param_groups:  # ZeRO-0: the basic optimizer holds the module's parameters
-            group["step"] = t
-        return
+    the parameters, so `write` has somewhere to write before any step ran (optimi's groups set to step t)."""
     compensated = kahan.is_kahan(base)
-    for flat in flats:
-        base.state[flat] = {"step": _step_value(base, t), "exp_avg": torch.zeros_like(flat),
-                            "exp_avg_sq": torch.zeros_like(flat)}
+    if compensated:
+        kahan.set_clock(base, t)
+
+    def fill(flat: torch.Tensor) -> None:
         if compensated:
             kahan.fill(base, flat)
-    if hasattr(zero, "_lazy_init_hp_params_optimizer_state"):  # ZeRO-1/2 link lazily, after the first step
-        zero._hp_optimizer_states_linked = False
-        zero._lazy_init_hp_params_optimizer_state()
+
+    masters.Masters(engine, base).prefill(partial(_step_value, base, t), fill, t)
 
 
 class Exact:

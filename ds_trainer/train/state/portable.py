@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ds_trainer.config import portability
-from ds_trainer.train.backends import deepspeed, inner, nvme_swap, placement, sharded
+from ds_trainer.train.backends import inner, masters, placement
 from ds_trainer.train.state import adam8bit, kahan
 
 if TYPE_CHECKING:
@@ -57,73 +57,19 @@ def full_values(accelerator: Any, model: Any, base: Any, moments: bool,
                 ) -> Iterator[tuple[str, torch.nn.Parameter, tuple[torch.Tensor | None, ...]]]:
     """Collective (every rank iterates to the end, in the same order): (name, parameter, its whole fp32 master weight
     and, with `moments`, Adam's `exp_avg` and `exp_avg_sq` (None where there are none)) for every trainable
-    parameter, under any layout: DeepSpeed's kept-apart masters (ZeRO-1/2/3, BF16_Optimizer), ZeRO-0's flat or
-    per-parameter 16-bit masters, ZeRO-3's state on NVMe (a subgroup swapped in once), FSDP's shards, or the
-    parameter itself. `base` is the optimizer that holds the state (`backends.inner.optimizer`)."""
+    parameter, under any layout (`backends.masters`). `base` is the optimizer that holds the state
+    (`backends.inner.optimizer`). With optimi's Kahan summation the weight is the one learned, w + c."""
     named = trainable(accelerator.unwrap_model(model))
-    engine = inner.engine(accelerator)
-    zero = engine.optimizer if engine is not None else None
+    held = masters.Masters(inner.engine(accelerator), base)
+    compensated = moments and kahan.is_kahan(base)
     if moments:
-        _link_every_group(zero)
-    if zero is None or not nvme_swap.swapping(zero):
-        places, masters = deepspeed.flat_places(engine), deepspeed.unfused_masters(engine)
-        for name, p in named:
-            if id(p) in places:
-                yield name, p, _read_flat(p, base, places[id(p)], moments)
-            else:
-                yield name, p, _read(masters.get(id(p), p), base, moments)
-        return
-    # ZeRO-3 with the optimizer state on NVMe: each subgroup swapped in once (see nvme_swap).
-    names = {id(p): name for name, p in named}
-    kinds = KINDS if moments and base.state else KINDS[:1]
-    for group, _ in nvme_swap.subgroups(zero, write=False):
-        for p in nvme_swap.params_of(zero, group):
-            if id(p) in names:
-                full = [nvme_swap.gather(zero, p, nvme_swap.partition(zero, base, p, kind)) for kind in kinds]
-                yield names[id(p)], p, (*full, *[None] * (len(KINDS) - len(full)))
-
-
-def _link_every_group(zero: Any) -> None:
-    """DeepSpeed 0.19.8's ZeRO-1/2 links each parameter to its slice of the optimizer state once, right after the
-    optimizer's first step of the first parameter group (`_optimizer_step` steps the groups one by one): with several
-    groups (the UNet's and the trained text encoders') the later groups have no state yet then, stay unlinked, and
-    `safe_get_full_optimizer_state` fails on them ("exp_avg not found in optimizer state fragment"). Linking again
-    once every group has stepped reads them all; with one group it changes nothing."""
-    groups = getattr(getattr(zero, "optimizer", None), "param_groups", [])
-    if hasattr(zero, "_lazy_init_hp_params_optimizer_state") and len(groups) > 1:
-        zero._hp_optimizer_states_linked = False
-        zero._lazy_init_hp_params_optimizer_state()
-
-
-def _read_flat(p: torch.nn.Parameter, base: Any, place: tuple[torch.Tensor, int, int], moments: bool,
-               ) -> tuple[torch.Tensor | None, ...]:
-    """A parameter's fp32 master and moments, slices of its group's flat tensors (FP16_Optimizer)."""
-    flat, offset, numel = place
-    state = base.state.get(flat, {}) if moments else {}
-    return tuple(t.narrow(0, offset, numel).view(p.shape) if t is not None else None
-                 for t in (flat, state.get("exp_avg"), state.get("exp_avg_sq")))
-
-
-def _read(p: torch.Tensor, base: Any, moments: bool) -> tuple[torch.Tensor | None, ...]:
-    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
-
-    compensated = moments and kahan.is_kahan(base)  # the weight learned is w + c (kahan.py)
-    if deepspeed.mapped(p):
-        weight = safe_get_full_fp32_param(p)
-        if not moments:
-            return weight, None, None
-        if compensated:
-            weight = kahan.with_compensation(weight, safe_get_full_optimizer_state(p, kahan.COMP))
-        return (weight, safe_get_full_optimizer_state(p, "exp_avg"),
-                safe_get_full_optimizer_state(p, "exp_avg_sq"))
-    state = base.state.get(p, {}) if moments else {}
-    # Whole values (collective for FSDP's DTensors: every rank reads every parameter, in the same order).
-    weight, exp_avg, exp_avg_sq = (sharded.full(t) if t is not None else None
-                                   for t in (p.detach(), state.get("exp_avg"), state.get("exp_avg_sq")))
-    if compensated and weight is not None:
-        comp = state.get(kahan.COMP)
-        weight = kahan.with_compensation(weight, sharded.full(comp) if comp is not None else None)
-    return weight, exp_avg, exp_avg_sq
+        held.link_every_group()
+    kinds = ("fp32", *((kahan.COMP,) if compensated else ()), *(KINDS[1:] if moments else ()))
+    for name, p, got in held.read(named, kinds):
+        weight = got["fp32"]
+        if compensated and weight is not None:
+            weight = kahan.with_compensation(weight, got[kahan.COMP])
+        yield name, p, (weight, got.get("exp_avg"), got.get("exp_avg_sq"))
 
 
 class Writer:
