@@ -85,7 +85,7 @@ def _about_of_older(saved: Any) -> dict[str, Any]:
     """A run written before `model.about` existed: its model option's facts (license, base id,
     ...) as the option's yaml states them now, so its card names them as it did then; nothing for a
     run that has them, or whose option is not one of conf/model's."""
-    from omegaconf import OmegaConf
+    from omegaconf import DictConfig, OmegaConf
 
     from ds_trainer import CONF_DIR
 
@@ -94,7 +94,8 @@ def _about_of_older(saved: Any) -> dict[str, Any]:
         return {}
     if not option.is_file():
         return {}
-    return {"model": {"about": OmegaConf.load(option).get("about", {})}}
+    facts = OmegaConf.load(option)
+    return {"model": {"about": facts.get("about", {}) if isinstance(facts, DictConfig) else {}}}
 
 
 def export_unet(checkpoint: Path, out: Path, ema: bool = False) -> Path:

@@ -18,8 +18,8 @@ class TransformerFile:
     label: str  # what a message calls such a file
     example: str  # the file its makers ship, for the fix
     # None when a header's shapes (file names -> shape) are the architecture's (its diffusers
-    # config); else why not
-    mismatch: Callable[[dict[str, list[int]], dict[str, Any], dict[str, Any]], str | None]
+    # config, its width); else why not
+    mismatch: Callable[[dict[str, list[int]], dict[str, Any], int], str | None]
     # diffusers' loader reads the file's names as they are (no whole checkpoint's
     # model.diffusion_model. prefix)
     bare_names: bool = False

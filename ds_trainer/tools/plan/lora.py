@@ -5,6 +5,7 @@ parameters only."""
 from __future__ import annotations
 
 from functools import cache, partial
+from typing import Any
 
 from omegaconf import DictConfig
 
@@ -104,7 +105,7 @@ def _encoder_activations(architecture: str, which: str, mode: str, rank: int,  #
     spec = text_encoders.Spec(mode, rank=rank, alpha=rank, targets=targets)
     total = 0
     for name in text_encoders.COMPONENTS[which]:
-        encoder = text_encoders.meta_encoder(architecture, name)
+        encoder: Any = text_encoders.meta_encoder(architecture, name)
         text_encoders.prepare_encoder(spec, name, encoder)
         encoder = encoder.to(dtype)
         tokens = torch.zeros(batch, int(encoder.config.max_position_embeddings), dtype=torch.long, device="meta")
