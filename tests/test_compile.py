@@ -140,6 +140,7 @@ H100 = hardware.PlatformInfo("cuda", bf16=True, fp16=True, gpu_name="H100")
 @pytest.mark.parametrize(("overrides", "why", "fix"), [
     (["zero=stage3"], "DeepSpeed marks torch.compiler.disable", "zero=fsdp_full_shard"),
     (["zero=stage2", "adapter=lora", "quantize=int8"], "LLM.int8", "quantize=nf4"),
+    (["zero=ddp", "adapter=loha", "quantize=fp8"], "torchao's float8 weights", "quantize=nf4"),  # the matrix's
     (["zero=fsdp_full_shard", "adapter=lora", "quantize=nf4"], "wraps it again in its 4-bit parameter",
      "zero=stage2 or zero=ddp with quantize=nf4"),
 ])
