@@ -360,12 +360,62 @@ def test_an_accelerate_deepspeed_checkpoint_of_another_tool_is_imported_and_cont
     for key, value in get_fp32_state_dict_from_zero_checkpoint(str(source)).items():
         torch.testing.assert_close(weights[f"fp32/{key}"], value, rtol=0, atol=0, msg=key)
     assert all(weights[k].abs().max() > 0 for k in weights if k.startswith("exp_avg_sq/") and "norm" not in k)
+    _a_planted_payload_is_refused_unrun(source, tmp_path)
     resumed = train(tmp_path / "run", "stage1", "none", 1, 1, 1, f"resume={imported}", "train.max_steps=3",
                     "scheduler.warmup_steps=3")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "at step 2 under another configuration" in resumed.stderr and "Adam moments" in resumed.stderr
     (run_dir,) = run_dirs(tmp_path / "run")
     assert sorted(metrics(run_dir)) == [3]
+
+
+class _Payload:
+    """Unpickled, it writes the file its argument names: what a planted checkpoint file would do instead."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return exec, (f"open({str(self.marker)!r}, 'w').write('ran')",)
+
+
+def _a_planted_payload_is_refused_unrun(source: Path, tmp_path: Path) -> None:
+    """Each of a foreign checkpoint's DeepSpeed files replaced by a pickle that runs code: the import refuses it in
+    one line, naming the file, and the code never runs (every torch.load is weights-only)."""
+    import shutil
+
+    for planted in ("*optim_states.pt", "*model_states.pt"):
+        copy, marker = tmp_path / f"planted_{planted[1:6]}", tmp_path / f"ran_{planted[1:6]}"
+        shutil.copytree(source, copy)
+        target = next(copy.rglob(planted))
+        torch.save({"optimizer_state_dict": _Payload(marker), "module": {}}, target)
+        result = convert(copy, "--import-to", tmp_path / f"out_{planted[1:6]}", cwd=tmp_path)
+        assert result.returncode == 2 and not marker.exists(), (planted, result.stderr[-2000:])
+        assert target.name in result.stderr and "could run code" in result.stderr, result.stderr[-2000:]
+        assert "Traceback" not in result.stderr
+
+
+def test_a_schedule_state_that_would_run_code_or_is_damaged_is_refused_unrun(tmp_path: Path) -> None:
+    """portable/scheduler.pt is read weights-only: a planted pickle is refused naming the file and never runs, a cut or
+    empty file is refused the same way, and the schedule a run saves reads back as it was."""
+    from ds_trainer.errors import TrainingError
+    from ds_trainer.train.state import portable
+
+    sched = torch.optim.lr_scheduler.LambdaLR(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1),
+                                              lambda step: min(1.0, (step + 1) / 10))
+    sched.step()
+    torch.save(sched.state_dict(), tmp_path / "scheduler.pt")
+    assert portable.scheduler_state(tmp_path / "scheduler.pt") == sched.state_dict()
+    marker = tmp_path / "ran"
+    torch.save({"last_epoch": _Payload(marker)}, tmp_path / "planted.pt")
+    good = (tmp_path / "scheduler.pt").read_bytes()
+    (tmp_path / "cut.pt").write_bytes(good[: len(good) // 2])
+    (tmp_path / "empty.pt").write_bytes(b"")
+    for name in ("planted.pt", "cut.pt", "empty.pt"):
+        with pytest.raises(TrainingError, match=name) as refused:
+            portable.scheduler_state(tmp_path / name)
+        assert "resume from a checkpoint a ds_trainer run wrote" in str(refused.value).lower()
+    assert not marker.exists()
 
 
 def test_convert_reports_a_bad_folder_in_one_line(tmp_path: Path) -> None:

@@ -21,7 +21,7 @@ from omegaconf import DictConfig
 from ds_trainer.config import portability
 from ds_trainer.errors import TrainingError
 from ds_trainer.train.backends import inner, masters
-from ds_trainer.train.state import adam8bit, kahan
+from ds_trainer.train.state import adam8bit, kahan, portable
 from ds_trainer.train.state.portable import KINDS, Reader, trainable
 
 log = logging.getLogger("ds_trainer")
@@ -142,9 +142,7 @@ class Carry:
         step = int(self.meta["step"])
         sched = inner.scheduler(accelerator, scheduler)
         if sched is not None and (self.path / "portable" / "scheduler.pt").exists():  # type: ignore[operator]
-            saved = torch.load(self.path / "portable" / "scheduler.pt", map_location="cpu",  # type: ignore[operator]
-                               weights_only=False)
-            sched.load_state_dict(saved)
+            sched.load_state_dict(portable.scheduler_state(self.path / "portable" / "scheduler.pt"))  # type: ignore[operator]
             if engine is None:
                 sched.step(sched.last_batch_iteration)  # the LR of the current position (as DeepSpeed's load)
         if engine is not None:

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ds_trainer.config import portability
+from ds_trainer.errors import TrainingError
 from ds_trainer.train.backends import inner, masters, placement
 from ds_trainer.train.state import adam8bit, kahan
 
@@ -70,6 +71,26 @@ def full_values(accelerator: Any, model: Any, base: Any, moments: bool,
         if compensated and weight is not None:
             weight = kahan.with_compensation(weight, got[kahan.COMP])
         yield name, p, (weight, got.get("exp_avg"), got.get("exp_avg_sq"))
+
+
+def scheduler_state(path: Path) -> dict[str, Any]:
+    """The LR schedule's state a checkpoint's portable state holds (`scheduler.pt`), read with torch's weights-only
+    unpickler: it builds tensors, numbers, strings and containers and nothing else, so a file planted in a checkpoint
+    cannot run code. Refused with its path when it holds anything else or is damaged."""
+    import pickle
+
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError) as exc:
+        why = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+        raise TrainingError(f"resume: {path} is not the LR schedule state a run writes ({why}): torch's weights-only "
+                            "load takes numbers and tensors only, and this file holds other objects or is damaged; "
+                            "nothing was loaded from it. Resume from a checkpoint a ds_trainer run wrote (a file "
+                            "from elsewhere can run code when unpickled)") from None
+    if not isinstance(state, dict):
+        raise TrainingError(f"resume: {path} holds a {type(state).__name__}, not an LR schedule's state (a dict); "
+                            "resume from a checkpoint a ds_trainer run wrote")
+    return state
 
 
 class Writer:

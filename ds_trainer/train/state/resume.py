@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from omegaconf import DictConfig
 
-from ds_trainer.train.state import carry, checkpoint
+from ds_trainer.train.state import carry, checkpoint, portable
 
 if TYPE_CHECKING:
     from ds_trainer.train.backends import Backend
@@ -102,7 +102,7 @@ def _register_schedule(run: Run, native_from: Path | None) -> Any:
         if not registered:
             saved = folder / "portable" / "scheduler.pt"
             if saved.exists():
-                scheduler.load_state_dict(torch.load(saved, map_location="cpu", weights_only=False))
+                scheduler.load_state_dict(portable.scheduler_state(saved))
             accelerator.register_for_checkpointing(scheduler)  # saved with every checkpoint from now on
         scheduler.step(scheduler.last_batch_iteration)  # the LR of the resumed position
     return after_load
