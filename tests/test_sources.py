@@ -125,6 +125,51 @@ def test_a_fractional_repeat_weighs_a_source_down_over_an_epoch_of_whole_passes(
     assert (whole["samples_seen"], half["samples_seen"]) == (80, 40) and half["repeats"] == 0.5
 
 
+def test_damaged_files_of_every_kind_are_skipped_and_named_or_refused_naming_them(tmp_path: Path,
+                                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    """The damaged forms of each file a source is made of (issue 62): captions in the encodings Windows tools write
+    read as written and said once per source; a table's damaged rows skipped, counted and named; a table, parquet
+    file or tar shard that is empty, cut short or not that format at all refused naming it (DataError: the
+    one-screen refusal), never a traceback."""
+    import logging
+
+    caplog.set_level(logging.WARNING, logger="ds_trainer")
+    words = "café, naïve façade — 20°"
+    folder = Path(src.make("folder", tmp_path / "folder", n=4))
+    for i, encoding in enumerate(("utf-8-sig", "utf-16", "cp1252")):
+        (folder / f"img{i:03d}.txt").write_bytes(f"{words} {i}".encode(encoding))
+    table = Path(src.make("jsonl", tmp_path / "jsonl", n=4))
+    lines = table.read_text().splitlines()
+    table.write_text("\n".join([lines[0], lines[1][:-5], "[1, 2]", *lines[3:]]) + "\n")  # a cut line, an array
+    csv_table = Path(src.make("csv", tmp_path / "csv", n=3))
+    plain = words.replace(",", "")  # a field of the table's own, unquoted
+    csv_table.write_bytes(csv_table.read_text().replace("csv picture number 0", plain).encode("cp1252"))
+    _, data = _dataset(tmp_path, [{"path": str(folder)}, {"path": str(table)}, {"path": str(csv_table)}])
+    captions = {data.caption(i) for i in range(len(data))}
+    assert {f"{words} {i}" for i in range(3)} | {f"a {plain}"} <= captions, captions
+    assert "read 1 text file(s) as cp1252, 1 text file(s) as utf-16, 1 text file(s) as utf-8-sig" in caplog.text
+    damaged = {why: n for (index, why), n in data.skipped_by_source.items() if index == 1}
+    assert damaged == {"damaged row in metadata.jsonl (not JSON: Unterminated string starting at, column 41)": 1,
+                       "damaged row in metadata.jsonl (a JSON list, not an object)": 1}, data.skipped_by_source
+    assert sorted(k for (index, _), keys in data.skipped_names.items() if index == 1 for k in keys) == [
+        "jsonl/line00000002", "jsonl/line00000003"]
+    assert "jsonl/line00000002" in caplog.text and data.unique == 4 + 2 + 3
+    # Whole files that cannot be read: each refused naming it
+    shards = Path(src.make("webdataset", tmp_path / "web", n=4)).parent
+    whole = (shards / "shard-000.tar").read_bytes()
+    parquet = Path(src.make("parquet", tmp_path / "pq", n=2))
+    cases = {"cut tar": (shards / "cut.tar", whole[: len(whole) // 2]), "cut tar header": (shards / "head.tar",
+             whole[:700]), "not a tar": (shards / "text.tar", b"hello, not a tar file\n" * 40),
+             "empty tar": (shards / "empty.tar", b""), "cut parquet": (tmp_path / "pq" / "cut.parquet",
+             parquet.read_bytes()[:300]), "empty table": (tmp_path / "jsonl" / "empty.jsonl", b""),
+             "only damaged rows": (tmp_path / "jsonl" / "bad.jsonl", b"{not json\n[1]\n")}
+    for case, (path, content) in cases.items():
+        path.write_bytes(content)
+        with pytest.raises(DataError) as refused:
+            _dataset(tmp_path / case.replace(" ", "_"), [{"path": str(folder)}, {"path": str(path)}])
+        assert str(path) in str(refused.value), (case, refused.value)
+
+
 @pytest.mark.parametrize(("change", "expected"), [
     ({"path": "/nowhere/images"}, ["data.sources[1].path=/nowhere/images", "does not exist"]),
     ({"path": "SHARDS/shard-{000..002}.tar"}, ["shard-002.tar", "does not exist"]),

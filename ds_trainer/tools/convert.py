@@ -236,19 +236,20 @@ def _merge(kind_groups: list[list[Any]], stage: int, world: int, model_states: A
 
 
 def import_accelerate(source: Path, out: Path, architecture: str, optimizer: str = "adamw") -> Path:
-    """A ds_trainer checkpoint (portable state + COMPLETE) from an Accelerate/DeepSpeed `save_state` folder, read
-    without unpickling anything but its tensors and DeepSpeed's records (`_weights_only`)."""
+    """A ds_trainer checkpoint (portable state + COMPLETE) from an Accelerate/DeepSpeed `save_state`
+    folder, read without unpickling anything but its tensors and DeepSpeed's records
+    (`_weights_only`)."""
     with _weights_only(source):
         return _import_accelerate(source, out, architecture, optimizer)
 
 
 @contextlib.contextmanager
 def _weights_only(source: Path) -> Iterator[None]:
-    """Inside, every `torch.load` (DeepSpeed's zero_to_fp32 and ours) uses torch's weights-only unpickler, which builds
-    tensors, numbers, strings and containers, plus the few DeepSpeed classes its checkpoints hold as data (ZeRO's
-    stage, a fragment's address, the loss scaler's numbers): a checkpoint from another tool is imported without
-    running anything it holds. One that holds more is refused, named."""
-    import enum
+    """Inside, every `torch.load` (DeepSpeed's zero_to_fp32 and ours) uses torch's weights-only
+    unpickler, which builds tensors, numbers, strings and containers, plus the few DeepSpeed classes
+    its checkpoints hold as data (ZeRO's stage, a fragment's address, the loss scaler's numbers): a
+    checkpoint from another tool is imported without running anything it holds. One that holds more
+    is refused, named."""
     import pickle
 
     import torch
@@ -256,11 +257,10 @@ def _weights_only(source: Path) -> Iterator[None]:
     from deepspeed.runtime.zero.config import ZeroStageEnum
     from deepspeed.utils.tensor_fragment import fragment_address
 
-    def member(owner: Any, name: str) -> Any:  # pickle's `getattr`, for an allowed enum's members only
-        if isinstance(owner, type) and issubclass(owner, enum.Enum) and owner is ZeroStageEnum \
-                and name in owner.__members__:
-            return owner[name]
-        raise pickle.UnpicklingError(f"getattr({owner!r}, {name!r}) is not one of ZeRO's stage names")
+    def member(owner: Any, name: str) -> Any:  # pickle's `getattr`: ZeRO's stage names only
+        if owner is ZeroStageEnum and name in ZeroStageEnum.__members__:
+            return ZeroStageEnum[name]
+        raise pickle.UnpicklingError(f"getattr({owner!r}, {name!r}) is not a ZeRO stage's name")
 
     allowed = [ZeroStageEnum, fragment_address, LossScaler, (member, "builtins.getattr")]
     plain = torch.load
@@ -271,9 +271,11 @@ def _weights_only(source: Path) -> Iterator[None]:
             return plain(f, *args, **kwargs)
         except pickle.UnpicklingError as exc:
             why = str(exc).strip().splitlines()[0][:240]
-            raise ConvertError(f"{f}: holds objects other than tensors and DeepSpeed's own records, which unpickled "
-                               f"could run code ({why}); nothing was imported from {source}. Import a checkpoint "
-                               "that Accelerate's save_state under DeepSpeed wrote, as it wrote it") from None
+            raise ConvertError(
+                f"{f}: holds objects other than tensors and DeepSpeed's own records, which "
+                f"unpickled could run code ({why}); nothing was imported from {source}. Import a "
+                "checkpoint that Accelerate's save_state under DeepSpeed wrote, as it wrote it",
+            ) from None
 
     torch.load = load  # type: ignore[assignment]
     try:
@@ -283,8 +285,8 @@ def _weights_only(source: Path) -> Iterator[None]:
         torch.load = plain  # type: ignore[assignment]
 
 
-def _import_accelerate(source: Path, out: Path, architecture: str, optimizer: str = "adamw") -> Path:
-    """A ds_trainer checkpoint (portable state + COMPLETE) from an Accelerate/DeepSpeed `save_state` folder."""
+def _import_accelerate(source: Path, out: Path, architecture: str, optimizer: str) -> Path:
+    """The import itself (`import_accelerate`)."""
     import torch
     from deepspeed.utils import zero_to_fp32 as z
     from safetensors.torch import save_file
@@ -311,7 +313,8 @@ def _import_accelerate(source: Path, out: Path, architecture: str, optimizer: st
                 shapes[name] = list(value.shape)
     first_state = optim[0][inner_key]["state"][min(optim[0][inner_key]["state"])]
     group = optim[0][inner_key]["param_groups"][0]
-    main = torch.load(z.get_model_state_files(str(ds_dir))[0], map_location="cpu", weights_only=True)
+    main = torch.load(z.get_model_state_files(str(ds_dir))[0], map_location="cpu",
+                      weights_only=True)
     step, samples = int(main["global_steps"]), int(main["global_samples"])
     (out / "portable").mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "portable" / "state-00001.safetensors"))

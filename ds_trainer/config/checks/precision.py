@@ -99,11 +99,12 @@ def _compile(cfg: DictConfig, info: hardware.PlatformInfo) -> list[Problem]:
                            "compiles again for every shape until torch's recompile limit sends it back to eager",
                            "quantize=nf4 (its 4-bit layers trace), or " + fix))
     elif cfg.quantize.kind.value == "fp8":
-        out.append(Problem("train.compile", mode, "torchao's float8 weights (quantize=fp8) are tensor subclasses, and "
-                           "torch's AOTAutograd compiles no training graph whose outputs alias one another when any "
-                           "is a subclass: the first compiled block fails at the first step (measured with torch "
-                           "2.13 and torchao 0.18, LoRA, LoKr and LoHa alike)",
-                           "quantize=nf4 (its 4-bit layers trace), or " + fix))
+        out.append(Problem(
+            "train.compile", mode, "torchao's float8 weights (quantize=fp8) are tensor subclasses, "
+            "and torch's AOTAutograd compiles no training graph whose outputs alias one another "
+            "when any is a subclass: the first compiled block fails at the first step (measured "
+            "with torch 2.13 and torchao 0.18, LoRA, LoKr and LoHa alike)",
+            "quantize=nf4 (its 4-bit layers trace), or " + fix))
     elif cfg.quantize.kind.value == "nf4" and ds_config.zero_option(cfg).startswith("fsdp"):
         out.append(Problem("train.compile", mode, "under FSDP2 an NF4 layer's gathered weight is a plain tensor, and "
                            "bitsandbytes wraps it again in its 4-bit parameter at every forward: each such layer "

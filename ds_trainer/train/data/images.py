@@ -138,14 +138,10 @@ class SourceImages:
         checks, checked_now = _check_items(found, _record(cfg, self.sources), accelerator)
         usable = [found[key] for key, (_, _, problem) in sorted(checks.items()) if problem is None]
         self.found = Counter(found[key].source for key in checks)
-        self.skipped_by_source = Counter((found[key].source, problem) for key, (_, _, problem) in checks.items()
-                                         if problem is not None)
-        if self.reference:  # an image without its reference cannot train an editing model
-            for item in usable:
-                if item.control is None:
-                    where = self.sources[item.source].control_path or self.sources[item.source].control_column
-                    self.skipped_by_source[(item.source, f"no reference image (in {where})")] += 1
-            usable = [item for item in usable if item.control is not None]
+        self.skipped_by_source: Counter[tuple[int, str]] = Counter()
+        # the files skipped, by source and reason
+        self.skipped_names: dict[tuple[int, str], list[str]] = {}
+        usable = self._skip_unusable(found, checks, usable)
         if part in ("all", "train"):  # the held-out part says nothing new about the sources
             self._log_found(checks, checked_now)
             if self.masked:
@@ -186,6 +182,26 @@ class SourceImages:
                 for line in self.plan.report():
                     log.info("bucket %s", line)
 
+    def _skip_unusable(self, found: dict[str, sources.Item], checks: dict[str, list[Any]],
+                       usable: list[sources.Item]) -> list[sources.Item]:
+        """Count and name what cannot train: what its check found wrong, and for an editing model
+        an image without its reference; the usable items left."""
+        for key, (_, _, problem) in sorted(checks.items()):
+            if problem is not None:
+                self._skip(found[key], problem)
+        if not self.reference:
+            return usable
+        for item in usable:
+            if item.control is None:
+                source = self.sources[item.source]
+                where = source.control_path or source.control_column
+                self._skip(item, f"no reference image (in {where})")
+        return [item for item in usable if item.control is not None]
+
+    def _skip(self, item: sources.Item, reason: str) -> None:
+        self.skipped_by_source[(item.source, reason)] += 1
+        self.skipped_names.setdefault((item.source, reason), []).append(item.key)
+
     @property
     def skipped(self) -> Counter[str]:
         """Files skipped, by reason, over every source."""
@@ -205,8 +221,10 @@ class SourceImages:
                      "" if source.resolution is None else f", in buckets of about {source.resolution}x"
                                                           f"{source.resolution} pixels")
         for (index, reason), count in sorted(self.skipped_by_source.items()):
-            source = self.sources[index]
-            log.warning("%s=%s: skipped %d file(s): %s", source.label, source.path, count, reason)
+            source, names = self.sources[index], self.skipped_names.get((index, reason), [])
+            shown = f" ({', '.join(names[:10])}{', ...' * (len(names) > 10)})" if names else ""
+            log.warning("%s=%s: skipped %d file(s): %s%s", source.label, source.path, count, reason,
+                        shown)
         log.info("checked %d image(s): %d decoded now, %d known from an earlier check", len(checks), checked_now,
                  len(checks) - checked_now)
 
@@ -303,7 +321,10 @@ def _mask_of(image: Image.Image, item: sources.Item) -> Image.Image:
 
 
 def _problem(item: sources.Item) -> str | None:
-    """Why an image cannot be trained on (decoding it whole), or None."""
+    """Why an image cannot be trained on (decoding it whole), or None; an entry damaged in its
+    listing (a table's row) says so itself."""
+    if item.damaged is not None:
+        return item.damaged
     try:
         with item.read() as f:
             data = f.read()

@@ -167,6 +167,8 @@ def describe(data: SyntheticImages | SourceImages) -> list[dict[str, Any]]:
     return [{"name": source.name, "kind": source.kind, "path": source.path,
              "images": data.found[source.index],
              "skipped": {why: n for (index, why), n in sorted(data.skipped_by_source.items()) if index == source.index},
+             "skipped_files": {why: names[:50] for (index, why), names
+                               in sorted(data.skipped_names.items()) if index == source.index},
              "repeats": source.repeats, "caption_dropout": source.caption_dropout,
              **({"tags": {"shuffle": source.captions.shuffle, "keep_tokens": source.captions.keep_tokens,
                           "dropout": source.captions.tag_dropout}} if source.captions.varies else {}),

@@ -11,7 +11,9 @@ from __future__ import annotations
 import csv
 import io
 import json
+import logging
 import tarfile
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +23,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from ds_trainer.config import source_kinds
 from ds_trainer.errors import DataError
+from ds_trainer.train.data import text
 from ds_trainer.train.data.captions import Policy
+
+log = logging.getLogger("ds_trainer")
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp")
 MASK_SUFFIX = ".mask.png"  # `photo.jpg`'s mask is `photo.mask.png` beside it (data.masked_loss)
@@ -45,6 +50,9 @@ class Item:
     # Its reference (control) image, for a model that edits one (model.reference_images): paired by name
     control: Callable[[], BinaryIO] | None = field(default=None, compare=False, repr=False)
     control_stat: tuple[int, int] | None = None
+    # Why this entry cannot train, found while listing it (a table's damaged row): skipped and
+    # counted as an image that does not decode is
+    damaged: str | None = None
 
 
 @dataclass(frozen=True)
@@ -156,7 +164,8 @@ def _folder(source: Source) -> list[Item]:
     root = Path(source.path)
     if not root.is_dir():
         raise DataError(f"{source.label}: {root} is not a folder; point it at the folder of images")
-    metadata = _folder_metadata(root)
+    seen: Counter[str] = Counter()
+    metadata = _folder_metadata(source, root, seen)
     prefix = f"{source.name}/" if source.keyed else ""
     controls = Path(source.control_path).resolve() if source.control_path else None
     out = []
@@ -169,10 +178,12 @@ def _folder(source: Source) -> list[Item]:
             mask = path.with_name(path.stem + MASK_SUFFIX)
             found = mask.is_file()
             control = _control_file(controls, Path(rel)) if controls is not None else None
-            out.append(Item(source.index, prefix + rel, _folder_caption(path, rel, source.caption_ext, metadata),
+            caption = _folder_caption(path, rel, source.caption_ext, metadata, seen)
+            out.append(Item(source.index, prefix + rel, caption,
                             (st.st_size, st.st_mtime_ns), _file_reader(path), _file_reader(mask) if found else None,
                             (mask.stat().st_size, mask.stat().st_mtime_ns) if found else None,
                             *_control(control)))
+    text.report(f"{source.label}={source.path}", seen)
     return out
 
 
@@ -194,23 +205,53 @@ def _control(path: Path | None) -> tuple[Callable[[], BinaryIO] | None, tuple[in
     return _file_reader(path), (st.st_size, st.st_mtime_ns)
 
 
-def _folder_metadata(root: Path) -> dict[str, str]:
+def _folder_metadata(source: Source, root: Path, seen: Counter[str]) -> dict[str, str]:
+    """A folder's metadata.jsonl captions by file name; a line that is not a JSON object is left
+    out, named."""
     path = root / "metadata.jsonl"
     captions: dict[str, str] = {}
-    if path.exists():
-        for line in path.read_text().splitlines():
-            if line.strip():
-                row = json.loads(line)
-                captions[str(row.get("file_name", ""))] = str(row.get("text", row.get("caption", "")))
+    if path.is_file():
+        rows, damaged = _jsonl(path, seen)
+        for _, row in rows:
+            captions[str(row.get("file_name", ""))] = str(row.get("text", row.get("caption", "")))
+        if damaged:
+            log.warning("%s: %s: left out %d line(s) that are not a JSON object (%s): their images "
+                        "train without "
+                        "those captions unless a caption file names "
+                        "them", source.label, path, len(damaged),
+                        "; ".join(f"line {n}: {why}" for n, why in damaged[:5]))
     return captions
 
 
-def _folder_caption(path: Path, rel: str, ext: str, metadata: dict[str, str]) -> str:
+def _folder_caption(path: Path, rel: str, ext: str, metadata: dict[str, str],
+                    seen: Counter[str]) -> str:
     for suffix in (f".{ext}", ".caption"):
-        text = path.with_suffix(suffix)
-        if text.exists():
-            return text.read_text().strip()
+        caption = path.with_suffix(suffix)
+        if caption.is_file():
+            return text.read(caption, seen).strip()
     return metadata.get(rel, metadata.get(path.name, ""))
+
+
+Numbered = list[tuple[int, dict[str, Any]]]  # (line number, row)
+
+
+def _jsonl(path: Path, seen: Counter[str]) -> tuple[Numbered, list[tuple[int, str]]]:
+    """A JSON-lines file's rows as (line number, object), and its damaged lines as (line number,
+    why)."""
+    rows, damaged = [], []
+    for n, line in enumerate(text.read(path, seen).splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            damaged.append((n, f"not JSON: {exc.msg}, column {exc.colno}"))
+            continue
+        if not isinstance(row, dict):
+            damaged.append((n, f"a JSON {type(row).__name__}, not an object"))
+            continue
+        rows.append((n, row))
+    return rows, damaged
 
 
 def _column(source: Source, columns: list[str], asked: str | None, candidates: tuple[str, ...], what: str,
@@ -241,14 +282,26 @@ def _table(source: Source) -> list[Item]:
     path = Path(source.path)
     if not path.is_file():
         raise DataError(f"{source.label}: {path} is not a file; point it at the .jsonl, .csv or .parquet file")
-    rows, columns = _rows(path) if path.suffix.lower() != ".parquet" else _parquet_rows(path)
+    seen: Counter[str] = Counter()
+    damaged: list[tuple[int, str]] = []
+    if path.suffix.lower() == ".parquet":
+        rows, columns = _parquet_rows(path)
+    else:
+        rows, columns, damaged = _rows(path, seen)
+        text.report(f"{source.label}={source.path}", seen)
+    if not columns:
+        lines = "; ".join(f"line {n}: {why}" for n, why in damaged[:3]) or "no lines"
+        raise DataError(f"{source.label}: {path} has no rows with columns (empty, or every line "
+                        f"damaged: {lines}); point it at a table of images and captions")
     image_col = _image_column(source, columns)
     caption_col = _column(source, columns, source.caption_column, CAPTION_COLUMNS, "captions",
                           f"{source.key}.caption_column")
     control_col = _column(source, columns, source.control_column, (), "reference images",
                           f"{source.key}.control_column") if source.control_column else None
     st = path.stat()
-    out = []
+    out = [Item(source.index, f"{source.name}/line{n:08d}", "", (0, st.st_mtime_ns),
+                _file_reader(path),
+                damaged=f"damaged row in {path.name} ({why})") for n, why in damaged]
     for n, row in rows(image_col, caption_col, [control_col] if control_col else []):
         reference = row.get(control_col) if control_col else None
         control = _control(_beside(path, reference)) if reference else (None, None)
@@ -278,25 +331,39 @@ def _beside(table: Path, value: object) -> Path:
 Rows = Callable[[str, str | None, list[str]], Any]
 
 
-def _rows(path: Path) -> tuple[Rows, list[str]]:
+def _rows(path: Path, seen: Counter[str]) -> tuple[Rows, list[str], list[tuple[int, str]]]:
+    """A JSON-lines or CSV table's rows, its columns and its damaged rows (line number, why)."""
     suffix = path.suffix.lower()
     if suffix == ".jsonl":
-        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        return lambda *_: enumerate(rows), sorted({k for row in rows for k in row})
+        numbered, damaged = _jsonl(path, seen)
+        rows = [row for _, row in numbered]
+        return lambda *_: enumerate(rows), sorted({k for row in rows for k in row}), damaged
     if suffix == ".csv":
-        with path.open(newline="") as f:
-            reader = csv.DictReader(f)
+        try:
+            reader = csv.DictReader(io.StringIO(text.read(path, seen), newline=""))
             table = list(reader)
-            return lambda *_: enumerate(table), list(reader.fieldnames or [])
+        except csv.Error as exc:
+            raise DataError(f"data.sources: {path} is not a CSV table ({exc}, near line "
+                            f"{reader.line_num}); "
+                            "write it with a header row and one row per image") from None
+        return lambda *_: enumerate(table), list(reader.fieldnames or []), []
     raise DataError(f"data.sources: {path} is not a .jsonl, .csv or .parquet file")
 
 
 def _parquet_rows(path: Path) -> tuple[Rows, list[str]]:
     """A parquet file's rows, read a batch at a time, the image column's bytes replaced by their size and a reader of
     their row group (one group kept at a time: the cache build and the check read in row order)."""
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    columns = list(pq.ParquetFile(path).schema_arrow.names)
+    try:
+        columns = list(pq.ParquetFile(path).schema_arrow.names)
+    except (pa.ArrowException, OSError) as exc:
+        raise DataError(f"data.sources: {path} is not a readable parquet file "
+                        f"({str(exc).splitlines()[0][:200]}): "
+                        "damaged or cut short; write it again (pyarrow's write_table, or datasets' "
+                        "to_parquet)",
+                        ) from None
     group = _RowGroups(path)
 
     def rows(image_col: str, caption_col: str | None, others: list[str]) -> Any:
@@ -341,31 +408,59 @@ class _RowGroups:
 def _webdataset(source: Source) -> list[Item]:
     """Tar shards as webdataset writes them: the members of a sample share a key (the name up to its first dot), the
     image is the member with an image extension, the caption the one with `.txt` (or `.<caption_ext>`). Only the
-    headers are read here; an image is read from its offset when it is used."""
-    from webdataset.tariterators import base_plus_ext
-
-    out = []
+    headers are read here; an image is read from its offset when it is used. A shard that is not a
+    whole tar file is refused, named."""
+    out: list[Item] = []
+    seen: Counter[str] = Counter()
     for shard in shards(source.path):
         path = Path(shard)
         if not path.is_file():
             raise DataError(f"{source.label}: shard {shard} does not exist; check the path or the brace pattern "
                             f"(shards/{{000..009}}.tar)")
-        samples: dict[str, dict[str, tarfile.TarInfo]] = {}
-        with tarfile.open(path) as tar:
-            for member in tar:
-                if member.isfile():
-                    prefix, suffix = base_plus_ext(member.name)
-                    if prefix is not None:
-                        samples.setdefault(prefix, {})[suffix.lower()] = member
-            st = path.stat()
-            for key, members in samples.items():
-                image = next((members[e] for e in ("jpg", "jpeg", "png", "webp") if e in members), None)
-                if image is None:
-                    continue
-                text = members.get(source.caption_ext) or members.get("txt") or members.get("caption")
-                caption = tar.extractfile(text).read().decode().strip() if text is not None else ""  # type: ignore[union-attr]
-                out.append(Item(source.index, f"{source.name}/{path.name}/{key}", caption,
-                                (image.size, st.st_mtime_ns), _member_reader(path, image.offset_data, image.size)))
+        try:
+            out += _shard(source, path, seen)
+        except (tarfile.TarError, EOFError, OSError) as exc:
+            raise DataError(f"{source.label}: shard {shard} is not a whole tar file "
+                            f"({exc or type(exc).__name__}): "
+                            "cut short or not a tar at all; fetch or write it again, or leave it "
+                            "out of the "
+                            "pattern") from None
+    text.report(f"{source.label}={source.path}", seen)
+    return out
+
+
+def _shard(source: Source, path: Path, seen: Counter[str]) -> list[Item]:
+    """A tar shard's samples: its headers read to the end (a shard cut short raises), captions
+    decoded."""
+    from webdataset.tariterators import base_plus_ext
+
+    out = []
+    samples: dict[str, dict[str, tarfile.TarInfo]] = {}
+    with tarfile.open(path) as tar:
+        for member in tar:
+            if member.isfile():
+                prefix, suffix = base_plus_ext(member.name)
+                if prefix is not None:
+                    samples.setdefault(prefix, {})[suffix.lower()] = member
+        ends = [m.offset_data + m.size for ms in samples.values() for m in ms.values()]
+        end = max(ends, default=0)
+        if end > path.stat().st_size:
+            raise EOFError(f"its last member ends at byte {end}, the file has "
+                           f"{path.stat().st_size}")
+        st = path.stat()
+        for key, members in samples.items():
+            image = next((members[e] for e in ("jpg", "jpeg", "png", "webp") if e in members), None)
+            if image is None:
+                continue
+            named = members.get(source.caption_ext) or members.get("txt") or members.get("caption")
+            caption = ""
+            if named is not None:
+                data = tar.extractfile(named).read()  # type: ignore[union-attr]
+                caption, encoding = text.decode(data)
+                seen[encoding] += 1
+            out.append(Item(source.index, f"{source.name}/{path.name}/{key}", caption.strip(),
+                            (image.size, st.st_mtime_ns),
+                            _member_reader(path, image.offset_data, image.size)))
     return out
 
 

@@ -59,7 +59,8 @@ def full_values(accelerator: Any, model: Any, base: Any, moments: bool,
     """Collective (every rank iterates to the end, in the same order): (name, parameter, its whole fp32 master weight
     and, with `moments`, Adam's `exp_avg` and `exp_avg_sq` (None where there are none)) for every trainable
     parameter, under any layout (`backends.masters`). `base` is the optimizer that holds the state
-    (`backends.inner.optimizer`). With optimi's Kahan summation the weight is the one learned, w + c."""
+    (`backends.inner.optimizer`). With optimi's Kahan summation the weight is the one learned,
+    w + c."""
     named = trainable(accelerator.unwrap_model(model))
     held = masters.Masters(inner.engine(accelerator), base)
     compensated = moments and kahan.is_kahan(base)
@@ -74,22 +75,24 @@ def full_values(accelerator: Any, model: Any, base: Any, moments: bool,
 
 
 def scheduler_state(path: Path) -> dict[str, Any]:
-    """The LR schedule's state a checkpoint's portable state holds (`scheduler.pt`), read with torch's weights-only
-    unpickler: it builds tensors, numbers, strings and containers and nothing else, so a file planted in a checkpoint
-    cannot run code. Refused with its path when it holds anything else or is damaged."""
+    """The LR schedule's state a checkpoint's portable state holds (`scheduler.pt`), read with
+    torch's weights-only unpickler: it builds tensors, numbers, strings and containers and nothing
+    else, so a file planted in a checkpoint cannot run code. Refused with its path when it holds
+    anything else or is damaged."""
     import pickle
 
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError) as exc:
         why = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
-        raise TrainingError(f"resume: {path} is not the LR schedule state a run writes ({why}): torch's weights-only "
-                            "load takes numbers and tensors only, and this file holds other objects or is damaged; "
-                            "nothing was loaded from it. Resume from a checkpoint a ds_trainer run wrote (a file "
-                            "from elsewhere can run code when unpickled)") from None
+        raise TrainingError(
+            f"resume: {path} is not the LR schedule state a run writes ({why}): torch's "
+            "weights-only load takes numbers and tensors only, and this file holds other objects "
+            "or is damaged; nothing was loaded from it. Resume from a checkpoint a ds_trainer run "
+            "wrote (a file from elsewhere can run code when unpickled)") from None
     if not isinstance(state, dict):
-        raise TrainingError(f"resume: {path} holds a {type(state).__name__}, not an LR schedule's state (a dict); "
-                            "resume from a checkpoint a ds_trainer run wrote")
+        raise TrainingError(f"resume: {path} holds a {type(state).__name__}, not an LR schedule's "
+                            "state (a dict); resume from a checkpoint a ds_trainer run wrote")
     return state
 
 
