@@ -152,6 +152,25 @@ def test_a_kahan_run_resumes_under_fsdp2_from_its_learned_weights_and_step(tmp_p
     assert end["optimizer_step"] == 4
 
 
+def test_the_step_count_of_an_optimizer_that_keeps_none_is_none_not_a_crash() -> None:
+    """optimi's Lion counts no steps (its groups have no `step`): a bf16_pure_kahan run with optimizer=lion failed at
+    its first checkpoint (the portable state asked for the count); AdamW's is its steps."""
+    _package("optimi")
+    import optimi
+
+    from ds_trainer.train.state import kahan
+
+    counts = {}
+    for name, cls in (("lion", optimi.Lion), ("adamw", optimi.AdamW)):
+        weight = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+        base = cls([weight], lr=1e-3, kahan_sum=True)
+        for _ in range(2):
+            weight.grad = torch.full_like(weight, 0.1)
+            base.step()
+        counts[name] = kahan.step_count(base)
+    assert counts == {"lion": None, "adamw": 2}
+
+
 def test_a_weight_carried_into_a_bf16_kahan_module_keeps_what_its_rounding_lost() -> None:
     """A resume (or a fresh start's exact masters) into bf16 weights under optimi's Kahan summation, where the module
     holds the weights itself (DDP, FSDP2's shards): each weight is the carried fp32 rounded to bf16, and its

@@ -27,8 +27,11 @@ def is_kahan(base: Any) -> bool:
 
 
 def step_count(base: Any) -> int | None:
-    """optimi's step count (its groups step together), or None for another optimizer."""
+    """optimi's step count (its groups step together), or None for another optimizer and for one of
+    optimi's that counts no steps (Lion: no bias correction)."""
     if not _is_optimi(base):
+        return None
+    if any(g.get("setup") and "step" not in g for g in base.param_groups):
         return None
     return max((int(g["step"]) for g in base.param_groups if g.get("setup")), default=0)
 
