@@ -19,7 +19,7 @@ from helpers.deps import require
 from helpers.procs import wait_until
 from helpers.ranks import free_port, one_rank_process_group, torchrun
 
-from ds_trainer.config import nvme
+from ds_trainer.config import checks, nvme
 
 torch = pytest.importorskip("torch")
 
@@ -255,7 +255,22 @@ def test_a_target_matching_nothing_lists_the_module_names(workdir: Path) -> None
     assert result.returncode == 2, result.stderr[-3000:]
     assert "adapter.targets=" in result.stderr and "attn_qkv" in result.stderr
     assert "to_out.0" in result.stderr and "proj_in" in result.stderr  # the names that exist
+    assert "fix: adapter.targets=[to_q] (those of the list it has)" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_lora_wide_on_a_transformer_is_refused_with_the_targets_it_has() -> None:
+    """adapter=lora_wide names SDXL's proj_in, which Flux.1's transformer lacks: refused before the run (the wider
+    matrix's cell), the fix the list without it, which trains."""
+    from ds_trainer.train.adapters import adapter
+
+    report = checks.check(make_cfg("model=flux_tiny", "adapter=lora_wide"))
+    (problem,) = adapter.inspect(report.cfg)[0]
+    assert problem.key == "adapter.targets" and problem.why.startswith("proj_in: no Linear/Conv module"), problem
+    assert problem.fix.startswith("adapter.targets=[to_q,to_k,to_v,to_out.0,ff.net.0.proj,ff.net.2,proj_out]")
+    fixed = checks.check(make_cfg("model=flux_tiny", "adapter=lora_wide",
+                                  "adapter.targets=[to_q,to_k,to_v,to_out.0,ff.net.0.proj,ff.net.2,proj_out]"))
+    assert adapter.inspect(fixed.cfg)[0] == []
 
 
 # --- in one process: what the DeepSpeed engine holds for a LoRA

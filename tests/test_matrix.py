@@ -116,14 +116,20 @@ CORE_CELLS = Path(__file__).parent / "data" / "matrix_core.json"
 
 
 def _problems(cell: dict[str, str], known: dict[tuple[str, ...], list[Any]], scratch: Path) -> list[Any]:
-    """What this machine's checks find in a full-array cell (`known`: the answers so far, by cell)."""
+    """What this machine's checks find in a full-array cell, and what the CLI finds in its model before a run
+    (`known`: the answers so far, by cell)."""
     from ds_trainer.config import checks
 
     key = tuple(cell.values())
     if key not in known:
         args = [*FAST, *overrides(cell, scratch, scratch / "swap"),
                 *([f"world_size={cell['ranks']}"] if cell["ranks"] != "1" else [])]
-        known[key] = checks.check(_compose(args)).problems
+        report = checks.check(_compose(args))
+        known[key] = report.problems
+        if report.ok:  # what needs the model's module names (adapter.targets), as the CLI asks before a run
+            from ds_trainer.train.adapters import adapter
+
+            known[key] = adapter.inspect(report.cfg)[0]
     return known[key]
 
 

@@ -139,6 +139,15 @@ def _inspect_encoders(cfg: DictConfig) -> tuple[list[Problem], int]:
     return rules, count
 
 
+def _targets_fix(targets: list[str], unmatched: list[str]) -> str:
+    """The targets asked for that the module has (adapter=lora_wide's UNet names on a transformer:
+    its feed-forward ones), else the attention projections every family has."""
+    matched = [t for t in targets if t not in unmatched]
+    if matched:
+        return f"adapter.targets=[{','.join(matched)}] (those of the list it has)"
+    return "adapter.targets=[to_q,to_k,to_v,to_out.0] (or adapter=lora_wide)"
+
+
 def _inspect_model(cfg: DictConfig) -> tuple[list[Problem], int]:
     if not enabled(cfg):
         return [], int(cfg.model.param_count)
@@ -151,7 +160,7 @@ def _inspect_model(cfg: DictConfig) -> tuple[list[Problem], int]:
         return [Problem("adapter.targets", list(cfg.adapter.targets),
                         f"{', '.join(unmatched)}: no Linear/Conv module of the {families.label_of(model)} has such a "
                         f"name; the names end with: {', '.join(endings)}",
-                        "adapter.targets=[to_q,to_k,to_v,to_out.0] (or adapter=lora_wide)")], 0
+                        _targets_fix(list(cfg.adapter.targets), unmatched))], 0
     _inject(cfg, model)
     count = sum(p.numel() for p in model.parameters() if p.requires_grad)
     if cfg.adapter.init_from is not None:
