@@ -22,7 +22,7 @@ rundir.register_resolvers()
 
 # Module-scoped fixtures that train runs several tests check.
 SHARED_RUNS = {"chain", "shared_run", "zero3_run", "runs", "references", "fsdp_run", "check", "tuned", "files",
-               "sourced"}
+               "sourced", "damaged"}
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups

@@ -125,8 +125,8 @@ def test_a_fractional_repeat_weighs_a_source_down_over_an_epoch_of_whole_passes(
     assert (whole["samples_seen"], half["samples_seen"]) == (80, 40) and half["repeats"] == 0.5
 
 
-def test_damaged_files_of_every_kind_are_skipped_and_named_or_refused_naming_them(tmp_path: Path,
-                                                                                 caplog: pytest.LogCaptureFixture) -> None:
+def test_damaged_files_of_every_kind_are_skipped_and_named_or_refused_naming_them(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """The damaged forms of each file a source is made of (issue 62): captions in the encodings Windows tools write
     read as written and said once per source; a table's damaged rows skipped, counted and named; a table, parquet
     file or tar shard that is empty, cut short or not that format at all refused naming it (DataError: the

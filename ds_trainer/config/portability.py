@@ -15,7 +15,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from ds_trainer.config import optimizers, schema
+from ds_trainer.config import optimizers, schema, trust
 from ds_trainer.config.ds_config import option_name
 from ds_trainer.config.problems import Problem
 
@@ -81,8 +81,16 @@ def read_meta(checkpoint: Path) -> dict[str, Any] | None:
     path = Path(checkpoint) / META
     if not path.is_file():
         return None
-    meta: dict[str, Any] = json.loads(path.read_text())
-    return meta
+    meta = json.loads(path.read_text())
+    if not isinstance(meta, dict):
+        raise ValueError("it is not a JSON object")
+    missing = sorted(META_KEYS - set(meta))
+    if missing:
+        raise ValueError(f"it lacks {', '.join(missing)}: not the description a run writes")
+    return dict(meta)
+
+
+META_KEYS = frozenset({"identity", "layout", "params", "index", "step", "samples", "moments"})
 
 
 def changes(meta: dict[str, Any], cfg: DictConfig) -> list[str]:
@@ -112,9 +120,41 @@ def reset_requested(cfg: DictConfig) -> bool:
 
 def check(cfg: DictConfig, checkpoint: Path | None) -> tuple[list[Problem], list[str]]:
     """Problems that refuse the resume, and warnings to record (the weights-only override)."""
-    meta = read_meta(checkpoint) if checkpoint is not None else None
+    if checkpoint is None:
+        return [], []
+    try:
+        meta = read_meta(checkpoint)
+    except (OSError, ValueError) as exc:
+        fix = "resume=latest, or resume=<another checkpoint folder>"
+        return [Problem("resume", str(checkpoint), f"its portable state's {META} cannot be "
+                        f"read ({exc})", fix)], []
+    native = trust.native_allowed(cfg, checkpoint)
     if meta is None:
+        if not native and (Path(checkpoint) / "COMPLETE").is_file():
+            return [Problem("resume", str(checkpoint), f"{trust.untrusted_why(checkpoint)}; it "
+                            "holds no portable state (train.portable_state=false) to resume from "
+                            "instead", "resume from a checkpoint of your own runs, or "
+                            "resume_trust_native=true if you trust where this one came from")], []
         return _without_portable_state(cfg, checkpoint), []
+    problems, warnings = _identity(cfg, checkpoint, meta)
+    if not native and not problems and str(meta["identity"]["optimizer"]) not in MOMENT_OPTIMIZERS \
+            and not reset_requested(cfg):
+        saved = meta["identity"]["optimizer"]
+        problems = [Problem("resume", str(checkpoint), f"{trust.untrusted_why(checkpoint)}; its "
+                            f"portable state holds no optimizer state for {saved} (only for "
+                            f"{'/'.join(MOMENT_OPTIMIZERS)}), which only the native files hold",
+                            "resume_trust_native=true if you trust where it came from, or "
+                            "resume_optimizer=reset to carry the weights only")]
+    if not native and not problems:
+        warnings.append(f"{trust.untrusted_why(checkpoint)}: it resumes through its portable "
+                        "state (safetensors and JSON) instead of the native load (bit-exact; "
+                        "resume_trust_native=true for it)")
+    return problems, warnings
+
+
+def _identity(cfg: DictConfig, checkpoint: Path,
+              meta: dict[str, Any]) -> tuple[list[Problem], list[str]]:
+    """`check` with a portable state: optimizer, architecture, adapter and encoders must match."""
     saved, now = meta["identity"], identity(cfg)
     now.setdefault("text_encoders", None)
     differ = [key for key in now if saved.get(key) != now[key]]

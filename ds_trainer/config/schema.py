@@ -439,6 +439,10 @@ class Config:
     resume: str | None = None
     # What a resume under another optimizer type or architecture carries: `reset` takes the weights only.
     resume_optimizer: ResumeOptimizer = ResumeOptimizer.keep
+    # A checkpoint this user's runs did not write (config/trust.py) resumes through its portable
+    # state (safetensors and JSON): its DeepSpeed and Accelerate files are pickles. true loads
+    # them natively all the same.
+    resume_trust_native: bool = False
 
 
 def register() -> None:

@@ -39,7 +39,7 @@ class Source(Protocol):
 class Carry:
     """The resume plan: `changed` when the portable state must carry over (else native or fresh)."""
 
-    def __init__(self, cfg: DictConfig, resume_from: Path | None) -> None:
+    def __init__(self, cfg: DictConfig, resume_from: Path | None, native: bool = True) -> None:
         self.path = resume_from
         self.meta = portability.read_meta(resume_from) if resume_from is not None else None
         self.reset = portability.reset_requested(cfg) and self.meta is not None
@@ -58,6 +58,11 @@ class Carry:
             # state carries them instead, bit for bit.
             self.changed = True
             self.changes = ["ZeRO-3's NVMe optimizer swap: DeepSpeed's own load would lose Adam's moments"]
+        if self.meta is not None and not self.changed and not native:
+            # Not this user's checkpoint (config/trust.py): its pickled native files stay unread.
+            self.changed = True
+            self.changes = ["not written by this user's runs: its DeepSpeed and Accelerate files "
+                            "are not unpickled"]
         self.reader = Reader(resume_from, self.meta) if self.changed and resume_from and self.meta else None
         self.carried: list[str] = []
         saved = str(self.meta["layout"].get("precision")) if self.meta is not None else None
@@ -171,7 +176,7 @@ class Carry:
         assert self.path is not None
         if ema is None or not (self.path / "ema.pt").exists():
             return
-        state = torch.load(self.path / "ema.pt", map_location="cpu", weights_only=True, mmap=True)
+        state = portable.saved_state(self.path / "ema.pt", "EMA", mmap=True)
         if set(state["shadow"]) != set(ema.names):
             log.warning("the checkpoint's EMA covers other parameters: the EMA starts from the carried weights")
             return

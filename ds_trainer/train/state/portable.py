@@ -74,26 +74,31 @@ def full_values(accelerator: Any, model: Any, base: Any, moments: bool,
         yield name, p, (weight, got.get("exp_avg"), got.get("exp_avg_sq"))
 
 
-def scheduler_state(path: Path) -> dict[str, Any]:
-    """The LR schedule's state a checkpoint's portable state holds (`scheduler.pt`), read with
-    torch's weights-only unpickler: it builds tensors, numbers, strings and containers and nothing
-    else, so a file planted in a checkpoint cannot run code. Refused with its path when it holds
-    anything else or is damaged."""
+def saved_state(path: Path, what: str, **load: Any) -> dict[str, Any]:
+    """A dict of tensors and numbers a checkpoint holds (`what`: the LR schedule's
+    `scheduler.pt`, the EMA's `ema.pt`), read with torch's weights-only unpickler: it builds
+    tensors, numbers, strings and containers and nothing else, so a file planted in a checkpoint
+    cannot run code. Refused with its path when it holds anything else or is damaged."""
     import pickle
 
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = torch.load(path, map_location="cpu", weights_only=True, **load)
     except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError) as exc:
         why = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
         raise TrainingError(
-            f"resume: {path} is not the LR schedule state a run writes ({why}): torch's "
+            f"resume: {path} is not the {what} state a run writes ({why}): torch's "
             "weights-only load takes numbers and tensors only, and this file holds other objects "
             "or is damaged; nothing was loaded from it. Resume from a checkpoint a ds_trainer run "
             "wrote (a file from elsewhere can run code when unpickled)") from None
     if not isinstance(state, dict):
-        raise TrainingError(f"resume: {path} holds a {type(state).__name__}, not an LR schedule's "
-                            "state (a dict); resume from a checkpoint a ds_trainer run wrote")
+        raise TrainingError(f"resume: {path} holds a {type(state).__name__}, not the {what} state "
+                            "(a dict); resume from a checkpoint a ds_trainer run wrote")
     return state
+
+
+def scheduler_state(path: Path) -> dict[str, Any]:
+    """The LR schedule's state in a checkpoint's portable state (`scheduler.pt`; `saved_state`)."""
+    return saved_state(path, "LR schedule")
 
 
 class Writer:
@@ -179,5 +184,13 @@ class Reader:
     def get(self, key: str) -> torch.Tensor:
         from safetensors import safe_open
 
-        with safe_open(str(self.dir / self.index[key]), framework="pt") as f:
-            return f.get_tensor(key)
+        path = self.dir / self.index[key]
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                return f.get_tensor(key)
+        except Exception as exc:  # safetensors' own error type, OSError: the file is named
+            why = str(exc).strip()[:200] or type(exc).__name__
+            raise TrainingError(f"resume: {path} cannot be read as the portable state's "
+                                f"safetensors shard ({why}, reading {key}): the file is damaged or "
+                                "not the one the run wrote. Resume from another checkpoint "
+                                "(resume=<run dir>/checkpoints/step_N)") from None

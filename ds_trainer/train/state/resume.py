@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from omegaconf import DictConfig
 
+from ds_trainer.config import trust
 from ds_trainer.train.state import carry, checkpoint, portable
 
 if TYPE_CHECKING:
@@ -25,19 +26,24 @@ log = logging.getLogger("ds_trainer")
 class Resume:
     """What this run resumes from (`path`, None for a fresh start) and how."""
 
-    def __init__(self, cfg: DictConfig, path: Path | None) -> None:
+    def __init__(self, cfg: DictConfig, path: Path | None, native: bool = True) -> None:
         self.cfg, self.path = cfg, path
         self.saved: dict[str, Any] = (checkpoint.complete(path) or {}) if path else {}
-        # Under another layout than the checkpoint's (stage, offload, ranks, batch split) its portable state
-        # carries over; otherwise the backend's native load.
-        self.carry = carry.Carry(cfg, path)
+        # Under another layout than the checkpoint's (stage, offload, ranks, batch split), or
+        # from a checkpoint this user's runs did not write (`native` false: config/trust.py),
+        # its portable state carries over; otherwise the backend's native load.
+        self.carry = carry.Carry(cfg, path, native)
         self.exact: carry.Exact | None = None
 
     @classmethod
     def find(cls, cfg: DictConfig, run_dir: Path, accelerator: Any) -> Resume:
         """Rank 0 decides what to resume from and tells the others: ranks looking at the file system at different
         moments could otherwise disagree and then load different checkpoints."""
-        return cls(cfg, checkpoint.resume_point(cfg, run_dir, accelerator))
+        from ds_trainer.train.backends import accelerator as accel
+
+        path = checkpoint.resume_point(cfg, run_dir, accelerator)
+        native = trust.native_allowed(cfg, path) if accelerator.is_main_process else None
+        return cls(cfg, path, bool(accel.from_main(accelerator, native)))
 
     @property
     def wandb_id(self) -> str | None:
@@ -80,7 +86,7 @@ class Resume:
         step = int(self.saved["step"])
         if run.ema is not None and (self.path / "ema.pt").exists():
             # Memory-mapped: each rank reads the pages of its own slice, not the whole EMA.
-            run.ema.load_state_dict(torch.load(self.path / "ema.pt", map_location="cpu", weights_only=True, mmap=True))
+            run.ema.load_state_dict(portable.saved_state(self.path / "ema.pt", "EMA", mmap=True))
         log.info("resumed from %s at step %d", self.path, step)
         return step
 
