@@ -231,6 +231,9 @@ class DataConfig:
     caption_ext: str = "txt"
     center_crop: bool = True
     random_flip: bool = False
+    # An image above this many pixels is skipped as too large (named in the log and summary.json);
+    # the default is Pillow's own limit against decompression bombs (2 x 89,478,485).
+    max_image_pixels: int = 178956970
     cache: bool = True
     cache_dir: str = "${paths.outputs}/cache"
     # Samples per file of the cache (each rank writes its share as packs of this many): a build

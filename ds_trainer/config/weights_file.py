@@ -31,13 +31,42 @@ def is_single_file(path: str | None) -> bool:
 
 
 def safetensors_header(path: Path) -> dict[str, Any]:
-    """Each tensor's entry (dtype, shape, offsets) in a .safetensors file's header (8 bytes of length, then JSON)."""
+    """Each tensor's entry (dtype, shape, offsets) in a .safetensors file's header (8 bytes of
+    length, then JSON); ValueError saying what is wrong with a file that is not one, or is cut
+    short."""
+    size = path.stat().st_size
     with path.open("rb") as f:
-        length = int.from_bytes(f.read(8), "little")
-        if not 0 < length < 1 << 30:
-            raise ValueError("no safetensors header")
-        header = json.loads(f.read(length))
-    return {key: value for key, value in header.items() if key != "__metadata__"}
+        head = f.read(8)
+        length = int.from_bytes(head, "little")
+        if len(head) < 8 or not 0 < length <= size - 8:
+            declared = length if len(head) == 8 else "nothing"
+            raise ValueError(f"no safetensors header ({size} bytes; its first 8 declare a header "
+                             f"of {declared}): not a .safetensors file")
+        try:
+            header = json.loads(f.read(length))
+        except ValueError:
+            raise ValueError("its header is not JSON: damaged, or not a .safetensors "
+                             "file") from None
+    if not isinstance(header, dict):
+        raise ValueError("its header is not a table of tensors: not a .safetensors file")
+    tensors = {key: value for key, value in header.items() if key != "__metadata__"}
+    try:
+        end = max((int(v["data_offsets"][1]) for v in tensors.values()), default=0)
+    except (KeyError, TypeError, ValueError, IndexError):
+        raise ValueError("its header's tensor entries lack their offsets: damaged") from None
+    if 8 + length + end > size:
+        raise ValueError(f"cut short: its header places tensors up to byte {8 + length + end}, "
+                         f"the file ends at {size}")
+    return tensors
+
+
+def unreadable(path: Path) -> str | None:
+    """Why a .safetensors file cannot be read (damaged, cut short, not one), or None."""
+    try:
+        safetensors_header(path)
+    except (OSError, ValueError) as exc:
+        return str(exc)
+    return None
 
 
 def safetensors_keys(path: Path) -> list[str]:
@@ -82,10 +111,71 @@ def problems(cfg: DictConfig) -> list[Problem]:
         elif vae is None and not any(k.startswith(VAE) for k in safetensors_keys(Path(pretrained))):
             out.append(Problem("model.pretrained", pretrained, f"holds no VAE ({VAE}*)",
                                "model.vae=/path/to/sdxl_vae.safetensors (or a diffusers VAE folder)"))
-    if vae and not Path(vae).exists():
-        out.append(Problem("model.vae", vae, "does not exist",
-                           "model.vae=/path/to/sdxl_vae.safetensors (or a VAE folder)"))
-    return out
+    if vae:
+        out += _vae(str(vae))
+    return out + _pretrained_folder(cfg)
+
+
+VAE_FIX = "model.vae=/path/to/sdxl_vae.safetensors (or a diffusers VAE folder), or model.vae=null"
+VAE_KEYS = ("encoder.", "decoder.", "quant_conv.", "post_quant_conv.", VAE)
+
+
+def _vae(vae: str) -> list[Problem]:
+    """`model.vae`: a diffusers VAE folder (its config.json, beside or under vae/), or one weights
+    file whose header is whole and holds a VAE's keys."""
+    path = Path(vae)
+    if not path.exists():
+        return [Problem("model.vae", vae, "does not exist", VAE_FIX)]
+    if path.is_dir():
+        if not ((path / "config.json").is_file() or (path / "vae" / "config.json").is_file()):
+            return [Problem("model.vae", vae, "is a folder without a VAE's config.json (nor vae/"
+                            "config.json): not a diffusers VAE folder", VAE_FIX)]
+        return []
+    if path.suffix.lower() not in SUFFIXES:
+        kinds = " or ".join(SUFFIXES)
+        return [Problem("model.vae", vae, f"is not a weights file ({kinds})", VAE_FIX)]
+    if path.suffix.lower() == ".ckpt":
+        return []  # read with torch's weights-only loader when it is loaded
+    try:
+        keys = safetensors_keys(path)
+    except (OSError, ValueError) as exc:
+        return [Problem("model.vae", vae, f"cannot be read: {exc}", VAE_FIX)]
+    if not any(k.startswith(VAE_KEYS) for k in keys):
+        counts = Counter(k.split(".")[0] for k in keys).most_common(4)
+        heads = ", ".join(f"{p}.* ({n})" for p, n in counts) or "nothing, it is empty"
+        return [Problem("model.vae", vae, f"holds no VAE (no encoder.*/decoder.* keys; its keys "
+                        f"start with: {heads}): another model's file", VAE_FIX)]
+    return []
+
+
+def _pretrained_folder(cfg: DictConfig) -> list[Problem]:
+    """A local `model.pretrained` folder is a diffusers pipeline: its model_index.json names the
+    components, each a subfolder."""
+    pretrained = cfg.model.pretrained
+    path = Path(str(pretrained)) if pretrained else None
+    if path is None or not path.is_dir():
+        return []
+    fix = ("model.pretrained=<a diffusers folder (model_index.json, unet/ or transformer/, "
+           "vae/, ...)>, a single .safetensors file, or a hub id")
+    try:
+        index = json.loads((path / "model_index.json").read_text())
+    except FileNotFoundError:
+        inside = ", ".join(sorted(p.name for p in path.iterdir())[:6]) or "nothing"
+        return [Problem("model.pretrained", str(pretrained), f"is not a diffusers folder: no "
+                        f"model_index.json (it holds {inside})", fix)]
+    except (OSError, ValueError) as exc:
+        return [Problem("model.pretrained", str(pretrained), f"its model_index.json cannot be read "
+                        f"({exc})", fix)]
+    if not isinstance(index, dict):
+        return [Problem("model.pretrained", str(pretrained), "its model_index.json is not a table "
+                        "of components", fix)]
+    parts = [name for name, value in index.items()
+             if not name.startswith("_") and isinstance(value, list) and value and value[0]]
+    missing = sorted(name for name in parts if not (path / name).is_dir())
+    if missing:
+        return [Problem("model.pretrained", str(pretrained), f"its model_index.json names "
+                        f"{', '.join(missing)}, which the folder lacks (a partial download?)", fix)]
+    return []
 
 
 def transformer_mismatch(header: dict[str, Any], family: str, arch: dict[str, Any]) -> str | None:

@@ -4,6 +4,7 @@ read-only.
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -24,6 +25,10 @@ def problems(cfg: DictConfig) -> list[Problem]:
         elif not Path(cfg.data.path).is_dir():
             out.append(Problem("data.path", cfg.data.path, "is not a folder", "data.path=/path/to/images"))
     out += _sources(cfg) + _captions(cfg)
+    if int(cfg.data.max_image_pixels) <= 0:
+        out.append(Problem("data.max_image_pixels", cfg.data.max_image_pixels, "is the pixel count "
+                           "above which an image is skipped as too large", "data.max_image_pixels="
+                           "178956970 (Pillow's own limit)"))
     pretrained = cfg.model.pretrained
     if weights_file.is_single_file(pretrained) and not Path(pretrained).exists():
         out.append(Problem("model.pretrained", pretrained, "no such checkpoint file",
@@ -31,7 +36,7 @@ def problems(cfg: DictConfig) -> list[Problem]:
     elif pretrained and not Path(pretrained).exists() and not re.fullmatch(r"[\w.-]+/[\w.-]+", pretrained):
         out.append(Problem("model.pretrained", pretrained, "is neither a local folder nor a hub id (org/name)",
                            "model.pretrained=/path/to/diffusers/folder (or stabilityai/stable-diffusion-xl-base-1.0)"))
-    out += weights_file.problems(cfg)
+    out += weights_file.problems(cfg) + _init_from(cfg) + _cache_dir(cfg)
     resume = cfg.resume
     if resume not in (None, "latest") and not Path(resume).is_dir():
         out.append(Problem("resume", resume, "is neither `latest` nor a checkpoint folder",
@@ -136,3 +141,40 @@ def _captions(cfg: DictConfig) -> list[Problem]:
                            "zeroes a frozen encoder's cached output; with text_encoders trained a batch carries token "
                            "ids instead", "text_encoders=frozen, or data.caption_dropout (drops whole captions)"))
     return out
+
+
+def _init_from(cfg: DictConfig) -> list[Problem]:
+    """`adapter.init_from`: a LoRA file ds_trainer or kohya's scripts wrote (safetensors, its header
+    whole), or a run's lora/ folder holding one; whether it fits the adapter needs the model
+    (`train.adapter.inspect`)."""
+    given = cfg.adapter.get("init_from")
+    if given is None or cfg.adapter.method.value == "none" or not Path(given).exists():
+        return []  # a missing one: checks/adapter.py
+    path = Path(given)
+    fix = "adapter.init_from=<run>/lora/pytorch_lora_weights.safetensors (or null)"
+    if path.is_dir():
+        files = [path / name for name in ("pytorch_lora_weights.safetensors", "kohya.safetensors")]
+        path = next((f for f in files if f.is_file()), path)
+        if path.is_dir():
+            return [Problem("adapter.init_from", given, "is a folder without a LoRA file "
+                            "(pytorch_lora_weights.safetensors or kohya.safetensors)", fix)]
+    if path.suffix.lower() != ".safetensors":
+        return [Problem("adapter.init_from", given, "is read as a .safetensors file (a .bin, "
+                        ".pt or .ckpt is a pickle, which can run code when it is read)", fix)]
+    why = weights_file.unreadable(path)
+    return [Problem("adapter.init_from", str(path), f"cannot be read: {why}", fix)] if why else []
+
+
+def _cache_dir(cfg: DictConfig) -> list[Problem]:
+    """The latent cache is written into `data.cache_dir`: it, or the folder it would be made in,
+    must be writable (a read-only disk failed the run after a minute of start-up)."""
+    if not cfg.data.cache or cfg.get("dry_run"):
+        return []
+    where = Path(str(cfg.data.cache_dir)).absolute()
+    existing = next((p for p in (where, *where.parents) if p.exists()), None)
+    if existing is None or (existing.is_dir() and os.access(existing, os.W_OK | os.X_OK)):
+        return []
+    why = "is a file, not a folder" if not existing.is_dir() else "cannot be written here"
+    return [Problem("data.cache_dir", str(cfg.data.cache_dir), f"{existing} {why} (the latent "
+                    "cache is written there)", "data.cache_dir=<a writable folder>, or "
+                    "data.cache=false")]

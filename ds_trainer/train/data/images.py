@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import random
+import warnings
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -135,7 +136,9 @@ class SourceImages:
         self.masked = bool(cfg.data.masked_loss) and part != "validation" and not self.scoring  # validation: unmasked
         self.reference = bool(cfg.model.get("reference_images"))  # each image read with its reference
         found = {item.key: item for source in self.sources for item in sources.items(source)}
-        checks, checked_now = _check_items(found, _record(cfg, self.sources), accelerator)
+        limit = int(cfg.data.max_image_pixels)
+        Image.MAX_IMAGE_PIXELS = limit  # Pillow's own guard at twice it; _problem says so first
+        checks, checked_now = _check_items(found, _record(cfg, self.sources), accelerator, limit)
         usable = [found[key] for key, (_, _, problem) in sorted(checks.items()) if problem is None]
         self.found = Counter(found[key].source for key in checks)
         self.skipped_by_source: Counter[tuple[int, str]] = Counter()
@@ -320,9 +323,9 @@ def _mask_of(image: Image.Image, item: sources.Item) -> Image.Image:
     return Image.new("L", image.size, 255)
 
 
-def _problem(item: sources.Item) -> str | None:
+def _problem(item: sources.Item, limit: int) -> str | None:
     """Why an image cannot be trained on (decoding it whole), or None; an entry damaged in its
-    listing (a table's row) says so itself."""
+    listing (a table's row) says so itself; one above `limit` pixels is too large."""
     if item.damaged is not None:
         return item.damaged
     try:
@@ -332,14 +335,25 @@ def _problem(item: sources.Item) -> str | None:
         return f"unreadable ({exc.strerror or exc})"
     if not data:
         return "empty file"
+    # The size is read from the header, then judged here (Pillow's guard put back after).
+    guard, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, None
     try:
-        with Image.open(io.BytesIO(data)) as image:
+        with warnings.catch_warnings(), Image.open(io.BytesIO(data)) as image:
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            width, height = image.size
+            if width * height > limit:
+                return f"too large ({width}x{height}, above data.max_image_pixels={limit})"
             image.load()
     except UnidentifiedImageError:
         return "not an image (unrecognized format)"
     except Exception:  # noqa: BLE001 - PIL raises many types for damaged files
         return "truncated or corrupt image"
+    finally:
+        Image.MAX_IMAGE_PIXELS = guard
     return None
+
+
+DEFAULT_PIXELS = 178956970
 
 
 def _record(cfg: DictConfig, found: list[sources.Source]) -> Path:
@@ -347,10 +361,13 @@ def _record(cfg: DictConfig, found: list[sources.Source]) -> Path:
     one_folder = len(found) == 1 and not found[0].keyed
     text = str(Path(found[0].path).resolve()) if one_folder else "|".join(f"{s.kind}:{Path(s.path).resolve()}"
                                                                          for s in found)
+    if int(cfg.data.max_image_pixels) != DEFAULT_PIXELS:  # another limit: every image checked again
+        text += f"|pixels:{int(cfg.data.max_image_pixels)}"
     return Path(cfg.data.cache_dir) / f"scan-{hashlib.sha256(text.encode()).hexdigest()[:16]}.json"
 
 
-def _check_items(found: dict[str, sources.Item], record: Path, accelerator: Any) -> tuple[dict[str, list[Any]], int]:
+def _check_items(found: dict[str, sources.Item], record: Path, accelerator: Any,
+                 limit: int) -> tuple[dict[str, list[Any]], int]:
     """{key: [size, mtime_ns, problem or None]} of every item, and how many were decoded now.
 
     Decoding every image is the only sure check, and slow on a large source, so it is done once: the results are
@@ -374,7 +391,8 @@ def _check_items(found: dict[str, sources.Item], record: Path, accelerator: Any)
                         "node must see the same data; put it on a shared file system or the same path on each node")
     checks = {key: known[key] for key, stat in stats.items() if known.get(key, [None, None])[:2] == stat}
     todo = [key for key in stats if key not in checks]
-    mine = {key: [*stats[key], _problem(found[key])] for key in order.share(todo, rank, world)}
+    mine = {key: [*stats[key], _problem(found[key], limit)]
+            for key in order.share(todo, rank, world)}
     if world > 1:
         from accelerate.utils import gather_object
 

@@ -312,7 +312,10 @@ def _table(source: Source) -> list[Item]:
                             value["read"], control=control[0], control_stat=control[1]))
             continue
         rel = value.get("path") if isinstance(value, dict) else value
-        if not rel:
+        if not rel:  # skipped and counted like a damaged row
+            out.append(Item(source.index, f"{source.name}/line{n:08d}", "", (0, st.st_mtime_ns),
+                            _file_reader(path), damaged=f"a row of {path.name} without an image "
+                            f"(its {image_col} is empty)"))
             continue
         image = _beside(path, rel)
         size = image.stat().st_size if image.exists() else 0
@@ -370,7 +373,12 @@ def _parquet_rows(path: Path) -> tuple[Rows, list[str]]:
         wanted = [image_col, *([caption_col] if caption_col else []), *others]
         n = 0
         for index in range(group.file.num_row_groups):
-            table = group.file.read_row_group(index, columns=wanted)
+            try:
+                table = group.file.read_row_group(index, columns=wanted)
+            except (pa.ArrowException, OSError) as exc:
+                why = str(exc).splitlines()[0][:200]
+                raise DataError(f"data.sources: {path}: its row group {index} cannot be read "
+                                f"({why}): damaged; write it again") from None
             for offset, row in enumerate(table.to_pylist()):
                 value = row.get(image_col)
                 if isinstance(value, dict) and value.get("bytes"):
@@ -447,6 +455,7 @@ def _shard(source: Source, path: Path, seen: Counter[str]) -> list[Item]:
         if end > path.stat().st_size:
             raise EOFError(f"its last member ends at byte {end}, the file has "
                            f"{path.stat().st_size}")
+        _check_end(tar)
         st = path.stat()
         for key, members in samples.items():
             image = next((members[e] for e in ("jpg", "jpeg", "png", "webp") if e in members), None)
@@ -462,6 +471,18 @@ def _shard(source: Source, path: Path, seen: Counter[str]) -> list[Item]:
                             (image.size, st.st_mtime_ns),
                             _member_reader(path, image.offset_data, image.size)))
     return out
+
+
+def _check_end(tar: tarfile.TarFile) -> None:
+    """A tar ends in two zero blocks after its last member: without them it was cut at a member's
+    boundary, which the tar reader takes for its end (the members after it lost unseen)."""
+    f = tar.fileobj
+    assert f is not None
+    f.seek(tar.offset)
+    tail = f.read(1024)
+    if len(tail) < 1024 or tail.strip(b"\0"):
+        raise EOFError(f"no end-of-archive blocks after its last member (at byte {tar.offset}): "
+                       "cut short at a member's boundary")
 
 
 def _member_reader(path: Path, offset: int, size: int) -> Callable[[], BinaryIO]:

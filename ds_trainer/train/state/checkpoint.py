@@ -59,9 +59,11 @@ def complete(path: Path) -> dict[str, Any] | None:
     if not path.is_dir() or path.name.startswith(".") or not marker.is_file():
         return None
     try:
-        state: dict[str, Any] = json.loads(marker.read_text())
+        state = json.loads(marker.read_text())
     except (OSError, ValueError):
         return None
+    if not isinstance(state, dict) or not isinstance(state.get("step"), int):
+        return None  # damaged, or not a marker this code wrote
     return state
 
 
@@ -87,7 +89,9 @@ def find_resume(cfg: DictConfig, run_dir: Path) -> Path | None:
     if cfg.resume != "latest":
         path = Path(cfg.resume)
         if complete(path) is None:
-            raise _resume_error(str(cfg.resume), f"not a complete ds_trainer checkpoint (no {MARKER} file)")
+            said = "damaged or not ds_trainer's" if (path / MARKER).exists() else "missing"
+            raise _resume_error(str(cfg.resume), f"not a complete ds_trainer checkpoint (its "
+                                f"{MARKER} marker is {said})")
         if (why := damaged(path)) is not None:
             raise _resume_error(str(cfg.resume), f"the checkpoint is damaged: {why}")
         return path

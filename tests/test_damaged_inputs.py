@@ -1,0 +1,282 @@
+"""Every input surface (ds_trainer/config/surfaces.py) over the corpus of damaged files
+(tests/helpers/damaged.py): each case ends skipped and counted (a sample) or refused on one screen
+naming the file (a whole file), never in a traceback. A surface added to the list without cases
+here fails the first test."""
+
+from __future__ import annotations
+
+import io
+import json
+import tarfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers import damaged
+from helpers import sources as src
+from helpers.cfg import make_cfg
+from test_sources import _dataset
+
+from ds_trainer.config import checks, portability, surfaces, trust
+from ds_trainer.config.problems import ConfigError
+from ds_trainer.errors import DataError, TrainingError
+
+torch = pytest.importorskip("torch")
+
+
+def _safetensors(tensors: dict[str, tuple[int, ...]]) -> bytes:
+    from safetensors.torch import save
+
+    return save({key: torch.zeros(shape) for key, shape in tensors.items()})
+
+
+VAE = {"encoder.conv_in.weight": (4, 3, 3, 3), "decoder.conv_out.weight": (3, 4, 3, 3)}
+SDXL = {"model.diffusion_model.input_blocks.0.0.weight": (4, 4),
+        "model.diffusion_model.label_emb.0.0.weight": (4, 4),
+        "conditioner.embedders.0.transformer.text_model.embeddings.position_ids": (1, 4),
+        "conditioner.embedders.1.model.ln_final.weight": (4,), "first_stage_model.decoder.conv_in.weight": (4,)}
+LORA = {"unet.down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q.lora_A.weight": (4, 8),
+        "unet.down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q.lora_B.weight": (8, 4)}
+
+
+def _refused(key: str, path: Path, *args: str) -> None:
+    """The configuration's checks refuse it on one screen: the key, the file, why and the fix."""
+    report = checks.check(make_cfg(*args))
+    text = report.render()
+    assert not report.ok and f"  - {key}=" in text and str(path) in text, text
+    assert "why:" in text and "fix:" in text, text
+
+
+def _weights(key: str, name: str, others: dict[str, dict[str, tuple[int, ...]]], *args: str,
+             good: dict[str, tuple[int, ...]] | None = None) -> Callable[[Path], int]:
+    """A weights file given as `key`: every damaged form, and the files of other models (`others`)."""
+    def run(tmp_path: Path) -> int:
+        path, n = tmp_path / name, 0
+        for _ in damaged.cases(path, _safetensors(good or {"w": (64, 64)})):
+            _refused(key, path, f"{key}={path}", *args)
+            n += 1
+        for tensors in others.values():
+            path.write_bytes(_safetensors(tensors))
+            _refused(key, path, f"{key}={path}", *args)
+            n += 1
+        return n
+    return run
+
+
+def _pretrained_folder(tmp_path: Path) -> int:
+    folder, n = tmp_path / "pipeline", 0
+    folder.mkdir()
+    contents = {"empty": {}, "a component only": {"unet/config.json": "{}"},
+                "its index cut short": {"model_index.json": '{"unet": ["diff'},
+                "its index a list": {"model_index.json": "[1, 2]"},
+                "a part missing": {"model_index.json": json.dumps({"unet": ["diffusers", "U"],
+                                                                   "vae": ["diffusers", "A"]}),
+                                   "unet/config.json": "{}"}}
+    for files in contents.values():
+        for child in sorted(folder.rglob("*"), reverse=True):
+            child.unlink() if child.is_file() else child.rmdir()
+        for rel, text in files.items():
+            (folder / rel).parent.mkdir(parents=True, exist_ok=True)
+            (folder / rel).write_text(text)
+        _refused("model.pretrained", folder, f"model.pretrained={folder}")
+        n += 1
+    return n
+
+
+def _cache_dir(tmp_path: Path) -> int:
+    in_the_way = tmp_path / "a_file"
+    in_the_way.write_text("x")
+    _refused("data.cache_dir", in_the_way, f"data.cache_dir={in_the_way / 'cache'}")
+    return 1  # a read-only disk is the same check (os.access); root writes through mode bits
+
+
+def _marker(folder: Path, step: int = 2) -> dict[str, Any]:
+    from ds_trainer.train.state import checkpoint
+
+    return trust.signed({"step": step, "layout": {}, **checkpoint.record_files(folder)})
+
+
+def _resume(tmp_path: Path) -> int:
+    """The checkpoint folder: its marker in every damaged form, then a file cut after it was written."""
+    from ds_trainer.train.state import checkpoint
+
+    folder, n = tmp_path / "run" / "checkpoints" / "step_00000002", 0
+    folder.mkdir(parents=True)
+    (folder / "model.safetensors").write_bytes(_safetensors({"w": (64, 64)}))
+    good = json.dumps(_marker(folder)).encode()
+    cfg = make_cfg(f"resume={folder}")
+    for _ in damaged.cases(folder / "COMPLETE", good):
+        with pytest.raises(ConfigError) as refused:
+            checkpoint.find_resume(cfg, tmp_path / "new")
+        assert f"resume={folder}" in str(refused.value) and "COMPLETE" in str(refused.value)
+        n += 1
+    (folder / "COMPLETE").write_bytes(good)
+    assert checkpoint.find_resume(cfg, tmp_path / "new") == folder
+    (folder / "model.safetensors").write_bytes(_safetensors({"w": (64, 64)})[:-10])
+    with pytest.raises(ConfigError, match="model.safetensors is .* bytes"):
+        checkpoint.find_resume(cfg, tmp_path / "new")
+    return n + 1
+
+
+def _portable(tmp_path: Path) -> int:
+    """The portable state a checkpoint from elsewhere resumes through: its record, shards, schedule, EMA."""
+    from ds_trainer.train.state import portable
+
+    folder, n = tmp_path / "step_00000002", 0
+    (folder / "portable").mkdir(parents=True)
+    (folder / "COMPLETE").write_text(json.dumps(_marker(folder)))
+    cfg = checks.check(make_cfg("zero=stage2", f"resume={folder}")).cfg
+    for _ in [*damaged.cases(folder / "portable" / "meta.json", b'{"step": 2, "layout": {}}'), "schema"]:
+        if not (folder / "portable" / "meta.json").exists():
+            (folder / "portable" / "meta.json").write_text('{"step": 2, "layout": {}}')  # keys missing
+        (problem,), _ = portability.check(cfg, folder)
+        assert problem.key == "resume" and "meta.json" in problem.why, problem
+        n += 1
+    shard = folder / "portable" / "state-00001.safetensors"
+    for _ in damaged.cases(shard, _safetensors({"fp32/w": (64, 64)})):
+        with pytest.raises(TrainingError, match="state-00001.safetensors cannot be read"):
+            portable.Reader(folder, {"index": {"fp32/w": shard.name}}).get("fp32/w")
+        n += 1
+    good = (tmp_path / "good.pt")
+    torch.save({"last_batch_iteration": 1}, good)
+    for name, what in (("scheduler.pt", "LR schedule"), ("ema.pt", "EMA")):
+        for _ in damaged.cases(folder / name, good.read_bytes()):
+            with pytest.raises(TrainingError, match=f"{name} (is not the|holds a)"):
+                portable.saved_state(folder / name, what)
+            n += 1
+    return n
+
+
+def _whole_or_rows(root: Path, path: Path, entries: list[dict[str, object]], rows: int) -> str:
+    """A table or shard after damage: refused naming it, its damaged rows skipped and counted, or (the
+    damage missed what is read) read whole."""
+    report = checks.check(make_cfg("data=sources", src.override(entries), f"paths.outputs={root / 'out'}"))
+    if not report.ok:  # no file there at all (a folder, a symlink loop): the configuration's checks
+        assert str(path) in report.render(), report.render()
+        return "refused"
+    try:
+        _, data = _dataset(root, entries)
+    except DataError as exc:
+        assert str(path) in str(exc), exc
+        return "refused"
+    index = len(entries) - 1
+    skipped = sum(n for (source, _), n in data.skipped_by_source.items() if source == index)
+    if data.found[index] + skipped < rows or skipped:
+        assert skipped, data.skipped_by_source
+        return "skipped"
+    return "read"
+
+
+def _tables(tmp_path: Path) -> int:
+    folder, n = src.make("folder", tmp_path / "folder", n=2), 0
+    for kind in ("jsonl", "csv", "parquet"):
+        path = Path(src.make(kind, tmp_path / kind, n=3))
+        good = path.read_bytes()
+        for case in damaged.cases(path, good):
+            outcome = _whole_or_rows(tmp_path / f"{kind}-{n}", path, [{"path": folder}, {"path": str(path)}], 3)
+            assert outcome != "read" or case in ("cut one byte short", "a header that lies"), (kind, case)
+            n += 1
+        path.write_bytes(good)
+    return n
+
+
+def _rows(tmp_path: Path) -> int:
+    """A table's damaged rows: skipped, counted and named (test_sources checks their reasons too)."""
+    table = Path(src.make("jsonl", tmp_path / "rows", n=3))
+    lines = table.read_text().splitlines()
+    broken = {"cut": lines[1][:-5], "an array": "[1, 2]", "a number": "7", "no file name": '{"text": "x"}',
+              "a file name of another type": '{"file_name": 3, "text": "x"}'}
+    table.write_text("\n".join([lines[0], *broken.values(), lines[2]]) + "\n")
+    _, data = _dataset(tmp_path, [{"path": str(table)}])
+    assert sum(data.skipped_by_source.values()) == len(broken) and data.found[0] == 2 + len(broken)
+    assert len([k for names in data.skipped_names.values() for k in names]) == len(broken)
+    return len(broken)
+
+
+def _shards(tmp_path: Path) -> int:
+    folder, n = src.make("folder", tmp_path / "folder", n=2), 0
+    src.make("webdataset", tmp_path / "web", n=3)
+    shard = sorted((tmp_path / "web").glob("*.tar"))[0]
+    good = shard.read_bytes()
+    with tarfile.open(shard) as tar:
+        rows = len({m.name.split(".")[0] for m in tar if m.name.endswith(".png")})
+    with tarfile.open(shard) as tar:
+        boundary = [m.offset for m in tar][-1]
+    for case in [*damaged.cases(shard, good), "cut at a member's boundary"]:
+        if case == "cut at a member's boundary":
+            shard.write_bytes(good[:boundary])
+        outcome = _whole_or_rows(tmp_path / f"w{n}", shard, [{"path": folder}, {"path": str(shard)}], rows)
+        assert outcome != "read" or case in ("cut one byte short",), case
+        n += 1
+    with tarfile.open(shard, "w") as tar:  # a member that is no image: skipped and counted
+        for name, data in (("a.png", b"not a png"), ("a.txt", b"a caption"), ("b.png", src.png(3))):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    assert _whole_or_rows(tmp_path / "member", shard, [{"path": folder}, {"path": str(shard)}], 2) == "skipped"
+    return n + 1
+
+
+def _images(tmp_path: Path) -> int:
+    """An image of a folder in every damaged form, and a legal one above data.max_image_pixels."""
+    folder, n = Path(src.make("folder", tmp_path / "folder", n=2)), 0
+    image = folder / "img_bad.png"
+    (folder / "img_bad.txt").write_text("a caption")
+    variants = [*damaged.forms(src.png(5)).items(), ("huge", damaged.huge_png())]
+    for case, content in variants:
+        image.write_bytes(content)
+        _, data = _dataset(tmp_path / f"i{n}", [{"path": str(folder)}])
+        reasons = [reason for (_, reason), names in data.skipped_names.items() if "img_bad" in names[0]]
+        expected = len(content) > 0 and case in ("cut one byte short", "a header that lies")
+        assert len(reasons) == 1 or expected, (case, data.skipped_by_source)
+        if case == "huge":
+            assert reasons == ["too large (100000x100000, above data.max_image_pixels=178956970)"]
+        n += 1
+    image.unlink()
+    for case, make in damaged.places(image).items():
+        make()
+        _, data = _dataset(tmp_path / f"p{n}", [{"path": str(folder)}])
+        assert data.unique == 2, (case, data.skipped_by_source)  # not an image file: not listed, or skipped
+        damaged._clear(image)
+        n += 1
+    return n
+
+
+def _captions(tmp_path: Path) -> int:
+    """A caption in every damaged form: read as what it holds (any bytes decode as Latin-1, said), or
+    where no file can be read, the image trains with an empty caption and the log says why."""
+    folder, n = Path(src.make("folder", tmp_path / "folder", n=2)), 0
+    caption = folder / "img000.txt"
+    for case in damaged.cases(caption, caption.read_bytes()):
+        _, data = _dataset(tmp_path / f"c{n}", [{"path": str(folder)}])
+        assert data.unique == 2 and isinstance(data.caption(0), str), case
+        n += 1
+    return n
+
+
+RUNNERS: dict[str, Callable[[Path], int]] = {
+    "model.pretrained (file)": _weights("model.pretrained", "sdxl.safetensors", {"a VAE": VAE, "a LoRA": LORA}),
+    "model.pretrained (folder)": _pretrained_folder,
+    "model.vae": _weights("model.vae", "vae.safetensors", {"a LoRA": LORA}),
+    "model.transformer": _weights("model.transformer", "sd3.safetensors", {"an SDXL checkpoint": SDXL,
+                                                                             "a VAE": VAE}, "model=sd3_tiny"),
+    "adapter.init_from": _weights("adapter.init_from", "lora.safetensors", {}, "adapter=lora", good=LORA),
+    "resume": _resume,
+    "resume (portable state)": _portable,
+    "data.cache_dir": _cache_dir,
+    "table": _tables,
+    "table row": _rows,
+    "tar shard": _shards,
+    "image": _images,
+    "caption": _captions,
+}
+
+
+def test_every_input_surface_has_its_damaged_cases() -> None:
+    assert set(RUNNERS) == surfaces.NAMES
+
+
+@pytest.mark.parametrize("name", sorted(RUNNERS))
+def test_a_damaged_file_is_skipped_and_counted_or_refused_naming_it(name: str, tmp_path: Path) -> None:
+    assert RUNNERS[name](tmp_path) >= 1
