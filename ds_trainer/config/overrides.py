@@ -364,11 +364,29 @@ def guarded(entry: Callable[[], Any], argv: list[str] | None = None) -> Any:
         os.environ.pop(_OURS, None)
 
 
-def compose_checked(overrides: list[str]) -> Any:
-    """`compose` for tools that take overrides without `hydra.main` (the planner): same messages."""
+HELP = ("-h", "--help")
+
+
+def answer_help(overrides: list[str], doc: str | None) -> None:
+    """`--help` or `-h` to a tool that takes training's overrides: the first paragraphs of its
+    docstring `doc` and where the overrides are described; exit 0."""
+    if not any(arg in HELP for arg in overrides):
+        return
+    paragraphs = [p.strip("\n") for p in (doc or "").split("\n\n") if p.strip()]
+    print("\n\n".join(paragraphs[:2]))
+    print("\nOverrides as `python -m ds_trainer` takes them (key=value, group=option): "
+          "`python -m ds_trainer --help` lists the groups, docs/config.md every key.")
+    raise SystemExit(0)
+
+
+def compose_checked(overrides: list[str], doc: str | None = None) -> Any:
+    """`compose` for tools that take overrides without `hydra.main` (the planner): same messages;
+    `--help` answered from the tool's docstring `doc`."""
     from hydra import compose, initialize_config_dir
 
     from ds_trainer import console
+
+    answer_help(overrides, doc)
 
     console.install()  # Hydra's note of a presets folder not written yet is not for the terminal
     if problems := check_args(overrides, multirun=False):

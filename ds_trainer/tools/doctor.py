@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     schema.register()
     rundir.register_resolvers()
     args = list(sys.argv[1:] if argv is None else argv)
-    cfg = overrides.compose_checked(args)  # a mistake in the overrides: one screen, exit 2
+    cfg = overrides.compose_checked(args, __doc__)  # a mistake in the overrides: one screen, exit 2
     report = checks.check(cfg)
     findings = diagnose(report.cfg)
     findings.notes[:0] = list(report.warnings)

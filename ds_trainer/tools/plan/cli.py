@@ -1,4 +1,8 @@
-"""`python -m ds_trainer.plan [overrides]`: compose like training, print every cell and the recommendation."""
+"""`python -m ds_trainer.plan [overrides]`: before a run, which ZeRO stage and offload fit, per rank.
+
+Takes the same overrides as training (e.g. `resolution=px1024 train.micro_batch_size=8
+plan.vram_gib=24`); prints every zero x offload cell's peak GPU memory, host RAM and NVMe bytes,
+marks what fits and recommends the cheapest cell that does (docs/planner.md)."""
 
 from __future__ import annotations
 
@@ -19,7 +23,8 @@ def main(argv: list[str] | None = None) -> int:
 
     schema.register()
     rundir.register_resolvers()
-    cfg = overrides.compose_checked(list(sys.argv[1:] if argv is None else argv))  # a mistake: exit 2
+    args = list(sys.argv[1:] if argv is None else argv)
+    cfg = overrides.compose_checked(args, __doc__)  # a mistake: exit 2
     info = hardware.detect(cfg.platform.value)
     if info.kind == "cuda" and cfg.plan.vram_gib is None:
         info = hardware.confirm_with_torch(info)  # torch's figure: a MIG slice's memory, not the whole card's

@@ -1,4 +1,9 @@
-"""`python -m ds_trainer.tune [training overrides] [tune.*]`: run a tune, exit 2 on bad input."""
+"""`python -m ds_trainer.tune [training overrides] [tune.*]`: the fastest configuration that fits.
+
+Takes the same overrides as training, and tune.* (the axes: tune.zero, tune.offload,
+tune.micro_batch_size, ...; tune.global_batch, the time limit per cell); each cell the checks and
+the planner keep runs a short real training; the winner, tune.md and the preset are written as it
+goes (docs/tuner.md). Exit 2 on bad input, 1 when no cell trained."""
 
 from __future__ import annotations
 
@@ -11,7 +16,7 @@ from ds_trainer.tools.tune.space import BadInput
 def main(argv: list[str] | None = None) -> int:
     """Compose like training, plan, measure, report; exit 2 on bad input, 1 when no cell trained."""
     try:
-        return run.tune(list(sys.argv[1:] if argv is None else argv))
+        return run.tune(list(sys.argv[1:] if argv is None else argv), __doc__)
     except BadInput as exc:
         print(exc, file=sys.stderr)
         return 2

@@ -100,7 +100,7 @@ def _measure(cell: Cell, cfg: DictConfig, cmd: list[str], tune_dir: Path, device
           file=sys.stderr, flush=True)
 
 
-def tune(argv: list[str]) -> int:
+def tune(argv: list[str], doc: str | None = None) -> int:
     """The whole tune; the package docstring says how it goes."""
     from hydra import initialize_config_dir
 
@@ -109,7 +109,8 @@ def tune(argv: list[str]) -> int:
 
     schema.register()
     rundir.register_resolvers()
-    overrides.compose_checked(argv)  # a mistake in the overrides (Hydra's own included): the one screen, exit 2
+    # A mistake in the overrides (Hydra's own included): the one screen, exit 2.
+    overrides.compose_checked(argv, doc)
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"), tune_cell.terminate_as_exit():
         return _tune(argv)
 
