@@ -156,6 +156,13 @@ def test_folder_data_with_captions_and_cache_reuse(workdir: Path) -> None:
     assert name.startswith("128x128/")  # by bucket, then a hash of the image, caption and crop
     assert item["latents"].shape == (4, 16, 16)  # 128 px through the VAE's factor 8
     assert item["time_ids"].tolist()[-2:] == [128, 128]
+    # Weights and cache packs follow the umask like the config beside them (safetensors writes 0600): a teammate
+    # on a shared disk reads the UNet, the checkpoint and the cache as well as config.yaml.
+    (run_dir, *_) = run_dirs(workdir)
+    shared = (run_dir / "config.yaml").stat().st_mode & 0o777
+    written = [p for p in (workdir / "outputs").rglob("*.safetensors")]
+    assert any("checkpoints" in p.parts for p in written) and any("cache" in p.parts for p in written), written
+    assert {p: p.stat().st_mode & 0o777 for p in written} == dict.fromkeys(written, shared)
 
 
 

@@ -110,6 +110,32 @@ def register_resolvers() -> None:
             OmegaConf.register_new_resolver(name, fn)
 
 
+@cache
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def follow_umask(path: Path, skip: frozenset[str] = frozenset()) -> None:
+    """The files under `path` (or the file) that a library wrote readable by its owner alone
+    (safetensors writes 0600) made as readable as the umask makes every other file, so that a
+    teammate on a shared disk reads the weights as well as the config; `skip`: names of folders
+    left alone."""
+    wanted = 0o666 & ~_umask()
+    files = [path]
+    if not path.is_file():
+        files = [p for p in path.rglob("*")
+                 if p.is_file() and not skip & set(p.relative_to(path).parts)]
+    for file in files:
+        try:
+            mode = file.stat().st_mode & 0o777
+            if mode == 0o600 and wanted != 0o600:
+                file.chmod(wanted)
+        except OSError:
+            continue  # another rank's file, or gone: its own writer follows the umask too
+
+
 def write_json(path: Path, data: Any) -> None:
     """Write atomically: a reader never sees half a file."""
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ds_trainer import console
-from ds_trainer.config import schema
+from ds_trainer.config import rundir, schema
 
 log = logging.getLogger("ds_trainer.convert")
 
@@ -367,12 +367,16 @@ def main(argv: list[str] | None = None) -> int:
                                "weights) or --import-to <dir> (import)")
         if args.to is not None:
             for path in _to(args.checkpoint, args.to):
+                rundir.follow_umask(path)
                 print(f"wrote {path}")
         elif args.unet is not None:
-            print(f"wrote {export_unet(args.checkpoint, args.unet, args.ema)}")
+            written = export_unet(args.checkpoint, args.unet, args.ema)
+            rundir.follow_umask(written)
+            print(f"wrote {written}")
         else:
-            print(f"wrote {import_accelerate(args.checkpoint, args.import_to, args.architecture, args.optimizer)}; "
-                  f"continue with resume={args.import_to}")
+            written = import_accelerate(args.checkpoint, args.import_to, args.architecture, args.optimizer)
+            rundir.follow_umask(written)
+            print(f"wrote {written}; continue with resume={args.import_to}")
     except ConvertError as exc:
         print(f"ds_trainer.convert: {exc}", file=sys.stderr)
         return 2

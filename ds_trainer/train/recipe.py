@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from ds_trainer.config import hardware, source_repeats
+from ds_trainer.config import hardware, rundir, source_repeats
 from ds_trainer.config.problems import ConfigError
 from ds_trainer.errors import TrainingError
 from ds_trainer.train import backends, data, export, families, outcome
@@ -205,6 +205,8 @@ def finish(run: Run) -> None:
             export.base_pipeline(run)
         if run.cfg.export.card and run.accelerator.is_main_process:
             card.write(run)
+    if run.accelerator.is_main_process:
+        rundir.follow_umask(run.run_dir, skip=frozenset({"checkpoints"}))
 
 
 def single_process_env() -> None:

@@ -17,6 +17,7 @@ import safetensors.torch
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from ds_trainer.config import rundir
 from ds_trainer.train.data import captions, order
 from ds_trainer.train.data.images import SourceImages, SyntheticImages
 from ds_trainer.train.families import common, text_encoders
@@ -108,6 +109,7 @@ class LatentCache:
             tmp = self.dir / f".{captions.EMPTY}.tmp{os.getpid()}"
             safetensors.torch.save_file({key: on_cpu(value[0], family.storage_dtype(key)).contiguous()
                                          for key, value in empty.items()}, str(tmp))
+            rundir.follow_umask(tmp)  # a shared cache: teammates read it
             tmp.replace(self.dir / captions.EMPTY)
         # Each rank a contiguous block of the images in key order (a run of shards), then by bucket to batch them.
         index = self._scan()
@@ -267,6 +269,7 @@ class _Pack:
         path = self.folder / f"pack-{digest}.safetensors"
         tmp = self.folder / f".{path.name}.tmp{os.getpid()}"
         safetensors.torch.save_file(self.tensors, str(tmp), metadata={"format": FORMAT})
+        rundir.follow_umask(tmp)  # a shared cache: teammates read it
         tmp.replace(path)
         self.tensors, self.names, self.bytes = {}, [], 0
 

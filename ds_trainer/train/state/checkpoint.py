@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from ds_trainer.config import portability, trust
+from ds_trainer.config import portability, rundir, trust
 from ds_trainer.errors import TrainingError
 from ds_trainer.train.state import disk, integrity
 
@@ -194,6 +194,7 @@ def save(accelerator: Any, run_dir: Path, step: int, state: dict[str, Any], keep
     if accelerator.is_main_process:
         if final.exists():
             shutil.rmtree(final)
+        rundir.follow_umask(partial)  # safetensors writes its files readable by the owner alone
         # Signed: this user's run wrote it (config/trust.py).
         marker = trust.signed({**state, "step": step, **record_files(partial)})
         (partial / MARKER).write_text(json.dumps(marker, indent=2))
