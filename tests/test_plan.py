@@ -190,3 +190,17 @@ def test_the_readmes_table_of_full_size_models_is_the_planners_and_deepspeeds() 
     for row in table.splitlines()[2:]:
         _, _, deepspeed, states, peak = [cell.strip() for cell in row.split("|")[1:-1]]
         assert deepspeed == states and float(peak) > float(states)
+
+
+def test_the_header_of_a_quantized_plan_says_which_cells_it_left_out(capsys: pytest.CaptureFixture[str]) -> None:
+    """nf4 trains under ZeRO-3 and FSDP2 (their cells are listed, and the header says so); int8 and fp8 do not
+    (left out, as the header says)."""
+    from ds_trainer.tools.plan import cli
+
+    for kind, listed in (("nf4", True), ("int8", False), ("fp8", False)):
+        assert cli.main(["model=sdxl_base", "adapter=lora", f"quantize={kind}", "plan.vram_gib=24"]) == 0
+        out = capsys.readouterr().out
+        rows = {tuple(line.split()[:2]) for line in out.splitlines() if line.startswith(("ddp", "stage", "fsdp"))}
+        assert (("stage3", "cpu") in rows and ("fsdp_full_shard", "none") in rows) == listed, (kind, rows)
+        header = next(line for line in out.splitlines() if line.startswith(f"quantize={kind}"))
+        assert ("left out" in header) != listed, header

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import sys
 
+from omegaconf import DictConfig
+
 from ds_trainer.config import buckets
 from ds_trainer.tools.plan import lora
 from ds_trainer.tools.plan.advice import recommend, table
@@ -44,10 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"text_encoders={cfg.text_encoders.mode.value} ({cfg.text_encoders.which.value}): {trained / 1e6:,.1f}M "
               f"encoder parameters train with the UNet, {frozen / 1e6:,.1f}M frozen in the same module; their "
               f"activations {act / 2**20:,.0f} MiB a step (in the activations column)")
-    if cfg.quantize.kind.value != "none":
-        print(f"quantize={cfg.quantize.kind.value}: the frozen base's linear layers quantized (in the params column"
-              + ("; the frozen text encoders' too where they stay on the GPU" if cfg.quantize.text_encoders else "")
-              + "); ZeRO-3 and FSDP2 cells left out (they cannot hold bitsandbytes' weights: refused)")
+    _quantized(cfg)
     print(table(estimates, budget))
     print(calibrated.describe())
     if estimates[0].sampling is not None:
@@ -71,3 +70,16 @@ def main(argv: list[str] | None = None) -> int:
           f"(about {best.gpu / GIB:.1f} GiB per rank)")
     return 0
 
+
+def _quantized(cfg: DictConfig) -> None:
+    """The header's line of a quantized base: where its weights are, which cells are left out."""
+    kind = cfg.quantize.kind.value
+    if kind != "none":
+        held = {"nf4": "; every cell holds its packed weights (ZeRO-3 and FSDP2 in the compute dtype)",
+                "int8": "; ZeRO-3 and FSDP2 cells left out (they cannot hold LLM.int8's int8 weights with "
+                        "their row scales: refused)",
+                "fp8": "; ZeRO-3 and FSDP2 cells left out (they cannot slice torchao's float8 tensors: "
+                       "refused)"}[kind]
+        encoders = "; the frozen text encoders' too where they stay on the GPU"
+        print(f"quantize={kind}: the frozen base's linear layers quantized (in the params column"
+              + (encoders if cfg.quantize.text_encoders else "") + held + ")")
