@@ -64,6 +64,8 @@ BAD = [
     (["world_size=0"], ["world_size=0"]),
     (["+sweep=zero_ofload"], ["zero_ofload", "zero_offload"]),
     (["lever=lokr"], ["lever=lokr", "+lever=lokr"]),  # a sweep's cell: added with +, not overridden
+    (["data=sources", "data.sources=/data/images"],  # one path where a list of sources goes
+     ["data.sources=/data/images", "is a list", "data.sources='[{path: /data/images}]'"]),
     (["validation=on", "validation.timesteps=0", "validation.path=/nonexistent/val"],
      ["validation.timesteps=0", "validation.timesteps=4", "validation.path=/nonexistent/val", "not a folder"]),
 ]

@@ -565,3 +565,13 @@ def test_the_cache_is_built_ahead_as_a_slurm_job_and_training_reads_it(tmp_path:
     trained = run_cli(*args, "train.max_steps=1", cwd=tmp_path)  # one local rank, the cache the job built
     assert trained.returncode == 0, trained.stderr[-3000:]
     assert "cached latents" not in trained.stderr
+
+
+def test_the_validation_set_of_a_sources_run_names_its_sources(tmp_path: Path) -> None:
+    """validation_set.json and the log said "held out of data.path=None" for a run of data.sources."""
+    from ds_trainer.train.observe import validate
+
+    entries = [{"path": src.make("folder", tmp_path / "faces"), "name": "faces"},
+               {"path": src.make("jsonl", tmp_path / "style")}]
+    cfg = checks.check(make_cfg("data=sources", src.override(entries), "validation=on")).cfg
+    assert validate._source(cfg) == "held out of data.sources (faces, style) (validation.split=0.05)"

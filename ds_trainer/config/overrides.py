@@ -249,6 +249,9 @@ def explain(exc: BaseException, overrides: list[str], multirun: bool) -> Problem
         elif "Integer" in why:
             fix = f"{key}=<an integer>" + (f", e.g. {key}={round(float(value))}"
                                           if re.fullmatch(r"-?\d+(\.\d*)?([eE]\d+)?", value) else "")
+        elif "is not a ListConfig" in why:  # one value where a list goes (data.sources=/path)
+            item = f"{{path: {value}}}" if key == "data.sources" else value
+            why, fix = f"{key} is a list, and this is one value", f"{key}='[{item}]'"
         else:
             fix = f"{key}=<a valid value>"
         return Problem(key, value, why, fix)

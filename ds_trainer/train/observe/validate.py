@@ -95,6 +95,11 @@ def _source(cfg: DictConfig) -> str:
         return f"validation.path={cfg.validation.path}"
     if cfg.data.source.value == "synthetic":
         return "synthetic images after the training ones"
+    if cfg.data.source.value == "sources":
+        from ds_trainer.train.data import sources
+
+        names = ", ".join(source.name for source in sources.of(cfg))
+        return f"held out of data.sources ({names}) (validation.split={cfg.validation.split})"
     return f"held out of data.path={cfg.data.path} (validation.split={cfg.validation.split})"
 
 
