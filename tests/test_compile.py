@@ -9,6 +9,7 @@ eager. FSDP2 on two ranks, a LoKr and bf16_pure_kahan under it, and `full` are `
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -170,3 +171,16 @@ def test_a_missing_compiler_is_refused_with_the_install_to_do(monkeypatch: pytes
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real_find(name, *a))
     shown = checks.check(make_cfg("train.compile=blocks"), H100).render()
     assert "Triton, which is not installed" in shown and "pip install triton" in shown, shown
+
+
+@pytest.mark.slow
+def test_sd3s_joint_attention_with_a_loha_compiles_under_fsdp2_in_bf16(tmp_path: Path) -> None:
+    """Found by the wider matrix: SD3 + LoHa + train.compile=full + FSDP2 + bf16_pure_kahan with validation crashed
+    at the first step inside AOTAutograd's replay of an aliased output ("invalid shape dimension ..."); FSDP2 turns
+    that replay off under compile (backends/fsdp.py) and the run trains."""
+    run = _ranks(tmp_path, 1, "model=sd3_tiny", "zero=fsdp_full_shard", "adapter=loha", "adapter.formats=[kohya]",
+                 "precision=bf16_pure_kahan", "train.compile=full", "validation=on", "validation.split=1",
+                 "train.max_steps=2")
+    losses = [r["loss"] for r in _rows(run) if "loss" in r]
+    assert len(losses) == 2 and all(map(math.isfinite, losses)), losses
+    assert math.isfinite(json.loads((run / "summary.json").read_text())["val_loss"])
