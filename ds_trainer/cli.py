@@ -48,26 +48,51 @@ rundir.register_resolvers()
 
 
 def prepare(cfg: DictConfig, run_dir: Path) -> tuple[DictConfig, dict | None]:
-    """Check `cfg` and write the run files; raises ConfigError with the report on a user mistake."""
+    """Check `cfg` and take the run folder (its lock); raises ConfigError with the report on a user
+    mistake. Nothing is written into the folder before `write_files`."""
     report = checks.check(cfg)
     if not report.ok:
         raise ConfigError(report.render())
     cfg = report.cfg
-    # A resume under another optimizer or architecture is refused here, before anything starts.
-    problems, carried = portability.check(cfg, checkpoint.find_resume(cfg, run_dir) if cfg.resume else None)
+    # A resume under another optimizer or architecture is refused here, before anything starts; and so
+    # is one that would train nothing.
+    resumed = checkpoint.find_resume(cfg, run_dir, say=False)
+    problems, carried = portability.check(cfg, resumed)
     if problems:
         raise ConfigError(Report(cfg, problems).render())
+    if (nothing := _nothing_left(cfg, resumed)) is not None:
+        raise ConfigError(Report(cfg, [nothing]).render())
     cfg.resolved.warnings = [*report.warnings, *carried]  # recorded in config.yaml
     for warning in cfg.resolved.warnings:
         log.warning("%s", warning)
     world_size = int(cfg.resolved.world_size)
     ds = ds_config.build(cfg, world_size) if cfg.resolved.backend == "deepspeed" else None
-    ds_json = run_dir / "ds_config.json" if ds is not None else None
     if not cfg.dry_run:
         _lock(run_dir)  # before any run file is written: a second run must leave the first untouched
-    if distributed.is_main():
-        rundir.write_run_files(run_dir, cfg, ds, accelerate_file.config_file(cfg, ds_json, world_size))
     return cfg, ds
+
+
+def write_files(cfg: DictConfig, ds: dict | None, run_dir: Path, composed: str) -> None:
+    """Rank 0: the run files (config.yaml, ds_config.json, accelerate_config.yaml) and Hydra's
+    `.hydra/` where Hydra left them to this run (config/rundir.py), once every check passed."""
+    if distributed.is_main():
+        ds_json = run_dir / "ds_config.json" if ds is not None else None
+        rundir.write_run_files(run_dir, cfg, ds, accelerate_file.config_file(cfg, ds_json,
+                                                                            int(cfg.resolved.world_size)))
+        rundir.write_hydra_files(run_dir, composed)
+
+
+def _nothing_left(cfg: DictConfig, resumed: Path | None) -> Problem | None:
+    """A run that continues from a checkpoint at or past train.max_steps would train nothing and
+    overwrite the records of the weights it holds: refused."""
+    state = checkpoint.complete(resumed) if resumed is not None else None
+    if state is None or int(state["step"]) < int(cfg.train.max_steps):
+        return None
+    step = int(state["step"])
+    return Problem("train.max_steps", cfg.train.max_steps, f"this run continues from {resumed} at step "
+                   f"{step}: nothing is left to train, and the folder's summary, card and config would "
+                   "no longer describe its weights", f"train.max_steps={2 * step} (above {step}), or "
+                   "a new run folder (another hydra.run.dir, or none: a fresh one)")
 
 
 def _lock(run_dir: Path) -> None:
@@ -88,9 +113,11 @@ def _lock(run_dir: Path) -> None:
 
 def run(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> None:
     """One run: check, write the run files, then train unless it is a dry run."""
+    composed = OmegaConf.to_yaml(cfg)  # as Hydra composed it: .hydra/config.yaml
     cfg, ds = prepare(cfg, run_dir)
     startup.mark("validate")
     if cfg.dry_run:
+        write_files(cfg, ds, run_dir, composed)
         if ds is not None:
             print(json.dumps(ds, indent=2))
         elif cfg.resolved.backend == "fsdp":  # what FSDP2 will run, as config.yaml records it
@@ -111,6 +138,7 @@ def run(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> None:
     problems, cfg.resolved.trainable_params = adapter.inspect(cfg)  # what needs the model's module names
     if problems:
         raise ConfigError(Report(cfg, problems).render())
+    write_files(cfg, ds, run_dir, composed)
 
     recipe.run(cfg, ds, run_dir, metrics.run_name(overrides), memory_plan=plan.log_for_run)
 

@@ -46,6 +46,10 @@ def test_steps_after_the_checkpoint_are_recorded_once_after_a_requeue(workdir: P
     assert (summary["val_loss_best"], summary["val_loss_best_step"]) == (0.001, 2)
     assert (summary["val_loss"], summary["val_loss_step"], summary["validations"]) == (scores[1]["val_loss"], 4, 2)
     assert "validation loss" in again.stderr and "not in s/it" in again.stderr
+    resumed = summary["resumed_from"]  # what the run continued from
+    assert (resumed["checkpoint"], resumed["step"], resumed["load"]) == (str(run / "checkpoints" / "step_00000002"),
+                                                                          2, "native")
+    assert resumed["layout"]["zero"] == "stage2" and resumed["run_dir"] == str(run)
     assert rows[2]["s_per_it"] != logged_before[3]["s_per_it"]  # the resumed values stand
     files = sorted(run.glob("wandb/offline-run-*/run-*.wandb"))
     assert len(files) == 2
@@ -58,3 +62,27 @@ def test_steps_after_the_checkpoint_are_recorded_once_after_a_requeue(workdir: P
     val = {h["_step"]: h["val/loss"] for h in merged if "val/loss" in h}
     assert sorted(val) == [2, 4] and val[4] == pytest.approx(scores[1]["val_loss"], rel=1e-6)
     assert all("val/seconds" in h for h in merged if "val/loss" in h)
+
+
+@pytest.mark.slow
+def test_a_run_that_would_train_nothing_or_start_over_in_a_used_folder_is_refused(workdir: Path) -> None:
+    """A finished folder run again with fewer steps (it trained 0 steps and overwrote the summary, card and
+    config of step 4's weights), and a folder whose every checkpoint is damaged (it started over at step 0, each
+    step then twice in metrics.jsonl): refused on one screen, the folder's records untouched."""
+    first = run_cli(*ARGS, "logger=none", cwd=workdir)
+    assert first.returncode == 0, first.stderr[-3000:]
+    (run,) = run_dirs(workdir)
+    records = [run / "summary.json", run / "config.yaml", run / "metrics.jsonl", *(run / ".hydra").iterdir()]
+    kept = {p: p.read_bytes() for p in records}
+    fewer = run_cli(*ARGS, "logger=none", "train.max_steps=2", f"hydra.run.dir={run}", cwd=workdir)
+    assert fewer.returncode == 2 and "Traceback" not in fewer.stderr, fewer.stderr[-3000:]
+    assert "train.max_steps=2" in fewer.stderr and "nothing is left to train" in fewer.stderr
+    assert "train.max_steps=8 (above 4)" in fewer.stderr
+    assert {p: p.read_bytes() for p in records} == kept  # Hydra's .hydra/ files too
+    for saved in (run / "checkpoints").glob("step_*"):
+        largest = max((f for f in saved.rglob("*") if f.is_file() and f.name != "COMPLETE"),
+                      key=lambda f: f.stat().st_size)
+        largest.write_bytes(largest.read_bytes()[:100])
+    again = run_cli(*ARGS, "logger=none", "train.max_steps=6", f"hydra.run.dir={run}", cwd=workdir)
+    assert again.returncode == 2 and "every checkpoint of this run folder" in again.stderr, again.stderr[-3000:]
+    assert {p: p.read_bytes() for p in records} == kept

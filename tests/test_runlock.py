@@ -78,7 +78,8 @@ def test_a_second_run_on_a_busy_run_directory_stops_at_once_and_the_first_finish
     wait_until(lambda: (folder / "metrics.jsonl").exists() and (folder / "metrics.jsonl").read_text().strip(),
                "the first run ended before its first step", proc=first, deadline=time.time() + 400)
     config_before = (folder / "config.yaml").stat().st_mtime_ns
-    second = run_cli(*args, "resume=latest", cwd=tmp_path)
+    records = {p: p.read_bytes() for p in (folder / ".hydra").iterdir()}  # Hydra's own, of the run that trains
+    second = run_cli(*args, "resume=latest", "train.lr=0.5", cwd=tmp_path)
     assert first.poll() is None, "the first run ended before the second started: nothing was tested"
     assert second.returncode == 2, second.stderr[-3000:]
     assert "Traceback" not in second.stderr
@@ -95,6 +96,7 @@ def test_a_second_run_on_a_busy_run_directory_stops_at_once_and_the_first_finish
     for err_r, code in outcomes:
         assert code == 2 and "another run is training in this folder" in err_r, err_r[-3000:]
     assert (folder / "config.yaml").stat().st_mtime_ns == config_before
+    assert {p: p.read_bytes() for p in (folder / ".hydra").iterdir()} == records  # the refused ones wrote none
     _, err = first.communicate(timeout=600)
     assert first.returncode == 0, err[-3000:]
     assert [r["step"] for r in metrics(folder)] == list(range(1, 81)) and summary(folder)["status"] == "ok"

@@ -71,6 +71,32 @@ def rank_zero_only(value: Any) -> Any:
     return value if distributed.is_main() else None
 
 
+def hydra_subdir(output_dir: str) -> str | None:
+    """Where Hydra writes its `.hydra/` files before the task runs: on rank 0 into a new folder; into
+    a folder that holds a run (its lock, or its config.yaml) nowhere, so that a run refused there
+    leaves the other run's records untouched: `write_hydra_files` writes them once this run's checks
+    passed and it holds the folder."""
+    folder = Path(output_dir)
+    if not distributed.is_main() or (folder / "run.lock").exists() or (folder / "config.yaml").exists():
+        return None
+    return ".hydra"
+
+
+def write_hydra_files(run_dir: Path, composed: str) -> None:
+    """Hydra's `.hydra/` files (config.yaml: `composed`, the task's config as composed;
+    hydra.yaml; overrides.yaml), where Hydra left them out (`hydra_subdir`)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized() or HydraConfig.get().output_subdir is not None:
+        return
+    hydra_cfg = HydraConfig.get()
+    folder = run_dir / ".hydra"
+    folder.mkdir(parents=True, exist_ok=True)
+    write_yaml(folder / "config.yaml", composed)
+    write_yaml(folder / "hydra.yaml", OmegaConf.to_yaml({"hydra": hydra_cfg}))
+    write_yaml(folder / "overrides.yaml", OmegaConf.to_yaml(list(hydra_cfg.overrides.task)))
+
+
 def log_file(path: str) -> str:
     """`path` on rank 0; other ranks log to the console only."""
     return path if distributed.is_main() else os.devnull
@@ -104,6 +130,7 @@ def presets_searchpath(default_outputs: str) -> str:
 def register_resolvers() -> None:
     """Resolvers used by `conf/`: run and sweep directories, rank-0-only files, asset paths, the presets."""
     for name, fn in (("ds_trainer_run_stamp", stamp), ("ds_trainer_rank_zero_only", rank_zero_only),
+                     ("ds_trainer_hydra_subdir", hydra_subdir),
                      ("ds_trainer_log_file", log_file), ("ds_trainer_asset", asset),
                      ("ds_trainer_presets", presets_searchpath)):
         if not OmegaConf.has_resolver(name):

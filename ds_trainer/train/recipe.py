@@ -74,6 +74,8 @@ def _run(cfg: DictConfig, backend: backends.Backend, ds: dict[str, Any] | None, 
         accelerator = accel.make_accelerator(cfg, backend, kind, run_dir)
         resume = Resume.find(cfg, run_dir, accelerator)
         tracker = metrics.Tracker(accelerator, cfg, run_dir, ds, name, resume.wandb_id, resume.step)
+        if resume.path is not None:  # summary.json says what this run continued from
+            tracker.add_facts({"resumed_from": resume.describe()})
         the_run = Run(cfg, accelerator, backend, families.of(cfg), run_dir, tracker, kind)
         if cfg.cache_only:
             cache_only(the_run)

@@ -77,13 +77,14 @@ def checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def find_resume(cfg: DictConfig, run_dir: Path) -> Path | None:
+def find_resume(cfg: DictConfig, run_dir: Path, say: bool = True) -> Path | None:
     """The checkpoint `resume` names: a folder, or for `latest` the newest complete checkpoint of
-    this run directory (a requeued job) or else of the newest earlier run of the same experiment."""
+    this run directory (a requeued job) or else of the newest earlier run of the same experiment;
+    `say`: log what it continues from (the run's own call; the checks' is quiet)."""
+    own = _own(run_dir, str(cfg.resume), say)
     if cfg.resume is None:
         # A requeued job (preemption, time limit) runs again in its own run directory: continue there.
-        own = newest_intact([p for _, p in checkpoints(run_dir)])
-        if own:
+        if own and say:
             log.warning("continuing from %s: this run directory already holds checkpoints (a requeued job)", own)
         return own
     if cfg.resume != "latest":
@@ -95,7 +96,6 @@ def find_resume(cfg: DictConfig, run_dir: Path) -> Path | None:
         if (why := damaged(path)) is not None:
             raise _resume_error(str(cfg.resume), f"the checkpoint is damaged: {why}")
         return path
-    own = newest_intact([p for _, p in checkpoints(run_dir)])
     if own:
         return own
     mine = fingerprint(cfg)
@@ -105,10 +105,24 @@ def find_resume(cfg: DictConfig, run_dir: Path) -> Path | None:
         if state is not None and state.get("fingerprint") == mine:
             candidates.append((marker.stat().st_mtime, int(state["step"]), marker.parent))
     if not candidates:
-        log.warning("resume=latest: no complete checkpoint of this experiment under %s; starting from step 0",
-                    cfg.paths.outputs)
+        if say:
+            log.warning("resume=latest: no complete checkpoint of this experiment under %s; starting from "
+                        "step 0", cfg.paths.outputs)
         return None
-    return newest_intact([c[2] for c in sorted(candidates)])
+    return newest_intact([c[2] for c in sorted(candidates)], say)
+
+
+def _own(run_dir: Path, resume: str, say: bool) -> Path | None:
+    """The newest intact checkpoint of the run folder itself; a folder whose every checkpoint is
+    damaged is refused (starting over there would write its steps a second time)."""
+    own = [p for _, p in checkpoints(run_dir)]
+    intact = newest_intact(own, say)
+    if own and intact is None and resume in ("None", "latest"):
+        why = damaged(own[-1])
+        raise _resume_error(resume, f"every checkpoint of this run folder {run_dir} is damaged "
+                            f"({own[-1].name}: {why}); starting over there would write its steps "
+                            "a second time (they are kept for you to look at)")
+    return intact
 
 
 # --- integrity: COMPLETE records each file's size and content hash; a resume checks them first
@@ -125,13 +139,14 @@ def damaged(path: Path) -> str | None:
     return None if state is None else integrity.damage(path, state)
 
 
-def newest_intact(paths: list[Path]) -> Path | None:
+def newest_intact(paths: list[Path], say: bool = True) -> Path | None:
     """The newest of `paths` (oldest first) that is not damaged; each damaged one is named in the log."""
     for path in reversed(paths):
         why = damaged(path)
         if why is None:
             return path
-        log.warning("skipping the damaged checkpoint %s: %s; using an earlier one", path, why)
+        if say:
+            log.warning("skipping the damaged checkpoint %s: %s; using an earlier one", path, why)
     return None
 
 

@@ -45,6 +45,15 @@ class Resume:
         native = trust.native_allowed(cfg, path) if accelerator.is_main_process else None
         return cls(cfg, path, bool(accel.from_main(accelerator, native)))
 
+    def describe(self) -> dict[str, Any]:
+        """What this run continues from, for summary.json: the checkpoint, its run folder, its step, the
+        layout it was saved under, and how it loads (native, or carried through its portable state)."""
+        assert self.path is not None
+        how = "portable state" if self.carry.changed else "native"
+        return {"checkpoint": str(self.path), "run_dir": str(self.path.parent.parent),
+                "step": self.saved.get("step"), "layout": self.saved.get("layout"), "load": how,
+                "why": "; ".join(self.carry.changes) if self.carry.changed else None}
+
     @property
     def wandb_id(self) -> str | None:
         return self.saved.get("wandb_id")
