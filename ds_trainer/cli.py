@@ -54,8 +54,8 @@ def prepare(cfg: DictConfig, run_dir: Path) -> tuple[DictConfig, dict | None]:
     if not report.ok:
         raise ConfigError(report.render())
     cfg = report.cfg
-    # A resume under another optimizer or architecture is refused here, before anything starts; and so
-    # is one that would train nothing.
+    # A resume under another optimizer or architecture is refused here, before anything starts;
+    # and so is one that would train nothing.
     resumed = checkpoint.find_resume(cfg, run_dir, say=False)
     problems, carried = portability.check(cfg, resumed)
     if problems:
@@ -77,8 +77,8 @@ def write_files(cfg: DictConfig, ds: dict | None, run_dir: Path, composed: str) 
     `.hydra/` where Hydra left them to this run (config/rundir.py), once every check passed."""
     if distributed.is_main():
         ds_json = run_dir / "ds_config.json" if ds is not None else None
-        rundir.write_run_files(run_dir, cfg, ds, accelerate_file.config_file(cfg, ds_json,
-                                                                            int(cfg.resolved.world_size)))
+        accelerate = accelerate_file.config_file(cfg, ds_json, int(cfg.resolved.world_size))
+        rundir.write_run_files(run_dir, cfg, ds, accelerate)
         rundir.write_hydra_files(run_dir, composed)
 
 
@@ -89,9 +89,10 @@ def _nothing_left(cfg: DictConfig, resumed: Path | None) -> Problem | None:
     if state is None or int(state["step"]) < int(cfg.train.max_steps):
         return None
     step = int(state["step"])
-    return Problem("train.max_steps", cfg.train.max_steps, f"this run continues from {resumed} at step "
-                   f"{step}: nothing is left to train, and the folder's summary, card and config would "
-                   "no longer describe its weights", f"train.max_steps={2 * step} (above {step}), or "
+    return Problem("train.max_steps", cfg.train.max_steps, f"this run continues from {resumed} "
+                   f"at step {step}: nothing is left to train, and the folder's summary, card and "
+                   "config would no longer describe its weights",
+                   f"train.max_steps={2 * step} (above {step}), or "
                    "a new run folder (another hydra.run.dir, or none: a fresh one)")
 
 

@@ -72,6 +72,16 @@ def test_a_run_that_would_train_nothing_or_start_over_in_a_used_folder_is_refuse
     first = run_cli(*ARGS, "logger=none", cwd=workdir)
     assert first.returncode == 0, first.stderr[-3000:]
     (run,) = run_dirs(workdir)
+    # Another folder resumed from this one's step 2: the best validation loss carries over from where it came.
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    (run / "metrics.jsonl").write_text("".join(json.dumps({**r, "val_loss": 0.001} if "val_loss" in r and r["step"] == 2
+                                                          else r) + "\n" for r in rows))
+    other = run_cli(*ARGS, "logger=none", f"resume={run / 'checkpoints' / 'step_00000002'}", cwd=workdir)
+    assert other.returncode == 0, other.stderr[-3000:]
+    (second,) = set(run_dirs(workdir)) - {run}
+    carried = json.loads((second / "summary.json").read_text())
+    assert (carried["val_loss_best"], carried["val_loss_best_step"]) == (0.001, 2), carried
+    assert carried["val_loss_step"] == 4 and carried["resumed_from"]["run_dir"] == str(run)
     records = [run / "summary.json", run / "config.yaml", run / "metrics.jsonl", *(run / ".hydra").iterdir()]
     kept = {p: p.read_bytes() for p in records}
     fewer = run_cli(*ARGS, "logger=none", "train.max_steps=2", f"hydra.run.dir={run}", cwd=workdir)

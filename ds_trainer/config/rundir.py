@@ -72,12 +72,13 @@ def rank_zero_only(value: Any) -> Any:
 
 
 def hydra_subdir(output_dir: str) -> str | None:
-    """Where Hydra writes its `.hydra/` files before the task runs: on rank 0 into a new folder; into
-    a folder that holds a run (its lock, or its config.yaml) nowhere, so that a run refused there
-    leaves the other run's records untouched: `write_hydra_files` writes them once this run's checks
-    passed and it holds the folder."""
+    """Where Hydra writes its `.hydra/` files before the task runs: on rank 0 into a new folder;
+    into a folder that holds a run (its lock, or its config.yaml) nowhere, so that a run refused
+    there leaves the other run's records untouched: `write_hydra_files` writes them once this
+    run's checks passed and it holds the folder."""
     folder = Path(output_dir)
-    if not distributed.is_main() or (folder / "run.lock").exists() or (folder / "config.yaml").exists():
+    held = (folder / "run.lock").exists() or (folder / "config.yaml").exists()
+    if not distributed.is_main() or held:
         return None
     return ".hydra"
 

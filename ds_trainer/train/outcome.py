@@ -60,8 +60,11 @@ class Outcome:
         """summary.json's content, written (and its lines printed) by the main process."""
         world = accelerator.num_processes if accelerator is not None else int(cfg.resolved.world_size)
         rows = tracker.rows if tracker else []
+        validation = None
+        if tracker:
+            validation = metrics.validation_summary(tracker.validations, tracker.earlier)
         summary = {**metrics.summarize(cfg, rows, self.status, self.message, world, nodes,
-                                       validations=tracker.validations if tracker else None),
+                                       validation),
                    **(tracker.facts if tracker else {}),
                    **({"compile_s": round(compiled.CLOCK.seconds, 3), "compilations": compiled.CLOCK.count}
                       if compiled.CLOCK.count else {})}

@@ -73,7 +73,7 @@ def _run(cfg: DictConfig, backend: backends.Backend, ds: dict[str, Any] | None, 
     try:
         accelerator = accel.make_accelerator(cfg, backend, kind, run_dir)
         resume = Resume.find(cfg, run_dir, accelerator)
-        tracker = metrics.Tracker(accelerator, cfg, run_dir, ds, name, resume.wandb_id, resume.step)
+        tracker = metrics.Tracker(accelerator, cfg, run_dir, ds, name, resume)
         if resume.path is not None:  # summary.json says what this run continued from
             tracker.add_facts({"resumed_from": resume.describe()})
         the_run = Run(cfg, accelerator, backend, families.of(cfg), run_dir, tracker, kind)

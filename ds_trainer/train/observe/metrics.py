@@ -84,7 +84,12 @@ class Tracker:
     """Writes metrics on the main process; W&B through Accelerate's tracker API."""
 
     def __init__(self, accelerator: Any, cfg: DictConfig, run_dir: Path, ds: dict[str, Any] | None,
-                 name: str, wandb_id: str | None, resume_step: int | None = None) -> None:
+                 name: str, resumed: Any = None) -> None:
+        """`resumed`: what the run continues from (train/state/resume.py's Resume: its W&B id,
+        its step and checkpoint), or None."""
+        wandb_id = resumed.wandb_id if resumed is not None else None
+        resume_step = resumed.step if resumed is not None else None
+        resumed_from = resumed.path if resumed is not None else None
         self.accelerator, self.cfg, self.run_dir = accelerator, cfg, run_dir
         self.main = accelerator.is_main_process
         self.rows: list[dict[str, Any]] = []
@@ -94,12 +99,19 @@ class Tracker:
         self.wandb_broken = False
         # Validation rows (`val_loss`...), kept apart from the step rows; those of the run's earlier lives too.
         self.validations: list[dict[str, Any]] = []
+        # Resumed from another run folder's checkpoint: that folder's validations up to it (the
+        # best carries over).
+        self.earlier: list[dict[str, Any]] = []
         self.postfix: dict[str, str] = {}  # shown on the progress bar beside the step's values
         if not self.main:
             return
         if resume_step is not None:
             drop_after(run_dir / "metrics.jsonl", resume_step)  # the resumed steps' values replace them
             self.validations = [row for row in read_rows(run_dir / "metrics.jsonl") if "val_loss" in row]
+            source = resumed_from.parent.parent if resumed_from is not None else run_dir
+            if source.resolve() != run_dir.resolve():
+                self.earlier = [row for row in read_rows(source / "metrics.jsonl")
+                                if "val_loss" in row and int(row.get("step", 0)) <= resume_step]
         self.file = (run_dir / "metrics.jsonl").open("a")
         if cfg.logger.name.value == "wandb" and cfg.logger.mode.value != "disabled":
             self.wandb_id = wandb_id or _read_id(run_dir) or _new_id()
@@ -209,14 +221,17 @@ def read_rows(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def validation_summary(validations: list[dict[str, Any]]) -> dict[str, Any]:
+def validation_summary(validations: list[dict[str, Any]],
+                       earlier: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """summary.json's validation fields: the last and the best value of each loss with their steps, and the time
-    all evaluations took (apart from s/it)."""
+    all evaluations took (apart from s/it); `earlier`: the validations of the run folder this one
+    resumed from, which the best is taken over too."""
     out: dict[str, Any] = {}
     for key in ("val_loss", "val_loss_ema"):
         rows = [row for row in validations if key in row]
         if rows:
-            best = min(rows, key=lambda row: row[key])
+            before = [row for row in earlier or [] if key in row]
+            best = min([*before, *rows], key=lambda row: row[key])
             out.update({key: rows[-1][key], f"{key}_step": rows[-1]["step"], f"{key}_best": best[key],
                         f"{key}_best_step": best["step"]})
     if validations:
@@ -256,7 +271,7 @@ WARMUP_STEPS = 2
 
 def summarize(cfg: DictConfig, rows: list[dict[str, Any]], status: str, message: str | None,
               world_size: int, nodes: list[str] | None = None,
-              validations: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+              validation: dict[str, Any] | None = None) -> dict[str, Any]:
     """The run's `summary.json`: status, speed and memory, quality (the validation loss), what defines the run,
     and the node of each rank."""
     timed = [r for r in rows if r.get("step", 0) > WARMUP_STEPS] or rows
@@ -273,7 +288,7 @@ def summarize(cfg: DictConfig, rows: list[dict[str, Any]], status: str, message:
         "host_rss_loop_start_mib": peak("host_rss_loop_start_mib"),
         "host_rss_loop_peak_mib": peak("host_rss_loop_peak_mib"),
         "final_loss": rows[-1]["loss"] if rows else None,
-        **validation_summary(validations or []),
+        **(validation or {}),
         "world_size": world_size, "nodes": nodes, "num_nodes": len(set(nodes)) if nodes else None,
         "zero": ds_config.zero_option(cfg),
         "offload": cfg.offload.device.value,

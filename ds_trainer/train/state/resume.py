@@ -46,8 +46,9 @@ class Resume:
         return cls(cfg, path, bool(accel.from_main(accelerator, native)))
 
     def describe(self) -> dict[str, Any]:
-        """What this run continues from, for summary.json: the checkpoint, its run folder, its step, the
-        layout it was saved under, and how it loads (native, or carried through its portable state)."""
+        """What this run continues from, for summary.json: the checkpoint, its run folder, its
+        step, the layout it was saved under, and how it loads (native, or carried through its
+        portable state)."""
         assert self.path is not None
         how = "portable state" if self.carry.changed else "native"
         return {"checkpoint": str(self.path), "run_dir": str(self.path.parent.parent),
