@@ -83,7 +83,8 @@ def test_lora_trains_in_every_zero_and_offload_cell(workdir: Path, zero: str, of
 
 
 @pytest.mark.slow
-def test_lora_file_loads_into_the_pipeline_and_unloads(shared_run: Path, tmp_path: Path) -> None:
+def test_lora_file_loads_into_the_pipeline_and_unloads(shared_run: Path, tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
     from diffusers import StableDiffusionXLPipeline
 
     assert_full_lora_file(shared_run)
@@ -117,7 +118,12 @@ def test_lora_file_loads_into_the_pipeline_and_unloads(shared_run: Path, tmp_pat
     (tmp_path / "lora").mkdir()
     for name in ("config.yaml", "lora/pytorch_lora_weights.safetensors"):
         (tmp_path / name).write_bytes((shared_run / name).read_bytes())
-    assert convert.main([str(tmp_path), "--to", "kohya"]) == 0
+    (tmp_path / "summary.json").write_bytes((shared_run / "summary.json").read_bytes())
+    (tmp_path / "metrics.jsonl").write_bytes((shared_run / "metrics.jsonl").read_bytes())
+    # The documented line, as written: what applies to a LoRA run is written, the single file said skipped.
+    assert convert.main([str(tmp_path), "--to", "single_file,kohya,card"]) == 0
+    said = capsys.readouterr().out
+    assert "skipped single_file: adapter=lora trained a LoRA" in said and (tmp_path / "README.md").is_file(), said
     written = lora_tensors(tmp_path / "lora", "kohya.safetensors")
     expected = lora_tensors(shared_run / "lora", "kohya.safetensors")
     assert written.keys() == expected.keys() and all(torch.equal(written[k], expected[k]) for k in expected)

@@ -35,6 +35,11 @@ class ConvertError(Exception):
     """A user mistake: printed as one message, exit status 2."""
 
 
+class NotForThisRun(ConvertError):
+    """A format of `--to` that does not apply to the kind of run (a single file of a LoRA run):
+    skipped and said, the others written."""
+
+
 def _portable_weights(checkpoint: Path) -> dict[str, Any] | None:
     from safetensors import safe_open
 
@@ -147,6 +152,9 @@ def single_files(run_dir: Path) -> list[Path]:
     from ds_trainer.train.export import single_file
 
     cfg = _run_config(run_dir)
+    if cfg.adapter.method.value != "none":
+        raise NotForThisRun(f"adapter={cfg.adapter.method.value} trained a LoRA, not the whole model: its files "
+                            "are in lora/ (kohya: --to kohya)")
     family = families.of(cfg)
     cls: Any = type(family.meta_trained(cfg))
     if not (run_dir / family.component).is_dir():
@@ -171,13 +179,16 @@ def kohya_files(run_dir: Path) -> list[Path]:
 
     cfg = _run_config(run_dir)
     method = cfg.adapter.method.value
+    if method == "none" and cfg.text_encoders.mode.value != "lora":
+        raise NotForThisRun("a full fine-tune has no LoRA to write in kohya's layout (its single file: "
+                            "--to single_file)")
     if method in schema.LYCORIS_METHODS:
-        raise ConvertError(f"{run_dir}: adapter={method} writes its LyCORIS-layout file as the run trains "
-                           f"(lora/{kohya_file.WEIGHT_NAME}); there is nothing to convert")
+        raise NotForThisRun(f"adapter={method} writes its LyCORIS-layout file as the run trains "
+                            f"(lora/{kohya_file.WEIGHT_NAME}); there is nothing to convert")
     if method == "dora":
-        raise ConvertError(f"{run_dir}: adapter=dora has no kohya-layout form: ComfyUI's and LyCORIS' DoRA normalise "
-                           "the weight's input columns, peft's its output rows (docs/lora.md); load "
-                           f"lora/{lora_file.WEIGHT_NAME} with diffusers' load_lora_weights")
+        raise NotForThisRun("adapter=dora has no kohya-layout form: ComfyUI's and LyCORIS' DoRA normalise "
+                            "the weight's input columns, peft's its output rows (docs/lora.md); load "
+                            f"lora/{lora_file.WEIGHT_NAME} with diffusers' load_lora_weights")
     cfg.adapter.init_from = None
     family = families.of(cfg)
     encoders = _meta_encoders(cfg) if cfg.text_encoders.mode.value == "lora" else {}
@@ -338,12 +349,20 @@ def _import_accelerate(source: Path, out: Path, architecture: str, optimizer: st
 FORMATS = {"single_file": single_files, "kohya": kohya_files, "card": lambda run_dir: [card(run_dir)]}
 
 
-def _to(run_dir: Path, formats: str) -> list[Path]:
+def _to(run_dir: Path, formats: str) -> tuple[list[Path], dict[str, str]]:
+    """The files of each format asked for that applies to the run, and why each other one was skipped."""
     wanted = [f.strip() for f in formats.split(",") if f.strip()]
     unknown = [f for f in wanted if f not in FORMATS]
     if unknown or not wanted:
         raise ConvertError(f"--to {formats}: {', '.join(unknown) or 'nothing'} is not one of {', '.join(FORMATS)}")
-    return [path for f in wanted for path in FORMATS[f](run_dir)]
+    written: list[Path] = []
+    skipped: dict[str, str] = {}
+    for name in wanted:
+        try:
+            written += FORMATS[name](run_dir)
+        except NotForThisRun as exc:
+            skipped[name] = str(exc)
+    return written, skipped
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -366,17 +385,23 @@ def main(argv: list[str] | None = None) -> int:
             raise ConvertError("give one of --to single_file,kohya,card (a run's export), --unet <dir> (a checkpoint's "
                                "weights) or --import-to <dir> (import)")
         if args.to is not None:
-            for path in _to(args.checkpoint, args.to):
+            written, skipped = _to(args.checkpoint, args.to)
+            for path in written:
                 rundir.follow_umask(path)
                 print(f"wrote {path}")
+            reasons = "; ".join(f"{name}: {why}" for name, why in skipped.items())
+            if not written:
+                raise ConvertError(f"--to {args.to}: nothing of it applies to {args.checkpoint} ({reasons})")
+            for name, why in skipped.items():
+                print(f"skipped {name}: {why}")
         elif args.unet is not None:
-            written = export_unet(args.checkpoint, args.unet, args.ema)
-            rundir.follow_umask(written)
-            print(f"wrote {written}")
+            unet = export_unet(args.checkpoint, args.unet, args.ema)
+            rundir.follow_umask(unet)
+            print(f"wrote {unet}")
         else:
-            written = import_accelerate(args.checkpoint, args.import_to, args.architecture, args.optimizer)
-            rundir.follow_umask(written)
-            print(f"wrote {written}; continue with resume={args.import_to}")
+            imported = import_accelerate(args.checkpoint, args.import_to, args.architecture, args.optimizer)
+            rundir.follow_umask(imported)
+            print(f"wrote {imported}; continue with resume={args.import_to}")
     except ConvertError as exc:
         print(f"ds_trainer.convert: {exc}", file=sys.stderr)
         return 2
