@@ -12,6 +12,7 @@ import csv
 import io
 import json
 import sys
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -44,8 +45,10 @@ def _cell_config(cell: Path) -> dict[str, Any]:
 
 def _row(cell: Path, root: Path) -> dict[str, Any]:
     summary_path = cell / "summary.json"
-    row: dict[str, Any] = json.loads(summary_path.read_text()) if summary_path.exists() else {"status": "running"}
     cfg = _cell_config(cell)
+    # No summary yet: still running, or a dry run's cell (its run files written, nothing to train).
+    pending = {"status": "composed" if cfg.get("dry_run") else "running"}
+    row: dict[str, Any] = json.loads(summary_path.read_text()) if summary_path.exists() else pending
     if cfg and "zero" not in row:
         zero = cfg.get("zero", {})
         row["zero"] = option_name(str(zero.get("backend")), zero.get("stage"))
@@ -150,9 +153,12 @@ def markdown(table: list[dict[str, Any]]) -> str:
     head = [HEADERS.get(c, c) for c in shown]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(_fmt_cell(c, r.get(c)) for c in shown) + " |" for r in table]
-    failed = sum(1 for r in table if r.get("status") not in ("ok", "running"))
-    lines.append(f"\n{len(table)} cells: {sum(1 for r in table if r.get('status') == 'ok')} ok, {failed} failed, "
-                 f"{sum(1 for r in table if r.get('status') == 'running')} running")
+    count = Counter(str(r.get("status")) for r in table)
+    failed = sum(n for status, n in count.items() if status not in ("ok", "running", "composed"))
+    said = f"{count['ok']} ok, {failed} failed, {count['running']} running"
+    if count["composed"]:
+        said += f", {count['composed']} composed (a dry run: nothing trained)"
+    lines.append(f"\n{len(table)} cells: {said}")
     return "\n".join(lines) + "\n"
 
 

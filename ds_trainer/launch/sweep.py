@@ -89,7 +89,7 @@ def failures(sweep_dir: Path) -> tuple[int, int]:
 
 def previewed(sweep_dir: Path) -> None:
     """A dry run's end: how many cells composed (their run files written, nothing trained) and each refused one with
-    its message; exit status 2 when some were refused, as a single run's dry run does."""
+    its message; the exit status is the number of refused cells, as a sweep's is its failed cells'."""
     from ds_trainer.launch import report
 
     table = report.rows(sweep_dir)
@@ -101,7 +101,7 @@ def previewed(sweep_dir: Path) -> None:
     lines += [f"  {label}: {row.get('message')}" for label, row in refused]
     print("\n".join(lines), file=sys.stderr, flush=True)
     if refused:
-        raise SystemExit(2)
+        raise SystemExit(min(len(refused), 255))
 
 
 class SweepEnd(Callback):
