@@ -180,3 +180,13 @@ def test_nvme_buffers_hold_the_largest_parameter() -> None:
     count, size = nvme.buffers(max_param_numel=29_491_200, prefetch_bucket=50_000_000)
     assert size >= 29_491_200 and count * size >= 50_000_000 + 29_491_200
     assert count * size * 2 < 2**30  # pinned host memory stays under 1 GiB for SDXL
+
+
+@pytest.mark.slow
+def test_an_unwritable_outputs_folder_is_named_by_the_key_the_user_set(tmp_path: Path) -> None:
+    """paths.outputs under /proc (nobody can create a folder there): the message names paths.outputs, not the
+    hydra.run.dir the user never set; a hydra.run.dir given is named as itself."""
+    for key in ("paths.outputs", "hydra.run.dir"):
+        done = run_cli(f"{key}=/proc/ds_trainer_nope", "dry_run=true", cwd=tmp_path)
+        assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
+        assert f"  - {key}=/proc/ds_trainer_nope" in done.stderr and f"fix: {key}=<a folder" in done.stderr

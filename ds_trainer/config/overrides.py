@@ -270,9 +270,7 @@ def explain(exc: BaseException, overrides: list[str], multirun: bool) -> Problem
                 found.group(1), found.group(2), text, "check the option's name")
         return Problem("command line", " ".join(overrides), text, "fix the override it names")
     if isinstance(exc, OSError) and exc.filename is not None:
-        key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
-        return Problem(key, exc.filename, f"the run folder cannot be created or written ({exc.strerror})",
-                       f"{key}=<a folder you can write>")
+        return _unwritable(exc, overrides, multirun)
     if isinstance(exc, ValueError) and str(exc).startswith("Unable to configure"):
         # Python's logging.config, fed a Hydra logging option that lacks the handlers conf/config.yaml sets.
         given = [a for a in overrides if "logging" in a.split("=", 1)[0]] or ["hydra/job_logging=?"]
@@ -282,6 +280,17 @@ def explain(exc: BaseException, overrides: list[str], multirun: bool) -> Problem
     if isinstance(exc, HydraException):
         return Problem("command line", " ".join(overrides), str(exc).splitlines()[0], "fix the override it names")
     return None
+
+
+def _unwritable(exc: OSError, overrides: list[str], multirun: bool) -> Problem:
+    """The run folder cannot be made: named by the key the user set, the run (or sweep) folder
+    itself, else paths.outputs it lies under."""
+    given = dict(o.lstrip("+").split("=", 1) for o in overrides if "=" in o)
+    key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
+    if key not in given:
+        key = "paths.outputs"
+    return Problem(key, given.get(key, "outputs"), f"the run folder {exc.filename} cannot be created "
+                   f"or written ({exc.strerror})", f"{key}=<a folder you can write>")
 
 
 def _into_null(exc: AssertionError, overrides: list[str]) -> Problem:

@@ -89,7 +89,7 @@ def failures(sweep_dir: Path) -> tuple[int, int]:
 
 def previewed(sweep_dir: Path) -> None:
     """A dry run's end: how many cells composed (their run files written, nothing trained) and each refused one with
-    its message; the exit status is the number of refused cells, as a sweep's is its failed cells'."""
+    its message; the exit status is the number of refused cells (a sweep's: its failed cells')."""
     from ds_trainer.launch import report
 
     table = report.rows(sweep_dir)

@@ -153,8 +153,9 @@ def single_files(run_dir: Path) -> list[Path]:
 
     cfg = _run_config(run_dir)
     if cfg.adapter.method.value != "none":
-        raise NotForThisRun(f"adapter={cfg.adapter.method.value} trained a LoRA, not the whole model: its files "
-                            "are in lora/ (kohya: --to kohya)")
+        method = cfg.adapter.method.value
+        raise NotForThisRun(f"adapter={method} trained a LoRA, not the whole model: its files are "
+                            "in lora/ (kohya: --to kohya)")
     family = families.of(cfg)
     cls: Any = type(family.meta_trained(cfg))
     if not (run_dir / family.component).is_dir():
@@ -180,15 +181,16 @@ def kohya_files(run_dir: Path) -> list[Path]:
     cfg = _run_config(run_dir)
     method = cfg.adapter.method.value
     if method == "none" and cfg.text_encoders.mode.value != "lora":
-        raise NotForThisRun("a full fine-tune has no LoRA to write in kohya's layout (its single file: "
-                            "--to single_file)")
+        raise NotForThisRun("a full fine-tune has no LoRA to write in kohya's layout (its single "
+                            "file: --to single_file)")
     if method in schema.LYCORIS_METHODS:
         raise NotForThisRun(f"adapter={method} writes its LyCORIS-layout file as the run trains "
                             f"(lora/{kohya_file.WEIGHT_NAME}); there is nothing to convert")
     if method == "dora":
-        raise NotForThisRun("adapter=dora has no kohya-layout form: ComfyUI's and LyCORIS' DoRA normalise "
-                            "the weight's input columns, peft's its output rows (docs/lora.md); load "
-                            f"lora/{lora_file.WEIGHT_NAME} with diffusers' load_lora_weights")
+        raise NotForThisRun("adapter=dora has no kohya-layout form: ComfyUI's and LyCORIS' DoRA "
+                            "normalise the weight's input columns, peft's its output rows "
+                            f"(docs/lora.md); load lora/{lora_file.WEIGHT_NAME} with diffusers' "
+                            "load_lora_weights")
     cfg.adapter.init_from = None
     family = families.of(cfg)
     encoders = _meta_encoders(cfg) if cfg.text_encoders.mode.value == "lora" else {}
@@ -350,7 +352,7 @@ FORMATS = {"single_file": single_files, "kohya": kohya_files, "card": lambda run
 
 
 def _to(run_dir: Path, formats: str) -> tuple[list[Path], dict[str, str]]:
-    """The files of each format asked for that applies to the run, and why each other one was skipped."""
+    """The files of each format asked for that applies to the run, and why each other was skipped."""
     wanted = [f.strip() for f in formats.split(",") if f.strip()]
     unknown = [f for f in wanted if f not in FORMATS]
     if unknown or not wanted:
@@ -391,7 +393,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"wrote {path}")
             reasons = "; ".join(f"{name}: {why}" for name, why in skipped.items())
             if not written:
-                raise ConvertError(f"--to {args.to}: nothing of it applies to {args.checkpoint} ({reasons})")
+                raise ConvertError(f"--to {args.to}: nothing of it applies to {args.checkpoint} "
+                                   f"({reasons})")
             for name, why in skipped.items():
                 print(f"skipped {name}: {why}")
         elif args.unet is not None:
@@ -399,7 +402,8 @@ def main(argv: list[str] | None = None) -> int:
             rundir.follow_umask(unet)
             print(f"wrote {unet}")
         else:
-            imported = import_accelerate(args.checkpoint, args.import_to, args.architecture, args.optimizer)
+            imported = import_accelerate(args.checkpoint, args.import_to, args.architecture,
+                                         args.optimizer)
             rundir.follow_umask(imported)
             print(f"wrote {imported}; continue with resume={args.import_to}")
     except ConvertError as exc:
