@@ -60,7 +60,7 @@ def prepare(cfg: DictConfig, run_dir: Path) -> tuple[DictConfig, dict | None]:
     problems, carried = portability.check(cfg, resumed)
     if problems:
         raise ConfigError(Report(cfg, problems).render())
-    if (nothing := _nothing_left(cfg, resumed)) is not None:
+    if (nothing := _nothing_left(cfg, resumed, run_dir)) is not None:
         raise ConfigError(Report(cfg, [nothing]).render())
     cfg.resolved.warnings = [*report.warnings, *carried]  # recorded in config.yaml
     for warning in cfg.resolved.warnings:
@@ -82,13 +82,25 @@ def write_files(cfg: DictConfig, ds: dict | None, run_dir: Path, composed: str) 
         rundir.write_hydra_files(run_dir, composed)
 
 
-def _nothing_left(cfg: DictConfig, resumed: Path | None) -> Problem | None:
-    """A run that continues from a checkpoint at or past train.max_steps would train nothing and
-    overwrite the records of the weights it holds: refused."""
+def _finished(run_dir: Path) -> bool:
+    """Whether the run folder's summary.json says its run ended well."""
+    try:
+        return bool(json.loads((run_dir / "summary.json").read_text()).get("status") == "ok")
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _nothing_left(cfg: DictConfig, resumed: Path | None, run_dir: Path) -> Problem | None:
+    """A run that continues from a checkpoint past train.max_steps, or at it in its own finished
+    folder, would train nothing and write records (summary, card, config) that do not describe the
+    weights: refused. At it otherwise, the run only exports (a run whose export failed)."""
     state = checkpoint.complete(resumed) if resumed is not None else None
-    if state is None or int(state["step"]) < int(cfg.train.max_steps):
+    if resumed is None or state is None or int(state["step"]) < int(cfg.train.max_steps):
         return None
     step = int(state["step"])
+    own_finished = resumed.parent.parent == run_dir and _finished(run_dir)
+    if step == int(cfg.train.max_steps) and not own_finished:
+        return None
     return Problem("train.max_steps", cfg.train.max_steps, f"this run continues from {resumed} "
                    f"at step {step}: nothing is left to train, and the folder's summary, card and "
                    "config would no longer describe its weights",

@@ -151,7 +151,8 @@ def _portable(tmp_path: Path) -> int:
 def _whole_or_rows(root: Path, path: Path, entries: list[dict[str, object]], rows: int) -> str:
     """A table or shard after damage: refused naming it, its damaged rows skipped and counted, or (the
     damage missed what is read) read whole."""
-    report = checks.check(make_cfg("data=sources", src.override(entries), f"paths.outputs={root / 'out'}"))
+    report = checks.check(make_cfg("data=sources", src.override(entries), f"paths.outputs={root / 'out'}",
+                                   "data.max_bad_fraction=1"))
     if not report.ok:  # no file there at all (a folder, a symlink loop): the configuration's checks
         assert str(path) in report.render(), report.render()
         return "refused"

@@ -32,7 +32,10 @@ def _all_kinds(root: Path, n: int = 3, repeats: dict[str, int] | None = None) ->
 def _dataset(root: Path, entries: list[dict[str, object]], *overrides: str):  # noqa: ANN202 - SourceImages
     from ds_trainer.train import data
 
-    report = checks.check(make_cfg("data=sources", src.override(entries), f"paths.outputs={root / 'out'}", *overrides))
+    # The damaged files these tests plant are a large share of their tiny sources: data.max_bad_fraction's stop
+    # is tested on its own (test_a_source_mostly_damaged_stops_the_run).
+    report = checks.check(make_cfg("data=sources", src.override(entries), f"paths.outputs={root / 'out'}",
+                                   "data.max_bad_fraction=1", *overrides))
     assert report.ok, report.render()
     return report.cfg, data.dataset(report.cfg)
 
@@ -575,3 +578,18 @@ def test_the_validation_set_of_a_sources_run_names_its_sources(tmp_path: Path) -
                {"path": src.make("jsonl", tmp_path / "style")}]
     cfg = checks.check(make_cfg("data=sources", src.override(entries), "validation=on")).cfg
     assert validate._source(cfg) == "held out of data.sources (faces, style) (validation.split=0.05)"
+
+
+def test_a_source_mostly_damaged_stops_the_run(tmp_path: Path) -> None:
+    """Above data.max_bad_fraction (5% by default) of a source's files skipped: a copy gone wrong or the wrong
+    folder, so one screen naming the source, the share, the commonest reason with examples and the fix."""
+    folder = Path(src.make("folder", tmp_path / "f", n=6))
+    (folder / "img000.png").write_bytes(b"")
+    (folder / "img001.png").write_bytes(src.png(1)[:50])
+    with pytest.raises(DataError) as stopped:
+        _dataset(tmp_path / "a", [{"path": str(folder)}], "data.max_bad_fraction=0.05")
+    text = str(stopped.value)
+    assert "2 of its 6 files damaged (33%, above data.max_bad_fraction=0.05)" in text, text
+    assert "data.max_bad_fraction=0.38 to train on the rest" in text and "f/img00" in text, text
+    _, data = _dataset(tmp_path / "b", [{"path": str(folder)}], "data.max_bad_fraction=0.4")  # the fix works
+    assert data.unique == 4

@@ -231,6 +231,9 @@ class DataConfig:
     caption_ext: str = "txt"
     center_crop: bool = True
     random_flip: bool = False
+    # The share of a source's files that may be skipped as damaged (each named in the log and
+    # summary.json) before the run stops: more is a copy gone wrong or the wrong folder.
+    max_bad_fraction: float = 0.05
     # An image above this many pixels is skipped as too large (named in the log and summary.json);
     # the default is Pillow's own limit against decompression bombs (2 x 89,478,485).
     max_image_pixels: int = 178956970

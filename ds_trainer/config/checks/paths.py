@@ -25,6 +25,10 @@ def problems(cfg: DictConfig) -> list[Problem]:
         elif not Path(cfg.data.path).is_dir():
             out.append(Problem("data.path", cfg.data.path, "is not a folder", "data.path=/path/to/images"))
     out += _sources(cfg) + _captions(cfg)
+    if not 0.0 <= float(cfg.data.max_bad_fraction) <= 1.0:
+        out.append(Problem("data.max_bad_fraction", cfg.data.max_bad_fraction, "is the share of a "
+                           "source's files that may be skipped as damaged",
+                           "data.max_bad_fraction=0.05"))
     if int(cfg.data.max_image_pixels) <= 0:
         out.append(Problem("data.max_image_pixels", cfg.data.max_image_pixels, "is the pixel count "
                            "above which an image is skipped as too large", "data.max_image_pixels="

@@ -144,6 +144,7 @@ class SourceImages:
         self.skipped_by_source: Counter[tuple[int, str]] = Counter()
         # the files skipped, by source and reason
         self.skipped_names: dict[tuple[int, str], list[str]] = {}
+        self.damaged: set[str] = set()  # the reasons that are damage (not a missing reference)
         usable = self._skip_unusable(found, checks, usable)
         if part in ("all", "train"):  # the held-out part says nothing new about the sources
             self._log_found(checks, checked_now)
@@ -158,6 +159,7 @@ class SourceImages:
                 what = f"{n} image file(s), none readable" if n else f"no {sources.what_is_read(source.kind)}"
                 raise DataError(f"{source.label}={source.path}: {what}; nothing to "
                                 f"{'score' if self.scoring else 'train on'}")
+        self._too_damaged(float(cfg.data.max_bad_fraction))
         if part != "all":
             usable = self._split(cfg, usable, part)
         self.unique = len(usable)
@@ -192,6 +194,7 @@ class SourceImages:
         for key, (_, _, problem) in sorted(checks.items()):
             if problem is not None:
                 self._skip(found[key], problem)
+                self.damaged.add(problem)
         if not self.reference:
             return usable
         for item in usable:
@@ -200,6 +203,23 @@ class SourceImages:
                 where = source.control_path or source.control_column
                 self._skip(item, f"no reference image (in {where})")
         return [item for item in usable if item.control is not None]
+
+    def _too_damaged(self, share: float) -> None:
+        """A source with more than `share` (data.max_bad_fraction) of its files damaged stops the
+        run:
+        that many is a copy gone wrong or the wrong folder, not a few bad images."""
+        for source in self.sources:
+            reasons = {why: n for (index, why), n in self.skipped_by_source.items()
+                       if index == source.index and why in self.damaged}
+            bad, found = sum(reasons.values()), self.found[source.index]
+            if found and bad / found > share:
+                why, _ = max(reasons.items(), key=lambda kv: kv[1])
+                names = self.skipped_names.get((source.index, why), [])[:3]
+                raise DataError(f"{source.label}={source.path}: {bad} of its {found} files damaged "
+                                f"({bad / found:.0%}, above data.max_bad_fraction={share:g}); most "
+                                f"{why} (e.g. {', '.join(names)}). Repair or remove them, or "
+                                f"data.max_bad_fraction={min(1.0, round(bad / found + 0.05, 2)):g} "
+                                "to train on the rest")
 
     def _skip(self, item: sources.Item, reason: str) -> None:
         self.skipped_by_source[(item.source, reason)] += 1
