@@ -206,8 +206,7 @@ class SourceImages:
 
     def _too_damaged(self, share: float) -> None:
         """A source with more than `share` (data.max_bad_fraction) of its files damaged stops the
-        run:
-        that many is a copy gone wrong or the wrong folder, not a few bad images."""
+        run: that many is a copy gone wrong or the wrong folder, not a few bad images."""
         for source in self.sources:
             reasons = {why: n for (index, why), n in self.skipped_by_source.items()
                        if index == source.index and why in self.damaged}
