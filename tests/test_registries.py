@@ -56,11 +56,11 @@ def test_each_format_has_its_writer_and_each_lora_format_says_why_it_cannot_hold
 
 def test_each_source_kind_has_its_record_and_its_reader() -> None:
     from ds_trainer.config import schema, source_kinds
-    from ds_trainer.train.data import sources
+    from ds_trainer.train.data import readers
 
     kinds = {k.value for k in schema.SourceKind} - {"auto"}
     assert set(source_kinds.KINDS) == kinds
-    assert set(sources.READERS) == kinds
+    assert set(readers.READERS) == kinds
     assert source_kinds.kind_of("/nowhere/shards/{000..009}.tar", "auto") == "webdataset"
     assert source_kinds.paths_of("/nowhere/shards/{000..002}.tar", "auto") == [
         f"/nowhere/shards/00{i}.tar" for i in range(3)]

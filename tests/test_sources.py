@@ -93,7 +93,7 @@ def test_a_parquet_files_images_are_read_when_used_not_held_in_memory(tmp_path: 
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from ds_trainer.train.data import sources
+    from ds_trainer.train.data import readers, sources
 
     noisy = [random.Random(i).randbytes(40_000) for i in range(48)]  # 1.9 MB of image bytes, 6 row groups
     pngs = [src.png(i) + blob for i, blob in enumerate(noisy)]  # trailing bytes: still a PNG to PIL, and large
@@ -104,7 +104,7 @@ def test_a_parquet_files_images_are_read_when_used_not_held_in_memory(tmp_path: 
     before = pa.total_allocated_bytes()
     tracemalloc.start()
     try:
-        items = sources.items(source)
+        items = readers.items(source)
         held = tracemalloc.get_traced_memory()[0]  # Python's objects the listing keeps (bytes, rows)
     finally:
         tracemalloc.stop()

@@ -6,7 +6,7 @@ A record says how `kind=auto` recognises it from a path, which paths must exist 
 shard of a brace pattern), how an editing model's reference images pair with its images (by a folder
 of the same names, by a column of a table, or not at all) and what it holds images as, for the
 message when it holds none. Adding a kind: a record here (in the order `auto` tries them), its value
-in config/schema.py's `SourceKind`, a reader in `sources.READERS`."""
+in config/schema.py's `SourceKind`, a reader in train/data/readers.py's `READERS`."""
 
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 from ds_trainer.config import buckets as bucket_geometry
 from ds_trainer.config import holdout, source_repeats
 from ds_trainer.errors import DataError
-from ds_trainer.train.data import buckets, order, sources
+from ds_trainer.train.data import buckets, order, readers, sources
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +135,7 @@ class SourceImages:
         self.center, self.flip, self.seed = bool(cfg.data.center_crop), bool(cfg.data.random_flip), int(cfg.train.seed)
         self.masked = bool(cfg.data.masked_loss) and part != "validation" and not self.scoring  # validation: unmasked
         self.reference = bool(cfg.model.get("reference_images"))  # each image read with its reference
-        found = {item.key: item for source in self.sources for item in sources.items(source)}
+        found = {item.key: item for source in self.sources for item in readers.items(source)}
         limit = int(cfg.data.max_image_pixels)
         Image.MAX_IMAGE_PIXELS = limit  # Pillow's own guard at twice it; _problem says so first
         checks, checked_now = _check_items(found, _record(cfg, self.sources), accelerator, limit)
