@@ -15,6 +15,7 @@ import pytest
 from helpers.cfg import make_cfg
 from helpers.deps import require
 from helpers.ranks import free_port, one_rank_process_group
+from omegaconf import OmegaConf
 
 from ds_trainer import cli
 from ds_trainer.config import checks, nvme, optimizers
@@ -44,7 +45,8 @@ class SmallNet(torch.nn.Module):
 
 def written_config(tmp_path: Path, *overrides: str) -> dict[str, Any]:
     cfg = make_cfg(f"paths.outputs={tmp_path}", "train.max_steps=5", "optimizer.lr=1e-3", *overrides)
-    cli.prepare(cfg, tmp_path / "run")
+    checked, ds = cli.prepare(cfg, tmp_path / "run")
+    cli.write_files(checked, ds, tmp_path / "run", OmegaConf.to_yaml(cfg))  # what a run writes, once checked
     return json.loads((tmp_path / "run" / "ds_config.json").read_text())
 
 
