@@ -163,9 +163,10 @@ def _write_bad_folder(folder: Path) -> None:
 def test_bad_data_is_converted_or_skipped_with_counts(tmp_path: Path) -> None:
     _write_bad_folder(tmp_path / "images")
     # Two ranks: they split the work of decoding the folder and must end with the same file list.
+    # A third of the folder damaged (above data.max_bad_fraction's 5%): trained on the rest, as the user allows.
     result = run_cli("--nproc_per_node", "2", "--master_port", str(free_port()), "-m", "ds_trainer", "data=folder",
                      f"data.path={tmp_path / 'images'}", "logger=none", "train.max_steps=4", "train.micro_batch_size=2",
-                     cwd=tmp_path, module="torch.distributed.run")
+                     "data.max_bad_fraction=0.5", cwd=tmp_path, module="torch.distributed.run")
     assert result.returncode == 0, result.stderr[-3000:]
     log = result.stderr
     assert "skipped 1 file(s): empty file" in log
@@ -189,7 +190,8 @@ def test_a_folder_is_decoded_once_and_only_changed_files_again(tmp_path: Path,
 
     images = tmp_path / "images"
     _write_bad_folder(images)
-    cfg = make_cfg("data=folder", f"data.path={images}", f"data.cache_dir={tmp_path / 'cache'}")
+    cfg = make_cfg("data=folder", f"data.path={images}", f"data.cache_dir={tmp_path / 'cache'}",
+                   "data.max_bad_fraction=0.5")
     caplog.set_level(logging.INFO, logger="ds_trainer.train.data")
     first = data.dataset(cfg)
     assert len(first) == 6 and sum(first.skipped.values()) == 3
