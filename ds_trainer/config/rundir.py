@@ -22,7 +22,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 
 from ds_trainer import ASSETS_DIR
-from ds_trainer.config import distributed
+from ds_trainer.config import distributed, runlock
 
 
 def since_boot(pid: int) -> float | None:
@@ -66,18 +66,13 @@ def stamp() -> str:
     return value
 
 
-def rank_zero_only(value: Any) -> Any:
-    """`value` on rank 0, None elsewhere (so only rank 0 writes Hydra's `.hydra/` folder)."""
-    return value if distributed.is_main() else None
-
-
 def hydra_subdir(output_dir: str) -> str | None:
     """Where Hydra writes its `.hydra/` files before the task runs: on rank 0 into a new folder;
     into a folder that holds a run (its lock, or its config.yaml) nowhere, so that a run refused
     there leaves the other run's records untouched: `write_hydra_files` writes them once this
     run's checks passed and it holds the folder."""
     folder = Path(output_dir)
-    held = (folder / "run.lock").exists() or (folder / "config.yaml").exists()
+    held = (folder / runlock.LOCK).exists() or (folder / "config.yaml").exists()
     if not distributed.is_main() or held:
         return None
     return ".hydra"
@@ -129,9 +124,9 @@ def presets_searchpath(default_outputs: str) -> str:
 
 
 def register_resolvers() -> None:
-    """Resolvers used by `conf/`: run and sweep directories, rank-0-only files, asset paths, the presets."""
-    for name, fn in (("ds_trainer_run_stamp", stamp), ("ds_trainer_rank_zero_only", rank_zero_only),
-                     ("ds_trainer_hydra_subdir", hydra_subdir),
+    """Resolvers used by `conf/`: run and sweep directories, where Hydra writes .hydra/, the log file, asset
+    paths, the presets."""
+    for name, fn in (("ds_trainer_run_stamp", stamp), ("ds_trainer_hydra_subdir", hydra_subdir),
                      ("ds_trainer_log_file", log_file), ("ds_trainer_asset", asset),
                      ("ds_trainer_presets", presets_searchpath)):
         if not OmegaConf.has_resolver(name):
