@@ -17,6 +17,10 @@ from ds_trainer.config.choices import (
     TimestepDensity,
 )
 
+# Pillow's own limit against decompression bombs (its DecompressionBombError: twice
+# Image.MAX_IMAGE_PIXELS, 89,478,485): data.max_image_pixels' default.
+PILLOW_PIXELS = 178_956_970
+
 
 @dataclass
 class FlowConfig:
@@ -235,8 +239,8 @@ class DataConfig:
     # summary.json) before the run stops: more is a copy gone wrong or the wrong folder.
     max_bad_fraction: float = 0.05
     # An image above this many pixels is skipped as too large (named in the log and summary.json);
-    # the default is Pillow's own limit against decompression bombs (2 x 89,478,485).
-    max_image_pixels: int = 178956970
+    # the default is Pillow's own limit against decompression bombs (twice its MAX_IMAGE_PIXELS).
+    max_image_pixels: int = PILLOW_PIXELS
     cache: bool = True
     cache_dir: str = "${paths.outputs}/cache"
     # Samples per file of the cache (each rank writes its share as packs of this many): a build

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from ds_trainer.config import families, schema, source_kinds, source_repeats, weights_file
+from ds_trainer.config import families, inputs, schema, source_kinds, source_repeats, weights_file
 from ds_trainer.config.checks import reference
 from ds_trainer.config.problems import Problem
 
@@ -31,8 +31,8 @@ def problems(cfg: DictConfig) -> list[Problem]:
                            "data.max_bad_fraction=0.05"))
     if int(cfg.data.max_image_pixels) <= 0:
         out.append(Problem("data.max_image_pixels", cfg.data.max_image_pixels, "is the pixel count "
-                           "above which an image is skipped as too large", "data.max_image_pixels="
-                           "178956970 (Pillow's own limit)"))
+                           "above which an image is skipped as too large",
+                           f"data.max_image_pixels={inputs.PILLOW_PIXELS} (Pillow's own limit)"))
     pretrained = cfg.model.pretrained
     if weights_file.is_single_file(pretrained) and not Path(pretrained).exists():
         out.append(Problem("model.pretrained", pretrained, "no such checkpoint file",

@@ -20,7 +20,7 @@ from omegaconf import DictConfig
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from ds_trainer.config import buckets as bucket_geometry
-from ds_trainer.config import holdout, source_repeats
+from ds_trainer.config import holdout, inputs, source_repeats
 from ds_trainer.errors import DataError
 from ds_trainer.train.data import buckets, order, readers, sources
 
@@ -372,15 +372,12 @@ def _problem(item: sources.Item, limit: int) -> str | None:
     return None
 
 
-DEFAULT_PIXELS = 178956970
-
-
 def _record(cfg: DictConfig, found: list[sources.Source]) -> Path:
     """Where the checks of these sources are kept (data=folder's record is named as before sources existed)."""
     one_folder = len(found) == 1 and not found[0].keyed
     text = str(Path(found[0].path).resolve()) if one_folder else "|".join(f"{s.kind}:{Path(s.path).resolve()}"
                                                                          for s in found)
-    if int(cfg.data.max_image_pixels) != DEFAULT_PIXELS:  # another limit: every image checked again
+    if int(cfg.data.max_image_pixels) != inputs.PILLOW_PIXELS:  # another limit: all checked again
         text += f"|pixels:{int(cfg.data.max_image_pixels)}"
     return Path(cfg.data.cache_dir) / f"scan-{hashlib.sha256(text.encode()).hexdigest()[:16]}.json"
 
