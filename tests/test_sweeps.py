@@ -542,3 +542,66 @@ def test_a_dry_run_sweep_says_what_it_previewed_and_which_cells_it_refused(tmp_p
     table = report.rows(sweep_dir)
     assert sorted(r["status"] for r in table) == ["composed", "composed", "composed", "error"], table
     assert "3 composed (a dry run: nothing trained)" in report.markdown(table)
+
+
+def _boxes_overlap(boxes: list) -> list[tuple[int, int]]:
+    return [(i, j) for i in range(len(boxes)) for j in range(i + 1, len(boxes)) if boxes[i].overlaps(boxes[j])]
+
+
+def test_the_report_chart_reads_at_50_cells_names_the_pareto_front_and_no_name_covers_another(
+        tmp_path: Path) -> None:
+    import itertools
+    import random
+
+    from PIL import Image
+
+    from ds_trainer.launch import chart, report
+
+    rng = random.Random(3)
+    grid = list(itertools.product(("stage0", "stage1", "stage2", "stage3", "fsdp2"), ("none", "cpu"),
+                                  (1, 2, 4, 8, 16)))
+    table = []
+    for n, (zero, offload, batch) in enumerate(grid):
+        row = {"zero": zero, "offload": offload, "micro_batch_size": batch, "world_size": 2, "precision": "bf16",
+               "optimizer": "adamw", "resolution": "1024x1024", "message": None}
+        if n % 9 == 4:
+            row.update(status="oom", message="CUDA out of memory")
+        else:  # memory rises with the batch and falls with the stage; speed alike: many cells on and off the front
+            row.update(status="ok", gpu_mem_peak_allocated_mib=2000 * batch / (1 + "012f3".index(zero[-1]))
+                       * (0.6 if offload == "cpu" else 1) * rng.uniform(0.9, 1.1),
+                       median_s_per_it=0.3 * batch ** 0.8 * rng.uniform(0.9, 1.3), val_loss=rng.uniform(0.1, 0.12))
+            row["images_per_s"] = 2 * batch / row["median_s_per_it"]
+        table.append(row)
+    assert len(table) == 50
+    for n, row in enumerate(table):
+        _cell(tmp_path, n, row, zero=row["zero"] if row["zero"] != "fsdp2" else "stage3")
+    result = subprocess.run([sys.executable, "-m", "ds_trainer.report", "--no-wandb", str(tmp_path)],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    with Image.open(tmp_path / "report.png") as png:  # one screen wide, one row of 8-point names per cell high
+        assert png.size[0] <= 1900 and 1300 <= png.size[1] <= 2600, png.size
+
+    fig = report.sweep_figure(report.rows(tmp_path))
+    renderer = fig.canvas.get_renderer()
+    bars, scatters = fig.axes[:3], [ax for ax in fig.axes[3:] if ax.axison]
+    names = [t for t in bars[0].get_yticklabels() if t.get_text()]
+    assert len(names) == 50 and len(bars[1].get_yticklabels()[0].get_text()) == 0  # names once, beside the bars
+    assert _boxes_overlap([t.get_window_extent(renderer) for t in names]) == []
+    assert len(scatters) == 3  # memory against images/s, quality against s/it and against memory
+    rows = report.rows(tmp_path)
+    ok = [r for r in rows if r["status"] == "ok"]
+    fronts = [chart.pareto([(r["gpu_mem_peak_allocated_mib"], r["images_per_s"]) for r in ok], y_low=False),
+              chart.pareto([(r["median_s_per_it"], r["val_loss"]) for r in ok]),
+              chart.pareto([(r["gpu_mem_peak_allocated_mib"], r["val_loss"]) for r in ok])]
+    labels = report.labels(rows)
+    ok_labels = [labels[rows.index(r)] for r in ok]
+    for ax, front in zip(scatters, fronts, strict=True):
+        texts = [t for t in ax.texts if t.get_text()]
+        boxes = [t.get_window_extent(renderer) for t in texts]
+        assert _boxes_overlap(boxes) == [], ax.get_title()
+        frame = ax.get_window_extent(renderer)
+        assert all(frame.x0 <= b.x0 and b.x1 <= frame.x1 and frame.y0 <= b.y0 and b.y1 <= frame.y1 for b in boxes)
+        named = {t.get_text() for t in texts}
+        assert 2 <= len(front) < 30 and named <= {ok_labels[i] for i in front}  # only the front is named
+        assert len(named) >= len(front) - 2, (ax.get_title(), len(named), len(front))
+        assert f"{50 - len(named)} of 50 cells not named here" in ax.get_title()

@@ -180,8 +180,13 @@ def test_the_planner_learns_from_the_measured_cells(tuned: dict, capsys: pytest.
 
 
 
+# A process named ds-busy that keeps one core busy for 10 s (a third of the cell's time).
+BUSY = ("import time; open('/proc/self/comm', 'w').write('ds-busy'); end = time.time() + 10\n"
+        "while time.time() < end: pass")
+
+
 @pytest.mark.slow
-def test_a_hanging_cell_is_stopped_at_its_time_limit_and_recorded(tmp_path: Path) -> None:
+def test_a_hanging_cell_is_stopped_at_its_time_limit_and_recorded_with_what_else_ran(tmp_path: Path) -> None:
     # A real hang: the environment announces a second rank that never starts, so the cell's process group
     # setup waits for it (the way a job with a lost rank hangs). The tune must stop it at the time limit.
     env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
@@ -190,11 +195,17 @@ def test_a_hanging_cell_is_stopped_at_its_time_limit_and_recorded(tmp_path: Path
            "tune.micro_batch_size=[1]", "tune.gradient_checkpointing=[false]", "tune.time_limit_s=25",
            f"tune.preset_dir={tmp_path / 'presets'}"]
     start = time.time()
-    run = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 1, run.stderr[-3000:]
+    tune = subprocess.Popen(cmd, cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True)
     tune_dir = tmp_path / "outputs" / "tune" / "tuned"
+    # Another user's job that starts once the cell runs and ends 10 s later: the cell's row must name it.
+    wait_until(lambda: list(tune_dir.glob("cells/*/cell.log")), "the cell never started", deadline=start + 300,
+               proc=tune)
+    subprocess.run([sys.executable, "-c", BUSY], timeout=60, check=True)
+    _, stderr = tune.communicate(timeout=600)
+    assert tune.returncode == 1, stderr[-3000:]
     (row,) = rows(tune_dir).values()
     assert row["status"] == "timeout" and "tune.time_limit_s=25" in row["message"]
+    assert "ds-busy[" in row["others"], row
     assert time.time() - start < 300
     assert not [p for p in Path("/proc").iterdir() if p.name.isdigit() and str(tune_dir) in _cmdline(p)]
     assert not (tune_dir / "winner.txt").exists()

@@ -20,6 +20,8 @@ import yaml
 
 from ds_trainer.config import families, schema
 from ds_trainer.config.ds_config import option_name
+from ds_trainer.launch.chart import bars, name_points, save, scatter
+from ds_trainer.launch.chart import figure as chart_figure
 
 COLUMNS = ("cell", "zero", "offload", "resolution", "micro_batch_size", "world_size", "precision", "optimizer",
            "status", "gpu_mem_peak_allocated_mib", "gpu_mem_peak_reserved_mib", "host_rss_peak_mib", "median_s_per_it",
@@ -193,99 +195,77 @@ def labels(table: list[dict[str, Any]]) -> list[str]:
     return [name(r) for r in table]
 
 
+def _speed_points(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Memory (x) against images/s (y); a failed cell at 0 with its status in its name."""
+    out = []
+    for p in points:
+        if p.get("memory") is None:
+            continue
+        ok = p.get("status") == "ok"
+        out.append({"x": float(p["memory"]), "y": float(p.get("images_per_s") or 0) if ok else 0.0,
+                    "label": p["label"] if ok else f"{p['label']} ({p.get('status')})", "failed": not ok,
+                    "winner": bool(p.get("winner"))})
+    return out
+
+
 def memory_speed(points: list[dict[str, Any]], path: Path, xlabel: str, budget: float | None = None,
                  title: str = "memory against speed") -> None:
     """Memory (x) against images/s (y), one point per cell; failed cells drawn at 0 with their status,
-    the winner (`winner: True`) as a star. Points: label, status, memory, images_per_s, winner."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 5.5))
-    _memory_speed_axes(ax, points, xlabel, budget, title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
-def _memory_speed_axes(ax: Any, points: list[dict[str, Any]], xlabel: str, budget: float | None,
-                       title: str) -> None:
-    for p in points:
-        x, ok = p.get("memory"), p.get("status") == "ok"
-        if x is None:
-            continue
-        y = float(p.get("images_per_s") or 0) if ok else 0.0
-        if p.get("winner"):
-            ax.scatter([x], [y], marker="*", s=300, color="tab:red", zorder=3, label="winner")
-        else:
-            ax.scatter([x], [y], marker="o" if ok else "x", color="tab:blue" if ok else "tab:gray", zorder=2)
-        text = p["label"] if ok else f"{p['label']} ({p.get('status')})"
-        ax.annotate(text, (x, y), fontsize=7, xytext=(4, 4), textcoords="offset points",
-                    color="black" if ok else "tab:red")
+    the winner (`winner: True`) as a star, the Pareto front named. Points: label, status, memory,
+    images_per_s, winner."""
+    fig, grid = chart_figure(1, None, 1)
+    ax = grid[0][0]
+    fig.set_size_inches(9, 6)
     if budget is not None:
         ax.axvline(budget, color="tab:red", linestyle="--", linewidth=1, label="budget")
-    if any(p.get("winner") for p in points) or budget is not None:
-        ax.legend(loc="best", fontsize=8)
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel("images/s (failed cells at 0)")
-    ax.set_title(title)
+    panel = scatter(ax, _speed_points(points), xlabel, "images/s (failed cells at 0)", title,
+                    x_low=True, y_low=False)
+    name_points(fig, [panel])
+    save(fig, path)
 
 
-def _quality_axes(ax: Any, table: list[dict[str, Any]], names: list[str], x_key: str, xlabel: str) -> None:
-    """Validation loss (y) against a cost (x), one point per finished cell; lower left is better."""
-    shown = 0
-    for name, r in zip(names, table, strict=True):
-        if r.get("val_loss") is None or r.get(x_key) is None:
-            continue
-        ax.scatter([r[x_key]], [r["val_loss"]], color="tab:green", zorder=2)
-        ax.annotate(name, (r[x_key], r["val_loss"]), fontsize=7, xytext=(4, 4), textcoords="offset points")
-        shown += 1
-    left_out = len(table) - shown
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel("validation loss (lower is better)")
-    ax.set_title(f"quality against {xlabel.split(' (')[0]}" + (f" ({left_out} cells without a value)" if left_out
-                                                                 else ""))
+def _quality_points(table: list[dict[str, Any]], names: list[str], x_key: str) -> list[dict[str, Any]]:
+    """Validation loss (y) against a cost (x), one point per finished cell with both."""
+    return [{"x": float(r[x_key]), "y": float(r["val_loss"]), "label": name}
+            for name, r in zip(names, table, strict=True)
+            if r.get("val_loss") is not None and r.get(x_key) is not None]
 
 
-def chart(table: list[dict[str, Any]], path: Path) -> None:
-    """Peak memory, s/it and images/s per cell (failed cells show their status instead of a bar), memory against
-    images/s, and when the cells were validated, the validation loss against s/it and against memory."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def sweep_figure(table: list[dict[str, Any]]) -> Any:
+    """Peak memory, s/it and images/s per cell (a bar each; failed cells show their status), then memory
+    against images/s and, when the cells were validated, the validation loss against s/it and against memory
+    (lower left is better), each with its Pareto front named."""
     gpu = any(r.get("gpu_mem_peak_allocated_mib") for r in table)
     mem_key, mem_label = (("gpu_mem_peak_allocated_mib", "peak VRAM allocated (MiB)") if gpu
                           else ("host_rss_peak_mib", "peak host RSS (MiB), no GPU"))
     names = labels(table)
-    quality = "val_loss" in columns(table)
-    fig, grid = plt.subplots(2 if quality else 1, 4, figsize=(max(16, 2.4 * len(table) + 8), 11 if quality else 5.5),
-                             squeeze=False)
-    axes = grid[0]
-    if quality:
-        _quality_axes(grid[1][0], table, names, "median_s_per_it", "median s/it")
-        _quality_axes(grid[1][1], table, names, mem_key, mem_label)
-        for ax in grid[1][2:]:
-            ax.axis("off")
+    fig, (top, bottom) = chart_figure(3, len(table), 1)
+    failed = [None if r.get("status") == "ok" else str(r.get("status", "?")) for r in table]
     panels = ((mem_key, mem_label), ("median_s_per_it", "median s/it"), ("images_per_s", "images/s"))
-    for ax, (key, title) in zip(axes[:3], panels, strict=True):
-        values = [float(r.get(key) or 0) for r in table]
-        bars = ax.bar(range(len(table)), values, color=["tab:blue" if r.get("status") == "ok" else "tab:gray"
-                                                       for r in table])
-        for bar, r in zip(bars, table, strict=True):
-            if r.get("status") != "ok":
-                ax.text(bar.get_x() + bar.get_width() / 2, 0, r.get("status", "?"), ha="center", va="bottom",
-                        rotation=90, color="tab:red")
-        ax.set_xticks(range(len(table)), names, rotation=45, ha="right", fontsize=8)
-        ax.set_title(title)
-    points = [{"label": n, "status": r.get("status"), "memory": r.get(mem_key), "images_per_s": r.get("images_per_s")}
-              for n, r in zip(names, table, strict=True)]
-    _memory_speed_axes(axes[3], points, mem_label, None, "memory against images/s")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    for n, (ax, (key, title)) in enumerate(zip(top, panels, strict=True)):
+        bars(ax, names, [float(r.get(key) or 0) for r in table], failed, title, show_names=n == 0)
+    speed = [{"label": n, "status": r.get("status"), "memory": r.get(mem_key), "images_per_s": r.get("images_per_s")}
+             for n, r in zip(names, table, strict=True)]
+    scatters = [scatter(bottom[0], _speed_points(speed), mem_label, "images/s (failed cells at 0)",
+                        "memory against images/s", x_low=True, y_low=False)]
+    scatters[0]["total"] = len(table)  # a failed cell without a memory figure is not drawn: unnamed too
+    if "val_loss" in columns(table):
+        for ax, (key, label) in zip(bottom[1:], ((("median_s_per_it", "median s/it")), (mem_key, mem_label)),
+                                    strict=True):
+            points = _quality_points(table, names, key)
+            scatters.append(scatter(ax, points, label, "validation loss (lower is better)",
+                                    f"quality against {label.split(' (')[0]}", x_low=True, y_low=True))
+            scatters[-1]["total"] = len(table)  # the cells without a value count as unnamed too
+    else:
+        for ax in bottom[1:]:
+            ax.axis("off")
+    name_points(fig, scatters)
+    return fig
+
+
+def chart(table: list[dict[str, Any]], path: Path) -> None:
+    """The sweep's chart (`sweep_figure`) as a PNG."""
+    save(sweep_figure(table), path)
 
 
 def to_wandb(sweep_dir: Path, table: list[dict[str, Any]]) -> bool:

@@ -5,7 +5,8 @@ as a one-cell multirun through a Hydra launcher (`tune.launcher`: local_2proc, s
 goes through the same launchers as sweeps. A cell still running at its time limit is stopped (its whole
 process group) and counts as a hang. Cells never overlap: a machine-wide lock is held while one runs
 (two training processes sharing 2 cores were measured at 11 s/it against 0.11 s/it alone). What else
-used the CPU meanwhile (load average, the busiest other processes) is recorded with the cell.
+used the CPU meanwhile (load average, the busiest other processes, those that started or ended during the
+cell included) is recorded with the cell.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -42,8 +44,9 @@ def machine_lock() -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _cpu_ticks() -> dict[int, tuple[int, str, int]]:
-    """{pid: (utime + stime ticks, command name, process group)} of every process."""
+def _processes() -> dict[tuple[int, int], tuple[int, str, int]]:
+    """{(pid, start tick): (utime + stime ticks, command name, session)} of every process; the start tick
+    tells a pid the kernel reused from the process that held it before."""
     out = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -54,23 +57,56 @@ def _cpu_ticks() -> dict[int, tuple[int, str, int]]:
             continue
         name = stat[stat.index("(") + 1:stat.rindex(")")]
         fields = stat[stat.rindex(")") + 2:].split()
-        out[int(entry.name)] = (int(fields[11]) + int(fields[12]), name, int(fields[2]))
+        out[int(entry.name), int(fields[19])] = (int(fields[11]) + int(fields[12]), name, int(fields[3]))
     return out
 
 
-def others(before: dict[int, tuple[int, str, int]], after: dict[int, tuple[int, str, int]], elapsed: float,
-           exclude_group: int | None) -> list[str]:
-    """The other processes that used more than 5% of a core during the cell, busiest first."""
-    hz = os.sysconf("SC_CLK_TCK")
-    ours = {os.getpid()}
-    busy = []
-    for pid, (ticks, name, group) in after.items():
-        if pid in ours or group == exclude_group or pid not in before:
-            continue
-        share = (ticks - before[pid][0]) / hz / max(elapsed, 1e-6)
-        if share > 0.05:
-            busy.append((share, f"{name}[{pid}] {100 * share:.0f}%"))
-    return [text for _, text in sorted(busy, reverse=True)[:5]]
+class Others:
+    """What other processes used of the CPU while a cell ran: /proc read every `every` seconds, so a
+    process that started during the cell counts all its time and one that ended counts what it used up to
+    the last reading (two readings, one at each end, saw neither)."""
+
+    def __init__(self, exclude_session: int | None = None, every: float = 0.5) -> None:
+        self.exclude_session, self.every = exclude_session, every
+        self.first: dict[tuple[int, int], int] = {}
+        self.last: dict[tuple[int, int], tuple[int, str, int]] = {}
+        self._began = False
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def _read(self) -> None:
+        for key, value in _processes().items():
+            self.last[key] = value
+            # a process first seen after the start began during the cell: all its time is the cell's
+            self.first.setdefault(key, 0 if self._began else value[0])
+
+    def _watch(self) -> None:
+        while not self._done.wait(self.every):
+            self._read()
+
+    def __enter__(self) -> Others:
+        self._read()
+        self.start, self._began = time.time(), True
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        self._thread.join()
+        self._read()
+        self.elapsed = time.time() - self.start
+
+    def busiest(self, limit: int = 8) -> list[str]:
+        """The other processes that used more than 5% of a core during the cell, busiest first."""
+        hz, ours = os.sysconf("SC_CLK_TCK"), os.getpid()
+        busy = []
+        for (pid, started), (ticks, name, session) in self.last.items():
+            if pid == ours or session in (self.exclude_session, ours):
+                continue
+            share = (ticks - self.first[pid, started]) / hz / max(self.elapsed, 1e-6)
+            if share > 0.05:
+                busy.append((share, f"{name}[{pid}] {100 * share:.0f}%"))
+        return [text for _, text in sorted(busy, reverse=True)[:limit]]
 
 
 def command(overrides: list[str], cell_dir: Path, launcher: str | None) -> tuple[list[str], Path]:
@@ -126,6 +162,19 @@ def _stop(proc: subprocess.Popen[bytes], launcher: str | None) -> None:
             continue
 
 
+def _wait(proc: subprocess.Popen[bytes], launcher: str | None, time_limit: float) -> bool:
+    """Wait for the cell to end; True when it was still running at its time limit (and was stopped)."""
+    try:
+        proc.wait(timeout=time_limit)
+        return False
+    except subprocess.TimeoutExpired:
+        _stop(proc, launcher)
+        return True
+    except BaseException:  # the tune is stopped (Ctrl-C, SIGTERM): its cell must not run on alone
+        _stop(proc, launcher)
+        raise
+
+
 def timed(run_dir: Path, warmup: int) -> tuple[float | None, float | None]:
     """Median s/it and images/s of the steps after `warmup` (wall clock: data loading and optimizer included)."""
     path = run_dir / "metrics.jsonl"
@@ -143,22 +192,14 @@ def run(overrides: list[str], cell_dir: Path, launcher: str | None, time_limit: 
     cmd, run_dir = command(overrides, cell_dir, launcher)
     cell_dir.mkdir(parents=True, exist_ok=True)
     with machine_lock(), (cell_dir / "cell.log").open("wb") as log:
-        load_before, ticks_before, start = os.getloadavg()[0], _cpu_ticks(), time.time()
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            proc.wait(timeout=time_limit)
-            hung = False
-        except subprocess.TimeoutExpired:
-            hung = True
-            _stop(proc, launcher)
-        except BaseException:  # the tune is stopped (Ctrl-C, SIGTERM): its cell must not run on alone
-            _stop(proc, launcher)
-            raise
-        elapsed = time.time() - start
-        busy = others(ticks_before, _cpu_ticks(), elapsed, proc.pid)
+        load_before, watch = os.getloadavg()[0], Others()
+        with watch:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            watch.exclude_session = proc.pid  # the cell's own processes (a session of their own)
+            hung = _wait(proc, launcher, time_limit)
         load_after = os.getloadavg()[0]
-    result: dict[str, Any] = {"elapsed_s": round(elapsed, 1), "load_before": load_before, "load_after": load_after,
-                              "others": busy}
+    result: dict[str, Any] = {"elapsed_s": round(watch.elapsed, 1), "load_before": load_before,
+                              "load_after": load_after, "others": watch.busiest()}
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() and not hung else {}
     if hung:
