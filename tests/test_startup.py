@@ -125,6 +125,30 @@ def test_each_python_environment_builds_its_ops_in_a_folder_of_its_own(tmp_path:
     assert child.stdout.split()[0] == first
 
 
+def test_an_environment_reached_through_a_symlink_compiles_its_ops_with_the_same_commands(tmp_path: Path) -> None:
+    """torch's loader rebuilds an op whose build commands changed, and the commands hold torch's and DeepSpeed's
+    folders: the same environment reached through a link (a symlinked checkout or venv) must give the same
+    commands, or each path rebuilds the ops the other one built (a minute or two per op)."""
+    import torch
+
+    site = Path(torch.__file__).resolve().parent.parent
+    (tmp_path / "site").symlink_to(site, target_is_directory=True)
+    code = ("import ds_trainer, torch, torch.utils.cpp_extension as ext; from ds_trainer.config import op_cache; "
+            "from deepspeed.ops.op_builder.cpu import CPUAdamBuilder; b = CPUAdamBuilder(); "
+            "print(torch.__file__); print(ext.include_paths()); print(b.strip_empty_entries(b.include_paths())); "
+            "print(b.absolute_name(), [b.deepspeed_src_path(s) for s in b.sources()]); "
+            "print(op_cache.environment_folder())")
+    def run(code: str, **env: str) -> list[str]:  # what the code printed, without DeepSpeed's log lines
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                             env={**os.environ, **env}).stdout
+        return [line for line in out.splitlines() if not line.startswith("[20")]
+
+    plain, linked = run(code), run(code, PYTHONPATH=str(tmp_path / "site"))
+    without = run(code.replace("import ds_trainer, ", "import "), PYTHONPATH=str(tmp_path / "site"))
+    assert str(tmp_path) in without[0]  # the link is what Python imports through when nothing resolves it
+    assert linked == plain and str(site / "torch" / "include") in plain[1] and str(tmp_path) not in str(linked)
+
+
 def test_the_cpu_description_is_probed_once_per_kind_of_cpu(tmp_path: Path) -> None:
     """DeepSpeed asks py-cpuinfo twice per op load (about 1.1 s a call); the answer is kept in a file."""
     code = ("import time, cpuinfo; from ds_trainer.config import op_cache; op_cache.cache_cpu_info(); "
