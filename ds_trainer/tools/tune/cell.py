@@ -5,8 +5,8 @@ as a one-cell multirun through a Hydra launcher (`tune.launcher`: local_2proc, s
 goes through the same launchers as sweeps. A cell still running at its time limit is stopped (its whole
 process group) and counts as a hang. Cells never overlap: a machine-wide lock is held while one runs
 (two training processes sharing 2 cores were measured at 11 s/it against 0.11 s/it alone). What else
-used the CPU meanwhile (load average, the busiest other processes, those that started or ended during the
-cell included) is recorded with the cell.
+used the CPU meanwhile (load average, the busiest other processes, those that started or ended
+during the cell included) is recorded with the cell.
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ def machine_lock() -> Iterator[None]:
 
 
 def _processes() -> dict[tuple[int, int], tuple[int, str, int]]:
-    """{(pid, start tick): (utime + stime ticks, command name, session)} of every process; the start tick
-    tells a pid the kernel reused from the process that held it before."""
+    """{(pid, start tick): (utime + stime ticks, command name, session)} of every process; the
+    start tick tells a pid the kernel reused from the process that held it before."""
     out = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -57,14 +57,15 @@ def _processes() -> dict[tuple[int, int], tuple[int, str, int]]:
             continue
         name = stat[stat.index("(") + 1:stat.rindex(")")]
         fields = stat[stat.rindex(")") + 2:].split()
-        out[int(entry.name), int(fields[19])] = (int(fields[11]) + int(fields[12]), name, int(fields[3]))
+        ticks = int(fields[11]) + int(fields[12])
+        out[int(entry.name), int(fields[19])] = (ticks, name, int(fields[3]))
     return out
 
 
 class Others:
-    """What other processes used of the CPU while a cell ran: /proc read every `every` seconds, so a
-    process that started during the cell counts all its time and one that ended counts what it used up to
-    the last reading (two readings, one at each end, saw neither)."""
+    """What other processes used of the CPU while a cell ran: /proc read every `every` seconds,
+    so a process that started during the cell counts all its time and one that ended counts what
+    it used up to the last reading (two readings, one at each end, saw neither)."""
 
     def __init__(self, exclude_session: int | None = None, every: float = 0.5) -> None:
         self.exclude_session, self.every = exclude_session, every
@@ -163,7 +164,7 @@ def _stop(proc: subprocess.Popen[bytes], launcher: str | None) -> None:
 
 
 def _wait(proc: subprocess.Popen[bytes], launcher: str | None, time_limit: float) -> bool:
-    """Wait for the cell to end; True when it was still running at its time limit (and was stopped)."""
+    """Wait for the cell to end; True when it was still running at its time limit (then stopped)."""
     try:
         proc.wait(timeout=time_limit)
         return False
@@ -194,7 +195,8 @@ def run(overrides: list[str], cell_dir: Path, launcher: str | None, time_limit: 
     with machine_lock(), (cell_dir / "cell.log").open("wb") as log:
         load_before, watch = os.getloadavg()[0], Others()
         with watch:
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
             watch.exclude_session = proc.pid  # the cell's own processes (a session of their own)
             hung = _wait(proc, launcher, time_limit)
         load_after = os.getloadavg()[0]
