@@ -176,11 +176,28 @@ def test_init_from_a_mismatched_file_gets_one_screen(shared_run: Path, workdir: 
     result = run_cli(*LORA, "adapter.rank=8", f"adapter.init_from={shared_run / 'lora'}", cwd=workdir)
     assert result.returncode == 2, result.stderr[-3000:]
     assert "adapter.init_from=" in result.stderr and "rank 4" in result.stderr
+    assert "adapter.rank=4 (the file's rank)" in result.stderr  # the fix is read from the file
     assert "Traceback" not in result.stderr
     kohya = run_cli(*LORA, "adapter.rank=8", f"adapter.init_from={shared_run / 'lora' / 'kohya.safetensors'}",
                     cwd=workdir)
     assert kohya.returncode == 2 and "Traceback" not in kohya.stderr, kohya.stderr[-3000:]
     assert "kohya-layout" in kohya.stderr and "rank 4, this adapter's is 8" in kohya.stderr, kohya.stderr[-3000:]
+    assert "adapter.rank=4 (the file's rank)" in kohya.stderr
+    # Trained on other modules: the fix lists the ones the file adapts.
+    targets = run_cli(*LORA, "adapter.rank=4", "adapter.targets=[to_q,to_k]",
+                      f"adapter.init_from={shared_run / 'lora'}", cwd=workdir)
+    assert targets.returncode == 2 and "Traceback" not in targets.stderr, targets.stderr[-3000:]
+    assert "adapter.targets=[to_k,to_out.0,to_q,to_v] (the modules the file adapts)" in targets.stderr
+    # Another model's LoRA (a transformer's, given to the UNet): said so, with what the file holds.
+    from safetensors.torch import save_file
+
+    theirs = workdir / "flux_lora.safetensors"
+    save_file({k.replace("unet.", "transformer.", 1): v for k, v in lora_tensors(shared_run / "lora").items()},
+              str(theirs))
+    other = run_cli(*LORA, "adapter.rank=4", f"adapter.init_from={theirs}", cwd=workdir)
+    assert other.returncode == 2 and "Traceback" not in other.stderr, other.stderr[-3000:]
+    assert "holds no UNet LoRA tensors" in other.stderr and "LoRA tensors for: transformer" in other.stderr
+    assert "a LoRA file of this model's family" in other.stderr
 
 
 @pytest.mark.slow

@@ -156,8 +156,8 @@ def test_the_lycoris_file_makes_peft_s_weights_under_comfyuis_rules_and_reads_ba
         torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-7)
     # Another method's file, or another rank, does not fit: said with the module.
     other, _ = _adapted("loha" if method == "lokr" else "lokr", "adapter.alpha=4")
-    why = lora_file.mismatch(file, other)
-    assert why is not None and "this adapter is" in why, why
+    unfit = lora_file.mismatch(file, other)
+    assert unfit is not None and "this adapter is" in unfit[0], unfit
 
 
 @pytest.mark.parametrize("model", ["flux_tiny", "sd3_tiny"])

@@ -131,11 +131,9 @@ def _inspect_encoders(cfg: DictConfig) -> tuple[list[Problem], int]:
         text_encoders.prepare_encoder(text_encoders.Spec.of(cfg), name, encoder)
         count += sum(p.numel() for p in encoder.parameters() if p.requires_grad)
         if enabled(cfg) and cfg.adapter.init_from is not None and cfg.text_encoders.mode.value == "lora":
-            why = lora_file.mismatch(Path(cfg.adapter.init_from), encoder, name)
-            if why:
-                rules.append(Problem("adapter.init_from", cfg.adapter.init_from, why, "a LoRA file trained with "
-                                     "text_encoders=lora and the same text_encoders.which, rank and targets; or "
-                                     "text_encoders=frozen to continue the UNet's adapters alone"))
+            unfit = lora_file.mismatch(Path(cfg.adapter.init_from), encoder, name)
+            if unfit:
+                rules.append(Problem("adapter.init_from", cfg.adapter.init_from, *unfit))
     return rules, count
 
 
@@ -164,10 +162,9 @@ def _inspect_model(cfg: DictConfig) -> tuple[list[Problem], int]:
     _inject(cfg, model)
     count = sum(p.numel() for p in model.parameters() if p.requires_grad)
     if cfg.adapter.init_from is not None:
-        why = lora_file.mismatch(Path(cfg.adapter.init_from), model, families.component_of(model))
-        if why:
-            return [Problem("adapter.init_from", cfg.adapter.init_from, why,
-                            "the adapter.rank and adapter.targets the file was trained with, or another file")], count
+        unfit = lora_file.mismatch(Path(cfg.adapter.init_from), model, families.component_of(model))
+        if unfit:
+            return [Problem("adapter.init_from", cfg.adapter.init_from, *unfit)], count
     return [], count
 
 

@@ -139,9 +139,49 @@ def read_module(path: Path, module: torch.nn.Module) -> dict[str, torch.Tensor]:
             for k, v in read_for(path, part, name).items()}
 
 
-def mismatch(path: Path, module: torch.nn.Module, component: str = "unet") -> str | None:
-    """Why the LoRA file at `path` does not fit the adapters injected into `module` (the UNet, or the text encoder
-    `component`), or None."""
+def trained_with(found: dict[str, tuple[int, ...]]) -> tuple[int | None, list[str]]:
+    """The rank and the targets (module name endings, as `adapter.targets` spells them: `to_q`,
+    `to_out.0`) a file's peft-named LoRA tensors were trained with."""
+    ranks = {shape[0] for key, shape in found.items() if ".lora_A." in key and shape}
+    endings = set()
+    for key in found:
+        module = key.split(".lora_")[0].split(".")
+        endings.add(".".join(module[-2:]) if module[-1].isdigit() and len(module) > 1 else module[-1])
+    return (ranks.pop() if len(ranks) == 1 else None), sorted(endings)
+
+
+def _file_rank(path: Path) -> int | None:
+    """The rank of a LoRA file in either layout (the first dimension of its down/A matrices), from its
+    header; None when they disagree or the file has none."""
+    from ds_trainer.config.weights_file import safetensors_header
+
+    file = path
+    if path.is_dir():
+        file = next((path / n for n in (WEIGHT_NAME, "kohya.safetensors") if (path / n).is_file()), path)
+    try:
+        header = safetensors_header(file)
+    except (OSError, ValueError):
+        return None
+    ranks = {v["shape"][0] for k, v in header.items() if isinstance(v, dict) and v.get("shape")
+             and (".lora_A." in k or ".lora_down." in k)}
+    return ranks.pop() if len(ranks) == 1 else None
+
+
+def _other_parts(path: Path) -> list[str]:
+    """The components a diffusers-format file holds LoRA tensors for (`transformer`, `unet`, ...)."""
+    from ds_trainer.config.weights_file import safetensors_keys
+
+    try:
+        keys = safetensors_keys(path / WEIGHT_NAME if path.is_dir() else path)
+    except (OSError, ValueError):
+        return []
+    return sorted({k.split(".")[0] for k in keys if "." in k})
+
+
+def mismatch(path: Path, module: torch.nn.Module, component: str = "unet") -> tuple[str, str] | None:
+    """Why the LoRA file at `path` does not fit the adapters injected into `module` (the UNet, or the
+    text encoder `component`), and the fix read from the file (its rank, its targets, the part it
+    adapts); None when it fits."""
     from peft.utils import get_peft_model_state_dict
 
     from ds_trainer.train.layouts import kohya
@@ -149,27 +189,37 @@ def mismatch(path: Path, module: torch.nn.Module, component: str = "unet") -> st
     kohya_layout = is_kohya(path)
     layout, keys = (("a kohya-layout", f"{kohya.PREFIX[component]}*") if kohya_layout
                     else ("a diffusers", f"{component}."))
+    another = "another file (a LoRA file this run's model and adapter wrote)"
+    targets = "adapter" if component in ("unet", "transformer") else "text_encoders"
     try:
         found = {k: tuple(v.shape) for k, v in read_for(path, module, component).items()}
     except ValueError as exc:
-        return str(exc)
+        rank, ours = _file_rank(path), getattr(module, "peft_config", {}).get("default")
+        if rank is not None and ours is not None and rank != getattr(ours, "r", rank):
+            return str(exc), f"{targets}.rank={rank} (the file's rank)"
+        return str(exc), another
     except Exception as exc:  # noqa: BLE001 - any unreadable file is the user's to replace
-        return f"cannot be read as {layout} LoRA file ({type(exc).__name__}: {exc})"
-    if not found and component in ("unet", "transformer"):
-        return f"holds no {'UNet' if component == 'unet' else 'transformer'} LoRA tensors (no `{keys}` keys)"
+        return f"cannot be read as {layout} LoRA file ({type(exc).__name__}: {exc})", another
     if not found:
-        return (f"holds no LoRA tensors for {component} (no `{keys}` keys): it was trained with that encoder "
-                "frozen")
-    targets = "adapter.targets" if component in ("unet", "transformer") else "text_encoders.targets"
+        parts = [] if kohya_layout else [p for p in _other_parts(path) if p != component]
+        held = f"; it holds LoRA tensors for: {', '.join(parts)}" if parts else ""
+        if component not in ("unet", "transformer"):
+            return (f"holds no LoRA tensors for {component} (no `{keys}` keys): it was trained with that "
+                    f"encoder frozen{held}", "text_encoders=frozen to continue the denoiser's adapters alone")
+        return (f"holds no {'UNet' if component == 'unet' else 'transformer'} LoRA tensors (no `{keys}` "
+                f"keys){held}", "a LoRA file of this model's family (a run of the model it was trained "
+                "on takes this one), or adapter.init_from=null")
+    rank, endings = trained_with(found)
     wanted = {k: tuple(v.shape) for k, v in get_peft_model_state_dict(module).items()}
     missing, extra = sorted(set(wanted) - set(found)), sorted(set(found) - set(wanted))
     if missing or extra:
-        return (f"its adapted modules of {component} differ from {targets}: {len(missing)} tensors missing "
-                f"(e.g. {missing[:1]}), {len(extra)} not expected (e.g. {extra[:1]})")
+        return (f"its adapted modules of {component} differ from {targets}.targets: {len(missing)} tensors "
+                f"missing (e.g. {missing[:1]}), {len(extra)} not expected (e.g. {extra[:1]})",
+                f"{targets}.targets=[{','.join(endings)}] (the modules the file adapts)")
     for key, shape in wanted.items():
         if found[key] != shape:
-            rank = min(found[key][:2]) if len(found[key]) >= 2 else found[key]
-            return f"{component} {key} has shape {found[key]} (rank {rank}), this adapter needs {shape}"
+            return (f"{component} {key} has shape {found[key]} (rank {rank}), this adapter needs {shape}",
+                    f"{targets}.rank={rank} (the file's rank)" if rank else another)
     return None
 
 
