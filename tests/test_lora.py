@@ -112,9 +112,19 @@ def test_lora_file_loads_into_the_pipeline_and_unloads(shared_run: Path, tmp_pat
     assert header["modelspec.architecture"] == "stable-diffusion-xl-v1-base/lora"
     assert header["ss_network_dim"] == "4" and header["ss_base_model_version"] == "sdxl_base_v1-0"
     assert header["ss_steps"] == "6" and (shared_run / "lora_ema" / "kohya.safetensors").exists()
-    # An earlier run's diffusers file to kohya's layout: `python -m ds_trainer.convert <run> --to kohya`.
+    # The last checkpoint's UNet, written with the adapters merged into the base: the same image, no LoRA loaded.
+    from diffusers import UNet2DConditionModel
+
     from ds_trainer.tools import convert
 
+    checkpoint = shared_run / "checkpoints" / "step_00000006"
+    assert convert.main([str(checkpoint), "--unet", str(tmp_path / "merged")]) == 0
+    assert "adapter=lora merged into the base" in capsys.readouterr().err
+    base_unet, pipe.unet = pipe.unet, UNet2DConditionModel.from_pretrained(tmp_path / "merged")
+    assert not any("lora" in k for k in pipe.unet.state_dict())
+    np.testing.assert_allclose(image(), adapted, rtol=0, atol=1e-4)
+    pipe.unet = base_unet
+    # An earlier run's diffusers file to kohya's layout: `python -m ds_trainer.convert <run> --to kohya`.
     (tmp_path / "lora").mkdir()
     for name in ("config.yaml", "lora/pytorch_lora_weights.safetensors"):
         (tmp_path / name).write_bytes((shared_run / name).read_bytes())

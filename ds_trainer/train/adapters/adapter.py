@@ -59,7 +59,7 @@ def peft_config(method: str, rank: int, alpha: int, targets: tuple[str, ...], dr
                       init_lora_weights="gaussian", use_dora=method == "dora")
 
 
-def _inject(cfg: DictConfig, model: torch.nn.Module) -> None:
+def inject(cfg: DictConfig, model: torch.nn.Module) -> None:
     """Freeze the UNet, then add the adapters (peft makes only them trainable); those on layers whose output feeds
     nothing (the family's `unused`) stay frozen."""
     model.requires_grad_(False)
@@ -159,7 +159,7 @@ def _inspect_model(cfg: DictConfig) -> tuple[list[Problem], int]:
                         f"{', '.join(unmatched)}: no Linear/Conv module of the {families.label_of(model)} has such a "
                         f"name; the names end with: {', '.join(endings)}",
                         _targets_fix(list(cfg.adapter.targets), unmatched))], 0
-    _inject(cfg, model)
+    inject(cfg, model)
     count = sum(p.numel() for p in model.parameters() if p.requires_grad)
     if cfg.adapter.init_from is not None:
         unfit = lora_file.mismatch(Path(cfg.adapter.init_from), model, families.component_of(model))
@@ -310,7 +310,7 @@ def build(cfg: DictConfig, model: torch.nn.Module, encoders: dict[str, torch.nn.
         base = sum(p.numel() for p in model.parameters())  # before quantization packs two 4-bit weights a byte
         if cfg.quantize.kind.value != "none" and device is not None:
             quantize_base(cfg, model, device)
-        _inject(cfg, model)
+        inject(cfg, model)
         if cfg.quantize.kind.value != "none" and device is not None:
             # peft's bitsandbytes and torchao LoRA layers make their adapters in the quantized layer's compute dtype
             # (bf16): in fp32, as on a 16-bit base, or DDP's AdamW would step bf16 adapters (small updates round away)
