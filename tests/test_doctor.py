@@ -60,6 +60,10 @@ def test_what_would_stop_a_run_is_a_problem_with_its_fix_and_exit_status_2(tmp_p
     assert "DeepSpeed's ops cpu_adam, deepspeed_shm_comm are not built" in run.stderr
     assert "missing a C++ compiler (CXX or c++)" in run.stderr and "then `make ops`" in run.stderr
     assert not list(tmp_path.glob("outputs/cache/*"))  # nothing was loaded or encoded
+    said = subprocess.run([sys.executable, "-m", "ds_trainer.doctor", "offload=cpu"], cwd=tmp_path, env=bare,
+                          capture_output=True, text=True, timeout=300).stdout
+    assert "PROBLEM: zero=stage2: DeepSpeed's ops cpu_adam, deepspeed_shm_comm are not built" in said
+    assert said.count("PROBLEM") == said.count("fix: apt-get install g++") == 1, said  # one cause, said once
     # A mistake in the overrides: the configuration's one screen, exit 2, no traceback.
     typo = doctor("zero=stage9", cwd=tmp_path)
     assert typo.returncode == 2 and "zero has no option 'stage9'" in typo.stderr and "Traceback" not in typo.stderr

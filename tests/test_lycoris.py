@@ -157,7 +157,7 @@ def test_the_lycoris_file_makes_peft_s_weights_under_comfyuis_rules_and_reads_ba
     # Another method's file, or another rank, does not fit: said with the module.
     other, _ = _adapted("loha" if method == "lokr" else "lokr", "adapter.alpha=4")
     unfit = lora_file.mismatch(file, other)
-    assert unfit is not None and "this adapter is" in unfit[0], unfit
+    assert unfit is not None and "this adapter is" in unfit.why, unfit
 
 
 @pytest.mark.parametrize("model", ["flux_tiny", "sd3_tiny"])

@@ -27,7 +27,8 @@ PAGE = PACKAGE.parent / "docs" / "refusals.md"
 MODULES = ("config/checks/settings.py", "config/checks/model.py", "config/buckets.py", "config/checks/precision.py",
            "config/checks/backend.py", "config/checks/optimizer.py", "config/checks/swap.py",
            "config/checks/paths.py", "config/checks/adapter.py", "config/samples.py", "config/holdout.py",
-           "config/checks/ops.py", "config/weights_file.py", "config/portability.py", "train/adapters/adapter.py")
+           "config/checks/ops.py", "config/weights_file.py", "config/portability.py", "train/adapters/adapter.py",
+           "train/adapters/lora_file.py")
 HEADER = """# Every refusal
 
 Generated from the rules by `python -m ds_trainer.config.refusals --write`; do not edit by hand (tests/test_docs.py

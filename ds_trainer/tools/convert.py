@@ -107,16 +107,18 @@ def _about_of_older(saved: Any) -> dict[str, Any]:
 
 def export_unet(checkpoint: Path, out: Path, ema: bool = False) -> Path:
     """Write the checkpoint's UNet or transformer (fp32) as a diffusers folder; the architecture is the run's
-    config.yaml. A LoRA or LyCORIS run's checkpoint holds the adapters: they are merged into the run's base
-    (`model.pretrained`, unquantized), so the folder is the fine-tuned model, loadable with no adapter."""
+    config.yaml. A LoRA or LyCORIS run's checkpoint holds the adapters: they are merged into the
+    run's base (`model.pretrained`, unquantized), so the folder is the fine-tuned model, loadable
+    with no adapter."""
     from ds_trainer.train import families
 
     cfg = _run_config(checkpoint.parent.parent)
     model = families.of(cfg).load_trained(cfg)
     weights = _weights(checkpoint, ema)
     component = families.component_of(model)
-    if any(k.startswith(f"{component}.") for k in weights):  # trained with its text encoders: this part
-        weights = {k.removeprefix(f"{component}."): v for k, v in weights.items() if k.startswith(f"{component}.")}
+    prefix = f"{component}."
+    if any(k.startswith(prefix) for k in weights):  # trained with its text encoders: this part
+        weights = {k.removeprefix(prefix): v for k, v in weights.items() if k.startswith(prefix)}
     adapted = cfg.adapter.method.value != "none"
     if adapted:
         from ds_trainer.train.adapters import adapter
@@ -125,9 +127,10 @@ def export_unet(checkpoint: Path, out: Path, ema: bool = False) -> Path:
     missing, unexpected = model.load_state_dict(weights, strict=False)
     trained = {n for n, p in model.named_parameters() if p.requires_grad}
     if unexpected or trained & set(missing):
-        what = f"adapter={cfg.adapter.method.value} rank {cfg.adapter.rank}" if adapted else "a full fine-tune"
-        raise ConvertError(f"{checkpoint}: the weights do not fit the run's model ({what}, as its config.yaml "
-                           f"says): missing {sorted(trained & set(missing))[:3]}, unexpected "
+        what = f"adapter={cfg.adapter.method.value} rank {cfg.adapter.rank}"
+        what = what if adapted else "a full fine-tune"
+        raise ConvertError(f"{checkpoint}: the weights do not fit the run's model ({what}, as its "
+                           f"config.yaml says): missing {sorted(trained & set(missing))[:3]}, unexpected "
                            f"{sorted(unexpected)[:3]}; is the checkpoint this run folder's own?")
     if adapted:
         model.fuse_lora()  # type: ignore[operator]

@@ -34,12 +34,16 @@ class Findings:
     lines: list[str] = field(default_factory=list)  # what is here
     problems: list[tuple[str, str]] = field(default_factory=list)  # (what stops the run, the fix)
     notes: list[str] = field(default_factory=list)  # what the run works around, or may meet
+    unbuildable: list[tuple[list[str], str]] = field(default_factory=list)  # (ops, fix), said
 
     def render(self, title: str) -> str:
         out = [title, *(f"  {line}" for line in self.lines)]
         out += [f"  note: {n}" for n in self.notes]
+        fixes: dict[str, list[str]] = {}  # the problems of one fix (one cause) share its line
         for what, fix in self.problems:
-            out += [f"  PROBLEM: {what}", f"      fix: {fix}"]
+            fixes.setdefault(fix, []).append(what)
+        for fix, whats in fixes.items():
+            out += [*(f"  PROBLEM: {what}" for what in whats), f"      fix: {fix}"]
         out.append("ds_trainer doctor: " + ("the configured run can start" if not self.problems else
                                             f"{len(self.problems)} problem(s): the configured run cannot start"))
         return "\n".join(out)
@@ -116,6 +120,7 @@ def ops(f: Findings, cfg: DictConfig) -> None:
     folder = op_cache.environment_folder()
     kit = toolkit.probe()
     states = []
+    cannot: dict[tuple[str, str], list[str]] = {}  # (what is missing, its fix): the ops it stops
     for op in wanted:
         if toolkit.built(op, folder):
             states.append(f"{op} built")
@@ -128,11 +133,16 @@ def ops(f: Findings, cfg: DictConfig) -> None:
             missing.append(why)
         if missing:
             states.append(f"{op} CANNOT be built")
-            f.problems.append((f"DeepSpeed's op {op} is not built and cannot be: missing {'; '.join(missing)}",
-                               kit.fix() if cuda_op and kit.problem else toolkit.BUILD_FIX))
+            fix = kit.fix() if cuda_op and kit.problem else toolkit.BUILD_FIX
+            cannot.setdefault(("; ".join(missing), fix), []).append(op)
         else:
             states.append(f"{op} compiles at the first run (20 s to 3 min; `make ops` does it now)")
     f.lines.append(f"DeepSpeed ops this run loads: {', '.join(states)} (folder {folder})")
+    for (missing_text, fix), stopped in cannot.items():
+        named = f"ops {', '.join(stopped)} are" if len(stopped) > 1 else f"op {stopped[0]} is"
+        f.problems.append((f"DeepSpeed's {named} not built and cannot be: missing {missing_text}",
+                           fix))
+        f.unbuildable.append((stopped, fix))
 
 
 def memory_limits(f: Findings, cfg: DictConfig) -> None:
@@ -218,6 +228,10 @@ def main(argv: list[str] | None = None) -> int:
     report = checks.check(cfg)
     findings = diagnose(report.cfg)
     findings.notes[:0] = list(report.warnings)
+    for stopped, fix in findings.unbuildable:  # the config checks said it (checks/ops.py): once
+        if any(p.fix == fix and all(op in p.why for op in stopped) for p in report.problems):
+            findings.problems = [(w, x) for w, x in findings.problems
+                                 if not (x == fix and stopped[0] in w)]
     findings.problems[:0] = [(f"{p.key}={p.value}: {p.why}", p.fix) for p in report.problems]
     c = report.cfg
     title = (f"ds_trainer doctor: zero={ds_config.option_name(c.resolved.backend, int(c.zero.stage))} "

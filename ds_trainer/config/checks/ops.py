@@ -20,6 +20,6 @@ def problems(cfg: DictConfig) -> list[Problem]:
     unbuilt = [op for op in toolkit.needed_ops(cfg) if not toolkit.built(op, folder)]
     if not unbuilt:
         return []
-    return [Problem("zero", f"stage{int(cfg.zero.stage)}", f"DeepSpeed's ops {', '.join(unbuilt)} are not "
-                    f"built in {folder} and this machine cannot compile them: missing {', '.join(missing)}",
-                    toolkit.BUILD_FIX)]
+    named = f"ops {', '.join(unbuilt)} are" if len(unbuilt) > 1 else f"op {unbuilt[0]} is"
+    return [Problem("zero", f"stage{int(cfg.zero.stage)}", f"DeepSpeed's {named} not built in {folder} and "
+                    f"this machine cannot compile them: missing {', '.join(missing)}", toolkit.BUILD_FIX)]

@@ -133,7 +133,7 @@ def _inspect_encoders(cfg: DictConfig) -> tuple[list[Problem], int]:
         if enabled(cfg) and cfg.adapter.init_from is not None and cfg.text_encoders.mode.value == "lora":
             unfit = lora_file.mismatch(Path(cfg.adapter.init_from), encoder, name)
             if unfit:
-                rules.append(Problem("adapter.init_from", cfg.adapter.init_from, *unfit))
+                rules.append(unfit)
     return rules, count
 
 
@@ -164,7 +164,7 @@ def _inspect_model(cfg: DictConfig) -> tuple[list[Problem], int]:
     if cfg.adapter.init_from is not None:
         unfit = lora_file.mismatch(Path(cfg.adapter.init_from), model, families.component_of(model))
         if unfit:
-            return [Problem("adapter.init_from", cfg.adapter.init_from, *unfit)], count
+            return [unfit], count
     return [], count
 
 

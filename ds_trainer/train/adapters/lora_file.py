@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from ds_trainer.config.problems import Problem
 from ds_trainer.train.adapters.names import is_adapter, peft_name
 from ds_trainer.train.backends import placement
 
@@ -146,18 +147,20 @@ def trained_with(found: dict[str, tuple[int, ...]]) -> tuple[int | None, list[st
     endings = set()
     for key in found:
         module = key.split(".lora_")[0].split(".")
-        endings.add(".".join(module[-2:]) if module[-1].isdigit() and len(module) > 1 else module[-1])
+        numbered = module[-1].isdigit() and len(module) > 1  # to_out.0
+        endings.add(".".join(module[-2:]) if numbered else module[-1])
     return (ranks.pop() if len(ranks) == 1 else None), sorted(endings)
 
 
 def _file_rank(path: Path) -> int | None:
-    """The rank of a LoRA file in either layout (the first dimension of its down/A matrices), from its
-    header; None when they disagree or the file has none."""
+    """The rank of a LoRA file in either layout (the first dimension of its down/A matrices), from
+    its header; None when they disagree or the file has none."""
     from ds_trainer.config.weights_file import safetensors_header
 
     file = path
     if path.is_dir():
-        file = next((path / n for n in (WEIGHT_NAME, "kohya.safetensors") if (path / n).is_file()), path)
+        names = (WEIGHT_NAME, "kohya.safetensors")
+        file = next((path / n for n in names if (path / n).is_file()), path)
     try:
         header = safetensors_header(file)
     except (OSError, ValueError):
@@ -168,7 +171,7 @@ def _file_rank(path: Path) -> int | None:
 
 
 def _other_parts(path: Path) -> list[str]:
-    """The components a diffusers-format file holds LoRA tensors for (`transformer`, `unet`, ...)."""
+    """The components a diffusers-format file holds LoRA tensors for (`transformer`, `unet`)."""
     from ds_trainer.config.weights_file import safetensors_keys
 
     try:
@@ -178,49 +181,70 @@ def _other_parts(path: Path) -> list[str]:
     return sorted({k.split(".")[0] for k in keys if "." in k})
 
 
-def mismatch(path: Path, module: torch.nn.Module, component: str = "unet") -> tuple[str, str] | None:
-    """Why the LoRA file at `path` does not fit the adapters injected into `module` (the UNet, or the
-    text encoder `component`), and the fix read from the file (its rank, its targets, the part it
-    adapts); None when it fits."""
+def mismatch(path: Path, module: torch.nn.Module, component: str = "unet") -> Problem | None:
+    """Why the LoRA file at `path` (`adapter.init_from`) does not fit the adapters injected into
+    `module` (the UNet, or the text encoder `component`), with the fix read from the file (its rank,
+    its targets, the part it adapts); None when it fits."""
     from peft.utils import get_peft_model_state_dict
 
-    from ds_trainer.train.layouts import kohya
-
-    kohya_layout = is_kohya(path)
-    layout, keys = (("a kohya-layout", f"{kohya.PREFIX[component]}*") if kohya_layout
-                    else ("a diffusers", f"{component}."))
-    another = "another file (a LoRA file this run's model and adapter wrote)"
+    given = str(path)
     targets = "adapter" if component in ("unet", "transformer") else "text_encoders"
     try:
         found = {k: tuple(v.shape) for k, v in read_for(path, module, component).items()}
-    except ValueError as exc:
-        rank, ours = _file_rank(path), getattr(module, "peft_config", {}).get("default")
-        if rank is not None and ours is not None and rank != getattr(ours, "r", rank):
-            return str(exc), f"{targets}.rank={rank} (the file's rank)"
-        return str(exc), another
     except Exception as exc:  # noqa: BLE001 - any unreadable file is the user's to replace
-        return f"cannot be read as {layout} LoRA file ({type(exc).__name__}: {exc})", another
+        return _unread(path, module, component, exc)
     if not found:
-        parts = [] if kohya_layout else [p for p in _other_parts(path) if p != component]
-        held = f"; it holds LoRA tensors for: {', '.join(parts)}" if parts else ""
-        if component not in ("unet", "transformer"):
-            return (f"holds no LoRA tensors for {component} (no `{keys}` keys): it was trained with that "
-                    f"encoder frozen{held}", "text_encoders=frozen to continue the denoiser's adapters alone")
-        return (f"holds no {'UNet' if component == 'unet' else 'transformer'} LoRA tensors (no `{keys}` "
-                f"keys){held}", "a LoRA file of this model's family (a run of the model it was trained "
-                "on takes this one), or adapter.init_from=null")
+        return _empty(path, component)
     rank, endings = trained_with(found)
     wanted = {k: tuple(v.shape) for k, v in get_peft_model_state_dict(module).items()}
     missing, extra = sorted(set(wanted) - set(found)), sorted(set(found) - set(wanted))
     if missing or extra:
-        return (f"its adapted modules of {component} differ from {targets}.targets: {len(missing)} tensors "
-                f"missing (e.g. {missing[:1]}), {len(extra)} not expected (e.g. {extra[:1]})",
-                f"{targets}.targets=[{','.join(endings)}] (the modules the file adapts)")
-    for key, shape in wanted.items():
-        if found[key] != shape:
-            return (f"{component} {key} has shape {found[key]} (rank {rank}), this adapter needs {shape}",
-                    f"{targets}.rank={rank} (the file's rank)" if rank else another)
+        return Problem("adapter.init_from", given, f"its adapted modules of {component} differ "
+                       f"from {targets}.targets: {len(missing)} tensors missing (e.g. "
+                       f"{missing[:1]}), {len(extra)} not expected (e.g. {extra[:1]})",
+                       f"{targets}.targets=[{','.join(endings)}] (the modules the file adapts)")
+    for name, shape in wanted.items():
+        if found[name] != shape:
+            fix = f"{targets}.rank={rank} (the file's rank)" if rank else ANOTHER
+            return Problem("adapter.init_from", given, f"{component} {name} has shape "
+                           f"{found[name]} (rank {rank}), this adapter needs {shape}", fix)
     return None
+
+
+ANOTHER = "another file (a LoRA file this run's model and adapter wrote)"
+
+
+def _unread(path: Path, module: torch.nn.Module, component: str, exc: Exception) -> Problem:
+    """A file `read_for` could not read for `module`: a kohya file's modules that do not fit (the
+    fix: its rank, where that is the difference), or one that is no LoRA file of this layout."""
+    targets = "adapter" if component in ("unet", "transformer") else "text_encoders"
+    if isinstance(exc, ValueError):
+        rank, ours = _file_rank(path), getattr(module, "peft_config", {}).get("default")
+        if rank is not None and ours is not None and rank != getattr(ours, "r", rank):
+            return Problem("adapter.init_from", str(path), str(exc),
+                           f"{targets}.rank={rank} (the file's rank)")
+        return Problem("adapter.init_from", str(path), str(exc), ANOTHER)
+    layout = "a kohya-layout" if is_kohya(path) else "a diffusers"
+    return Problem("adapter.init_from", str(path), f"cannot be read as {layout} LoRA file "
+                   f"({type(exc).__name__}: {exc})", ANOTHER)
+
+
+def _empty(path: Path, component: str) -> Problem:
+    """A file with no LoRA tensors for `component`: what it holds instead, and the fix."""
+    from ds_trainer.train.layouts import kohya
+
+    kohya_layout = is_kohya(path)
+    keys = f"{kohya.PREFIX[component]}*" if kohya_layout else f"{component}."
+    parts = [] if kohya_layout else [p for p in _other_parts(path) if p != component]
+    held = f"; it holds LoRA tensors for: {', '.join(parts)}" if parts else ""
+    if component not in ("unet", "transformer"):
+        return Problem("adapter.init_from", str(path), f"holds no LoRA tensors for {component} (no "
+                       f"`{keys}` keys): it was trained with that encoder frozen{held}",
+                       "text_encoders=frozen to continue the denoiser's adapters alone")
+    part = "UNet" if component == "unet" else "transformer"
+    return Problem("adapter.init_from", str(path), f"holds no {part} LoRA tensors (no `{keys}` "
+                   f"keys){held}", "a LoRA file of this model's family (a run of the model it was "
+                   "trained on takes this one), or adapter.init_from=null")
 
 
 def load_into(path: Path, module: torch.nn.Module, component: str = "unet") -> None:
