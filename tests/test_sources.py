@@ -580,6 +580,29 @@ def test_the_validation_set_of_a_sources_run_names_its_sources(tmp_path: Path) -
     assert validate._source(cfg) == "held out of data.sources (faces, style) (validation.split=0.05)"
 
 
+def test_a_data_mistake_is_refused_before_accelerates_set_up_and_names_the_files(tmp_path: Path) -> None:
+    """The data is checked before Accelerate's set-up (and any op build it starts): here a second rank is
+    announced that never starts, so the set-up would wait for it until its time limit; the sources' headers
+    are read first, and the run is refused in seconds with the skipped files named and summary.json written."""
+    from helpers.ranks import free_port
+
+    folder = Path(src.make("jsonl", tmp_path / "table", n=4))
+    images = sorted(p for p in folder.parent.rglob("*.png"))
+    images[0].write_bytes(b"")
+    for image in images[1:]:
+        image.write_bytes(b"not a png at all" * 10)
+    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    run = run_cli("data=sources", src.override([{"path": str(folder)}]), "logger=none",
+                  f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path, env=env, timeout=240)
+    assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr[-3000:]
+    assert "none readable; nothing to train on" in run.stderr, run.stderr[-3000:]
+    assert "not an image (unrecognized format)" in run.stderr and "images/001.png" in run.stderr
+    assert "empty file" in run.stderr and "memory plan" not in run.stderr  # before the set-up's first line
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "error" and "none readable" in summary["message"]
+
+
 def test_a_source_mostly_damaged_stops_the_run(tmp_path: Path) -> None:
     """Above data.max_bad_fraction (5% by default) of a source's files skipped: a copy gone wrong or the wrong
     folder, so one screen naming the source, the share, the commonest reason with examples and the fix."""

@@ -71,6 +71,8 @@ def _run(cfg: DictConfig, backend: backends.Backend, ds: dict[str, Any] | None, 
     tracker: metrics.Tracker | None = None
     outcome = Outcome()
     try:
+        data.early_check(cfg)  # the files and headers, before Accelerate's set-up and op builds
+        startup.mark("data check")
         accelerator = accel.make_accelerator(cfg, backend, kind, run_dir)
         resume = Resume.find(cfg, run_dir, accelerator)
         tracker = metrics.Tracker(accelerator, cfg, run_dir, ds, name, resume)

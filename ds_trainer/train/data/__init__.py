@@ -8,6 +8,7 @@ from ds_trainer.train.data.images import (
            SourceImages,
            SyntheticImages,
            dataset,
+           early_check,
            validation_set,
 )
 from ds_trainer.train.data.loader import Loader
@@ -15,4 +16,4 @@ from ds_trainer.train.data.order import batch_indices, sample_indices
 from ds_trainer.train.data.sources import IMAGE_EXTENSIONS
 
 __all__ = ["IMAGE_EXTENSIONS", "Example", "SourceImages", "LatentCache", "Loader", "SyntheticImages", "batch_indices",
-           "dataset", "encode_batch", "sample_indices", "validation_set"]
+           "dataset", "early_check", "encode_batch", "sample_indices", "validation_set"]

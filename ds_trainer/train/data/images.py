@@ -3,26 +3,20 @@ SDXL's micro-conditioning."""
 
 from __future__ import annotations
 
-import hashlib
-import io
-import json
 import logging
-import os
 import random
-import warnings
 from collections import Counter
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 from omegaconf import DictConfig
-from PIL import Image, ImageOps, UnidentifiedImageError
+from PIL import Image, ImageOps
 
 from ds_trainer.config import buckets as bucket_geometry
-from ds_trainer.config import holdout, inputs, source_repeats
+from ds_trainer.config import holdout, source_repeats
 from ds_trainer.errors import DataError
-from ds_trainer.train.data import buckets, order, readers, sources
+from ds_trainer.train.data import buckets, scan, sources
 
 log = logging.getLogger(__name__)
 
@@ -126,19 +120,18 @@ class SourceImages:
     DataError naming it.
     """
 
-    def __init__(self, cfg: DictConfig, accelerator: Any = None, part: str = "all", root: str | None = None) -> None:
+    def __init__(self, cfg: DictConfig, accelerator: Any = None, part: str = "all", root: str | None = None,
+                 decode: bool = True, early: bool = False) -> None:
         """`part`: `all` images, or those `validation.split` leaves to `train` or holds out for `validation`
-        (config/holdout.py); `root`: validation.path's folder instead of the sources."""
+        (config/holdout.py); `root`: validation.path's folder instead of the sources; `decode=False`:
+        the new files' headers checked, not their pixels; `early`: only the checks (`early_check`)."""
         self.scoring = root is not None
         self.sources = [sources.for_validation(cfg)] if self.scoring else sources.of(cfg)
         self.width, self.height = int(cfg.resolution.width), int(cfg.resolution.height)
         self.center, self.flip, self.seed = bool(cfg.data.center_crop), bool(cfg.data.random_flip), int(cfg.train.seed)
         self.masked = bool(cfg.data.masked_loss) and part != "validation" and not self.scoring  # validation: unmasked
         self.reference = bool(cfg.model.get("reference_images"))  # each image read with its reference
-        found = {item.key: item for source in self.sources for item in readers.items(source)}
-        limit = int(cfg.data.max_image_pixels)
-        Image.MAX_IMAGE_PIXELS = limit  # Pillow's own guard at twice it; _problem says so first
-        checks, checked_now = _check_items(found, _record(cfg, self.sources), accelerator, limit)
+        found, checks, checked_now = scan.listed_and_checked(cfg, self.sources, accelerator, decode)
         usable = [found[key] for key, (_, _, problem) in sorted(checks.items()) if problem is None]
         self.found = Counter(found[key].source for key in checks)
         self.skipped_by_source: Counter[tuple[int, str]] = Counter()
@@ -153,13 +146,10 @@ class SourceImages:
                 log.info("masked loss: %d image(s) with a %s file, and any image's alpha channel; elsewhere the "
                          "whole image (outside a mask the loss counts data.unmasked_weight=%s)", files,
                          sources.MASK_SUFFIX, cfg.data.unmasked_weight)
-        for source in self.sources:
-            if not any(item.source == source.index for item in usable):
-                n = self.found[source.index]
-                what = f"{n} image file(s), none readable" if n else f"no {sources.what_is_read(source.kind)}"
-                raise DataError(f"{source.label}={source.path}: {what}; nothing to "
-                                f"{'score' if self.scoring else 'train on'}")
+        self._nothing_usable(usable)
         self._too_damaged(float(cfg.data.max_bad_fraction))
+        if early:
+            return
         if part != "all":
             usable = self._split(cfg, usable, part)
         self.unique = len(usable)
@@ -203,6 +193,15 @@ class SourceImages:
                 where = source.control_path or source.control_column
                 self._skip(item, f"no reference image (in {where})")
         return [item for item in usable if item.control is not None]
+
+    def _nothing_usable(self, usable: list[sources.Item]) -> None:
+        """A source none of whose files can train stops the run, named."""
+        for source in self.sources:
+            if not any(item.source == source.index for item in usable):
+                n = self.found[source.index]
+                what = f"{n} image file(s), none readable" if n else f"no {sources.what_is_read(source.kind)}"
+                raise DataError(f"{source.label}={source.path}: {what}; nothing to "
+                                f"{'score' if self.scoring else 'train on'}")
 
     def _too_damaged(self, share: float) -> None:
         """A source with more than `share` (data.max_bad_fraction) of its files damaged stops the
@@ -342,86 +341,41 @@ def _mask_of(image: Image.Image, item: sources.Item) -> Image.Image:
     return Image.new("L", image.size, 255)
 
 
-def _problem(item: sources.Item, limit: int) -> str | None:
-    """Why an image cannot be trained on (decoding it whole), or None; an entry damaged in its
-    listing (a table's row) says so itself; one above `limit` pixels is too large."""
-    if item.damaged is not None:
-        return item.damaged
+def early_check(cfg: DictConfig) -> None:
+    """Before Accelerate's set-up and any op build, on every rank: the sources listed (a table's
+    schema, a shard's index) and each new file checked, decoded and recorded in a one-rank run (its
+    later check then decodes nothing), its header only on several ranks (whose later check shares the
+    decoding), so a data mistake is refused in seconds. Its log lines are held back unless it refuses:
+    the later check says them once."""
+    if cfg.data.source.value == "synthetic":
+        return
+    logger = logging.getLogger("ds_trainer.train.data")
+    held: list[logging.LogRecord] = []
+    keep, propagate = _Keep(held), logger.propagate
+    logger.addHandler(keep)
+    logger.propagate = False
     try:
-        with item.read() as f:
-            data = f.read()
-    except OSError as exc:
-        return f"unreadable ({exc.strerror or exc})"
-    if not data:
-        return "empty file"
-    # The size is read from the header, then judged here (Pillow's guard put back after).
-    guard, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, None
-    try:
-        with warnings.catch_warnings(), Image.open(io.BytesIO(data)) as image:
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            width, height = image.size
-            if width * height > limit:
-                return f"too large ({width}x{height}, above data.max_image_pixels={limit})"
-            image.load()
-    except UnidentifiedImageError:
-        return "not an image (unrecognized format)"
-    except Exception:  # noqa: BLE001 - PIL raises many types for damaged files
-        return "truncated or corrupt image"
+        SourceImages(cfg, None, "all", decode=int(cfg.resolved.world_size or 1) == 1, early=True)
+    except DataError:
+        logger.removeHandler(keep)
+        logger.propagate = propagate
+        for record in held:  # what was skipped and why, before the refusal
+            logger.handle(record)
+        raise
     finally:
-        Image.MAX_IMAGE_PIXELS = guard
-    return None
+        logger.removeHandler(keep)
+        logger.propagate = propagate
 
 
-def _record(cfg: DictConfig, found: list[sources.Source]) -> Path:
-    """Where the checks of these sources are kept (data=folder's record is named as before sources existed)."""
-    one_folder = len(found) == 1 and not found[0].keyed
-    text = str(Path(found[0].path).resolve()) if one_folder else "|".join(f"{s.kind}:{Path(s.path).resolve()}"
-                                                                         for s in found)
-    if int(cfg.data.max_image_pixels) != inputs.PILLOW_PIXELS:  # another limit: all checked again
-        text += f"|pixels:{int(cfg.data.max_image_pixels)}"
-    return Path(cfg.data.cache_dir) / f"scan-{hashlib.sha256(text.encode()).hexdigest()[:16]}.json"
+class _Keep(logging.Handler):
+    """Keeps the log records it is handed."""
 
+    def __init__(self, into: list[logging.LogRecord]) -> None:
+        super().__init__()
+        self.into = into
 
-def _check_items(found: dict[str, sources.Item], record: Path, accelerator: Any,
-                 limit: int) -> tuple[dict[str, list[Any]], int]:
-    """{key: [size, mtime_ns, problem or None]} of every item, and how many were decoded now.
-
-    Decoding every image is the only sure check, and slow on a large source, so it is done once: the results are
-    kept in `record` (under data.cache_dir) and only new or changed items are decoded on a later start (a resumed or
-    requeued job). The ranks split that work. Rank 0's listing and record are every rank's, so every rank ends with
-    the same items.
-    """
-    from ds_trainer.train.backends import accelerator as accel
-
-    rank, world = (accelerator.process_index, accelerator.num_processes) if accelerator else (0, 1)
-    listing: tuple[dict[str, list[int]], dict[str, list[Any]]] = ({}, {})
-    if rank == 0:
-        try:
-            known = json.loads(record.read_text())
-        except (OSError, ValueError):
-            known = {}
-        listing = ({key: list(item.stat) for key, item in found.items()}, known)
-    stats, known = accel.from_main(accelerator, listing) if world > 1 else listing
-    if unseen := [key for key in stats if key not in found]:
-        raise DataError(f"rank {rank} does not see {len(unseen)} image(s) rank 0 lists (e.g. {unseen[0]}): every "
-                        "node must see the same data; put it on a shared file system or the same path on each node")
-    checks = {key: known[key] for key, stat in stats.items() if known.get(key, [None, None])[:2] == stat}
-    todo = [key for key in stats if key not in checks]
-    mine = {key: [*stats[key], _problem(found[key], limit)]
-            for key in order.share(todo, rank, world)}
-    if world > 1:
-        from accelerate.utils import gather_object
-
-        for part in gather_object([mine]):
-            checks.update(part)
-    else:
-        checks.update(mine)
-    if rank == 0 and todo:
-        record.parent.mkdir(parents=True, exist_ok=True)
-        tmp = record.with_name(f".{record.name}.tmp{os.getpid()}")
-        tmp.write_text(json.dumps(checks))
-        tmp.replace(record)
-    return checks, len(todo)
+    def emit(self, record: logging.LogRecord) -> None:
+        self.into.append(record)
 
 
 def dataset(cfg: DictConfig, accelerator: Any = None) -> SyntheticImages | SourceImages:
