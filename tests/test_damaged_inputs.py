@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import json
+import sys
 import tarfile
 from collections.abc import Callable
 from pathlib import Path
@@ -16,6 +17,7 @@ import pytest
 from helpers import damaged
 from helpers import sources as src
 from helpers.cfg import make_cfg
+from helpers.cli import run_cli
 from test_sources import _dataset
 
 from ds_trainer.config import checks, portability, surfaces, trust
@@ -256,6 +258,32 @@ def _captions(tmp_path: Path) -> int:
     return n
 
 
+def _presets(tmp_path: Path) -> int:
+    """An experiment preset in every damaged form: refused naming its file before Hydra reads it, or,
+    where the damage left a whole preset (a last newline cut, the header line alone), composed."""
+    from ds_trainer.config import overrides
+
+    preset = tmp_path / "outputs" / "presets" / "experiment" / "mine.yaml"
+    preset.parent.mkdir(parents=True)
+    good = b"# @package _global_\ntrain:\n  max_steps: 3\n"
+    argv, n = ["+experiment=mine", f"paths.outputs={tmp_path / 'outputs'}"], 0
+    saved, sys.argv = sys.argv, ["ds_trainer", *argv]  # the command line the checks read, as a run's
+    try:
+        for case in damaged.cases(preset, good):
+            problems = overrides.check_args(argv, False)
+            whole = case in ("cut one byte short", "cut at 20 bytes")  # the header alone: an empty preset
+            assert (problems == []) if whole else (len(problems) == 1 and str(preset) in problems[0].why), case
+            n += 1
+    finally:
+        sys.argv = saved
+    damaged._clear(preset)
+    preset.write_bytes(bytes(range(128, 256)))  # the command itself: one screen, exit 2, no traceback
+    run = run_cli(*argv, "dry_run=true", cwd=tmp_path)
+    assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr[-3000:]
+    assert f"its file {preset} is not UTF-8 text" in run.stderr
+    return n + 1
+
+
 RUNNERS: dict[str, Callable[[Path], int]] = {
     "model.pretrained (file)": _weights("model.pretrained", "sdxl.safetensors", {"a VAE": VAE, "a LoRA": LORA}),
     "model.pretrained (folder)": _pretrained_folder,
@@ -271,6 +299,7 @@ RUNNERS: dict[str, Callable[[Path], int]] = {
     "tar shard": _shards,
     "image": _images,
     "caption": _captions,
+    "preset": _presets,
 }
 
 

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from ds_trainer import CONF_DIR
+from ds_trainer.config import presets
 from ds_trainer.config.problems import Problem, Report, refuse
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -191,6 +192,8 @@ def check_args(overrides: list[str], multirun: bool) -> list[Problem]:
             for value in values:
                 if (problem := _group_problem(key, value)) is not None:
                     problems.append(problem)
+                elif (problem := presets.problem(key, o.key_or_group, str(value), overrides)):
+                    problems.append(problem)  # a damaged file: one screen, not a traceback
         elif o.key_or_group in ("hydra.run.dir", "hydra.sweep.dir") and not o.is_sweep_override():
             if (problem := _folder_problem(o.key_or_group, o.value())) is not None:
                 problems.append(problem)
