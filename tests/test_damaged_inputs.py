@@ -6,6 +6,7 @@ here fails the first test."""
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import sys
 import tarfile
@@ -129,11 +130,14 @@ def _portable(tmp_path: Path) -> int:
     (folder / "portable").mkdir(parents=True)
     (folder / "COMPLETE").write_text(json.dumps(_marker(folder)))
     cfg = checks.check(make_cfg("zero=stage2", f"resume={folder}")).cfg
-    for _ in [*damaged.cases(folder / "portable" / "meta.json", b'{"step": 2, "layout": {}}'), "schema"]:
-        if not (folder / "portable" / "meta.json").exists():
-            (folder / "portable" / "meta.json").write_text('{"step": 2, "layout": {}}')  # keys missing
-        (problem,), _ = portability.check(cfg, folder)
-        assert problem.key == "resume" and "meta.json" in problem.why, problem
+    meta = folder / "portable" / "meta.json"
+    for case in itertools.chain(damaged.cases(meta, b'{"step": 2, "layout": {}}'), ["schema"]):
+        if case == "schema":  # each case as it is made; then a whole JSON file whose keys are missing
+            damaged._clear(meta)
+            meta.write_text('{"step": 2, "layout": {}}')
+        problems, _ = portability.check(cfg, folder)
+        assert len(problems) == 1, case
+        assert problems[0].key == "resume" and "meta.json" in problems[0].why, problems
         n += 1
     shard = folder / "portable" / "state-00001.safetensors"
     for _ in damaged.cases(shard, _safetensors({"fp32/w": (64, 64)})):
@@ -206,8 +210,9 @@ def _shards(tmp_path: Path) -> int:
         rows = len({m.name.split(".")[0] for m in tar if m.name.endswith(".png")})
     with tarfile.open(shard) as tar:
         boundary = [m.offset for m in tar][-1]
-    for case in [*damaged.cases(shard, good), "cut at a member's boundary"]:
+    for case in itertools.chain(damaged.cases(shard, good), ["cut at a member's boundary"]):
         if case == "cut at a member's boundary":
+            damaged._clear(shard)
             shard.write_bytes(good[:boundary])
         outcome = _whole_or_rows(tmp_path / f"w{n}", shard, [{"path": folder}, {"path": str(shard)}], rows)
         assert outcome != "read" or case in ("cut one byte short",), case
@@ -258,6 +263,41 @@ def _captions(tmp_path: Path) -> int:
     return n
 
 
+def _cache_packs(tmp_path: Path) -> int:
+    """A pack of the latent cache in every damaged form (a shared cache_dir, a copy cut short): left out
+    of the cache's index with a warning, so its samples are encoded again (a new pack of the same names
+    replaces it); a whole pack is read back."""
+    import torch
+
+    from ds_trainer.train import families
+    from ds_trainer.train.data import cache as latent_cache
+    from ds_trainer.train.data import images
+
+    cfg = make_cfg(f"data.cache_dir={tmp_path / 'cache'}", "data.num_samples=3")
+    data = images.dataset(cfg)
+    cache = latent_cache.LatentCache(cfg, data, families.of(cfg), "cpu")
+    cache.dir.mkdir(parents=True)
+    pack = latent_cache._Pack(cache.dir, 8)
+    for name in cache.names:
+        pack.add(name, {"latents": torch.ones(4, 8, 8), "prompt_embeds": torch.zeros(7, 16)})
+    pack.write()
+    (path,) = cache.packs()
+    good, n = path.read_bytes(), 0
+    for case in itertools.chain(damaged.cases(path, good), ["whole"]):  # each case as it is made
+        if case == "whole":
+            damaged._clear(path)
+            path.write_bytes(good)
+        cache._index = None
+        index = cache._scan()
+        if case == "whole":
+            assert sorted(index) == sorted(cache.names)
+            assert torch.equal(cache._read(cache.names[0], index, None)["latents"], torch.ones(4, 8, 8))
+        else:
+            assert index == {}, case  # none of its samples is read from it: they are encoded again
+        n += 1
+    return n
+
+
 def _presets(tmp_path: Path) -> int:
     """An experiment preset in every damaged form: refused naming its file before Hydra reads it, or,
     where the damage left a whole preset (a last newline cut, the header line alone), composed."""
@@ -300,6 +340,7 @@ RUNNERS: dict[str, Callable[[Path], int]] = {
     "image": _images,
     "caption": _captions,
     "preset": _presets,
+    "cache pack": _cache_packs,
 }
 
 

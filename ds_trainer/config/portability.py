@@ -79,8 +79,10 @@ def text_encoders_shape(cfg: DictConfig) -> dict[str, Any] | None:
 def read_meta(checkpoint: Path) -> dict[str, Any] | None:
     """The portable state's description, or None for a checkpoint without one (written before it existed)."""
     path = Path(checkpoint) / META
-    if not path.is_file():
+    if not path.exists() and not path.is_symlink():
         return None
+    if not path.is_file():  # a folder, a symlink loop: damaged, not a checkpoint from before it
+        raise ValueError("it is not a file")
     meta = json.loads(path.read_text())
     if not isinstance(meta, dict):
         raise ValueError("it is not a JSON object")

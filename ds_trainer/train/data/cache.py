@@ -275,26 +275,59 @@ class _Pack:
 
 
 def _raw_header(fd: int) -> tuple[dict[str, Any], int]:
-    """A safetensors file's header (8 bytes of length, then JSON) and where its data starts."""
-    (length,) = struct.unpack("<Q", os.pread(fd, 8, 0))
-    return json.loads(os.pread(fd, length, 8)), 8 + length
+    """A safetensors file's header (8 bytes of length, then JSON) and where its data starts;
+    ValueError for a file cut short, a length past its end, or a header that is no JSON object."""
+    size = os.fstat(fd).st_size
+    head = os.pread(fd, 8, 0)
+    if len(head) < 8:
+        raise ValueError(f"cut short ({size} bytes, no header)")
+    (length,) = struct.unpack("<Q", head)
+    if length > size - 8:
+        raise ValueError(f"its header declares {length} bytes, the file has {size - 8} after it")
+    header = json.loads(os.pread(fd, length, 8))  # ValueError (JSON's, or its UTF-8's) if damaged
+    if not isinstance(header, dict):
+        raise ValueError("its header is not a JSON object")
+    return header, 8 + length
 
 
 def _header(path: Path) -> dict[str, tuple[str, ...]]:
-    """The names a pack holds and each one's keys, from its header."""
+    """The names a pack holds and each one's keys, from its header; ValueError for a pack that is
+    not one of ours or whose tensors do not fit in it (cut short: its samples are encoded again)."""
     fd = os.open(path, os.O_RDONLY)
     try:
-        header, _ = _raw_header(fd)
+        header, start = _raw_header(fd)
+        size = os.fstat(fd).st_size
     finally:
         os.close(fd)
-    if header.get("__metadata__", {}).get("format") != FORMAT:
+    meta = header.get("__metadata__")
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise ValueError(f"not a {FORMAT} pack")
     held: dict[str, list[str]] = {}
-    for key in header:
-        if key != "__metadata__":
-            name, _, tensor = key.rpartition("/")
-            held.setdefault(name, []).append(tensor)
+    for key, entry in header.items():
+        if key == "__metadata__":
+            continue
+        if _bytes(entry) is None or start + entry["data_offsets"][1] > size:
+            raise ValueError(f"its tensor {key} does not fit in the file (cut short?)")
+        name, _, tensor = key.rpartition("/")
+        held.setdefault(name, []).append(tensor)
     return {name: tuple(sorted(keys)) for name, keys in held.items()}
+
+
+def _bytes(entry: Any) -> int | None:
+    """A header entry's byte count when its dtype, shape and offsets agree, else None."""
+    if not isinstance(entry, dict) or entry.get("dtype") not in _DTYPES:
+        return None
+    shape, offsets = entry.get("shape"), entry.get("data_offsets")
+    if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
+        return None
+    if not (isinstance(offsets, list) and len(offsets) == 2
+            and all(isinstance(o, int) for o in offsets)):
+        return None
+    count = 1
+    for d in shape:
+        count *= d
+    need = count * _DTYPES[entry["dtype"]].itemsize
+    return need if 0 <= offsets[0] and offsets[1] - offsets[0] == need else None
 
 
 def read(folder: Path) -> dict[str, dict[str, torch.Tensor]]:
