@@ -263,6 +263,39 @@ def _captions(tmp_path: Path) -> int:
     return n
 
 
+def _attached(tmp_path: Path, part: str) -> int:
+    """A file an image trains with (its mask, its reference image) in every damaged form: the image is
+    skipped and counted, the file named in its reason (it was read, and failed, mid-training); where no
+    file is there (a folder, a symlink loop in its place) the image trains without it (unmasked) or is
+    skipped as having none (a reference)."""
+    from ds_trainer.train import data
+
+    folder, n = Path(src.make("folder", tmp_path / "folder", n=3)), 0
+    if part == "mask":
+        attached, overrides = folder / "img000.mask.png", ["data.masked_loss=true"]
+        label = "its mask (.mask.png): "
+    else:
+        (tmp_path / "refs").mkdir()
+        for image in folder.glob("*.png"):
+            (tmp_path / "refs" / image.name).write_bytes(image.read_bytes())
+        attached = tmp_path / "refs" / "img000.png"
+        overrides = ["model=flux_kontext_tiny", f"data.control_path={tmp_path / 'refs'}"]
+        label = "its reference image: "
+    good = src.png(7)
+    for case in damaged.cases(attached, good):
+        cfg = checks.check(make_cfg("data=folder", f"data.path={folder}",
+                                    f"data.cache_dir={tmp_path / f'c{n}'}", "data.max_bad_fraction=0.5",
+                                    *overrides)).cfg
+        images = data.SourceImages(cfg)
+        reasons = [r for (_, r), names in images.skipped_names.items() if "img000" in names[0]]
+        if case in ("a folder", "a symlink loop"):
+            assert images.unique == (3 if part == "mask" else 2), (case, reasons)
+        elif case not in ("cut one byte short", "a header that lies"):  # still decodes: trains
+            assert len(reasons) == 1 and reasons[0].startswith(label) and images.unique == 2, (case, reasons)
+        n += 1
+    return n
+
+
 def _cache_packs(tmp_path: Path) -> int:
     """A pack of the latent cache in every damaged form (a shared cache_dir, a copy cut short): left out
     of the cache's index with a warning, so its samples are encoded again (a new pack of the same names
@@ -341,6 +374,8 @@ RUNNERS: dict[str, Callable[[Path], int]] = {
     "caption": _captions,
     "preset": _presets,
     "cache pack": _cache_packs,
+    "mask": lambda tmp_path: _attached(tmp_path, "mask"),
+    "reference image": lambda tmp_path: _attached(tmp_path, "control"),
 }
 
 

@@ -49,6 +49,10 @@ SURFACES = (
             "train/data/images.py", "data"),
     Surface("caption", "a caption file (.txt) in any of the encodings people write", "sample",
             "train/data/text.py", "data"),
+    Surface("mask", "an image's <name>.mask.png (data.masked_loss)", "sample",
+            "train/data/scan.py", "data"),
+    Surface("reference image", "an editing model's reference image, paired by name "
+            "(data.control_path)", "sample", "train/data/scan.py", "data"),
     Surface("cache pack", "a pack of cached latents in data.cache_dir (a shared cache: another "
             "run's, or a copy)", "sample", "train/data/cache.py", "data"),
     Surface("preset", "a config group's option file (+experiment=<name>: the tuner's winner, one "

@@ -132,7 +132,7 @@ class SourceImages:
         self.masked = bool(cfg.data.masked_loss) and part != "validation" and not self.scoring  # validation: unmasked
         self.reference = bool(cfg.model.get("reference_images"))  # each image read with its reference
         found, checks, checked_now = scan.listed_and_checked(cfg, self.sources, accelerator, decode)
-        usable = [found[key] for key, (_, _, problem) in sorted(checks.items()) if problem is None]
+        usable = [found[key] for key, entry in sorted(checks.items()) if entry[-1] is None]
         self.found = Counter(found[key].source for key in checks)
         self.skipped_by_source: Counter[tuple[int, str]] = Counter()
         # the files skipped, by source and reason
@@ -181,8 +181,8 @@ class SourceImages:
                        usable: list[sources.Item]) -> list[sources.Item]:
         """Count and name what cannot train: what its check found wrong, and for an editing model
         an image without its reference; the usable items left."""
-        for key, (_, _, problem) in sorted(checks.items()):
-            if problem is not None:
+        for key, entry in sorted(checks.items()):
+            if (problem := entry[-1]) is not None:
                 self._skip(found[key], problem)
                 self.damaged.add(problem)
         if not self.reference:

@@ -24,14 +24,29 @@ from ds_trainer.train.data import order, readers, sources
 HEADER_BYTES = 1 << 20  # what a header-only check reads of a file: every format's header fits
 
 
-def problem(item: sources.Item, limit: int, decode: bool = True) -> str | None:
+def problem(item: sources.Item, limit: int, decode: bool = True,
+            parts: tuple[str, ...] = ()) -> str | None:
     """Why an image cannot be trained on (decoding it whole; with `decode=False` its header only),
     or None; an entry damaged in its listing (a table's row) says so itself; one above `limit`
-    pixels is too large."""
+    pixels is too large. `parts`: the files it trains with that are checked too, its `mask`
+    (data.masked_loss) and its `control` (a reference image)."""
     if item.damaged is not None:
         return item.damaged
+    why = _decodes(item.read, limit, decode)
+    for part in parts:
+        reader = getattr(item, part)
+        if why is None and reader is not None and (found := _decodes(reader, limit, decode)):
+            why = f"its {PARTS[part]}: {found}"
+    return why
+
+
+PARTS = {"mask": f"mask ({sources.MASK_SUFFIX})", "control": "reference image"}
+
+
+def _decodes(read: Any, limit: int, decode: bool) -> str | None:
+    """Why the image file `read` opens does not decode, or None."""
     try:
-        with item.read() as f:
+        with read() as f:
             data = f.read() if decode else f.read(HEADER_BYTES)
     except OSError as exc:
         return f"unreadable ({exc.strerror or exc})"
@@ -56,7 +71,7 @@ def problem(item: sources.Item, limit: int, decode: bool = True) -> str | None:
     return None
 
 
-Checks = dict[str, list[Any]]  # {key: [size, mtime_ns, problem or None]}
+Checks = dict[str, list[Any]]  # {key: [size, mtime_ns, (the parts' too,) problem or None]}
 
 
 def listed_and_checked(cfg: DictConfig, found: list[sources.Source], accelerator: Any,
@@ -65,8 +80,20 @@ def listed_and_checked(cfg: DictConfig, found: list[sources.Source], accelerator
     items = {item.key: item for source in found for item in readers.items(source)}
     limit = int(cfg.data.max_image_pixels)
     Image.MAX_IMAGE_PIXELS = limit  # Pillow's own guard at twice it; `problem` says so first
-    checks, checked_now = check_items(items, record(cfg, found), accelerator, limit, decode)
+    wanted = {"mask": bool(cfg.data.masked_loss),
+              "control": bool(cfg.model.get("reference_images"))}
+    parts = tuple(part for part, used in wanted.items() if used)
+    checks, checked_now = check_items(items, record(cfg, found), accelerator, limit, decode, parts)
     return items, checks, checked_now
+
+
+def _stat(item: sources.Item, parts: tuple[str, ...]) -> list[int]:
+    """What identifies an item's bytes: its image's size and time, and its checked parts'."""
+    out = list(item.stat)
+    for part in parts:
+        stat = getattr(item, f"{part}_stat")
+        out += list(stat) if stat is not None else []
+    return out
 
 
 def record(cfg: DictConfig, found: list[sources.Source]) -> Path:
@@ -81,8 +108,9 @@ def record(cfg: DictConfig, found: list[sources.Source]) -> Path:
 
 
 def check_items(found: dict[str, sources.Item], kept: Path, accelerator: Any, limit: int,
-                decode: bool = True) -> tuple[dict[str, list[Any]], int]:
-    """{key: [size, mtime_ns, problem or None]} of every item, and how many were decoded now.
+                decode: bool = True, parts: tuple[str, ...] = ()) -> tuple[Checks, int]:
+    """{key: [size, mtime_ns, (`parts`' sizes and times,) problem or None]} of every item, and how
+    many were decoded now.
 
     Decoding every image is the only sure check, and slow on a large source, so it is done once: the
     results are kept in `kept` (`record`'s file) and only new or changed items are decoded on a
@@ -98,16 +126,15 @@ def check_items(found: dict[str, sources.Item], kept: Path, accelerator: Any, li
             known = json.loads(kept.read_text())
         except (OSError, ValueError):
             known = {}
-        listing = ({key: list(item.stat) for key, item in found.items()}, known)
+        listing = ({key: _stat(item, parts) for key, item in found.items()}, known)
     stats, known = accel.from_main(accelerator, listing) if world > 1 else listing
     if unseen := [key for key in stats if key not in found]:
         raise DataError(f"rank {rank} does not see {len(unseen)} image(s) rank 0 lists (e.g. "
                         f"{unseen[0]}): every node must see the same data; put it on a shared file "
                         "system or the same path on each node")
-    checks = {key: known[key] for key, stat in stats.items()
-              if known.get(key, [None, None])[:2] == stat}
+    checks = {key: known[key] for key, stat in stats.items() if known.get(key, [None])[:-1] == stat}
     todo = [key for key in stats if key not in checks]
-    mine = {key: [*stats[key], problem(found[key], limit, decode)]
+    mine = {key: [*stats[key], problem(found[key], limit, decode, parts)]
             for key in order.share(todo, rank, world)}
     if world > 1:
         from accelerate.utils import gather_object
