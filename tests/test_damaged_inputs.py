@@ -188,6 +188,22 @@ def _tables(tmp_path: Path) -> int:
     return n
 
 
+def _saved_dataset(tmp_path: Path) -> int:
+    """Each file of a dataset saved with save_to_disk (its split's .arrow, its JSON files) in every
+    damaged form: the dataset refused naming its folder (pyarrow's OSError escaped for three)."""
+    folder, n = src.make("folder", tmp_path / "folder", n=2), 0
+    saved = Path(src.make("hf", tmp_path / "saved", n=3))
+    for file in sorted(p for p in saved.rglob("*") if p.is_file()):
+        good = file.read_bytes()
+        for case in damaged.cases(file, good):
+            outcome = _whole_or_rows(tmp_path / f"s{n}", saved, [{"path": folder}, {"path": str(saved)}], 3)
+            assert outcome == "refused", (file.name, case)
+            n += 1
+        damaged._clear(file)
+        file.write_bytes(good)
+    return n
+
+
 def _rows(tmp_path: Path) -> int:
     """A table's damaged rows: skipped, counted and named (test_sources checks their reasons too)."""
     table = Path(src.make("jsonl", tmp_path / "rows", n=3))
@@ -370,6 +386,7 @@ RUNNERS: dict[str, Callable[[Path], int]] = {
     "table": _tables,
     "table row": _rows,
     "tar shard": _shards,
+    "saved dataset": _saved_dataset,
     "image": _images,
     "caption": _captions,
     "preset": _presets,

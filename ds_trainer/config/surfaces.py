@@ -44,6 +44,8 @@ SURFACES = (
     Surface("table", "a .jsonl, .csv or .parquet of file names and captions", "whole",
             "train/data/sources.py", "data"),
     Surface("table row", "one row of a table", "sample", "train/data/sources.py", "data"),
+    Surface("saved dataset", "a Hugging Face dataset saved with save_to_disk (its JSON and .arrow "
+            "files)", "whole", "train/data/archives.py", "data"),
     Surface("tar shard", "a webdataset .tar shard", "whole", "train/data/sources.py", "data"),
     Surface("image", "an image file of a folder, a table or a shard", "sample",
             "train/data/images.py", "data"),

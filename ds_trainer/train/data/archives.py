@@ -106,9 +106,11 @@ def hf(source: sources.Source) -> list[sources.Item]:
 
     try:
         loaded = datasets.load_from_disk(source.path)
-    except (FileNotFoundError, ValueError) as exc:
-        raise DataError(f"{source.label}: {source.path} is not a dataset saved with save_to_disk "
-                        f"({exc})") from None
+    except Exception as exc:  # noqa: BLE001 - pyarrow and datasets raise many kinds
+        said = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+        raise DataError(f"{source.label}: {source.path} cannot be read as a dataset saved with "
+                        f"save_to_disk ({said}); if it is one, a file of it is damaged: save it "
+                        "again") from None
     if isinstance(loaded, datasets.DatasetDict):
         if source.split not in loaded:
             raise DataError(f"{source.label}: {source.path} has no split {source.split!r} (its "
