@@ -249,6 +249,25 @@ def test_a_documented_command_composes_and_passes_validation(line: str, inline: 
             assert backend != "deepspeed" or (run_dir / "ds_config.json").is_file(), where
 
 
+PLANNED = sorted({tuple(args) for line, inline, _ in COMMANDS if not inline
+                  for module, args, _ in _split(_tokens(line))
+                  if module == "ds_trainer.plan" and "PLACEHOLDER" not in args})
+
+
+@pytest.mark.parametrize("args", PLANNED, ids=[" ".join(a) for a in PLANNED])
+def test_a_documented_planner_command_runs_and_prints_its_table(args: tuple[str, ...], tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """The planner's documented lines run end to end, as written (the architectures on the meta device,
+    no weights): each prints its table, exit 0."""
+    from ds_trainer.tools.plan import cli
+
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(list(args)) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("ds_trainer plan: ") and "stage2" in out, out[-2000:]
+
+
 def _user_file(key: str) -> bool:
     """A key naming the user's own files (a documented command's example path need not exist here)."""
     return key in USER_FILES or re.fullmatch(r"data\.sources\[\d+\]\.path", key) is not None
