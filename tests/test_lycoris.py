@@ -260,3 +260,25 @@ def test_convert_to_kohya_says_why_a_method_has_no_such_file_to_write(method: st
     OmegaConf.save(make_cfg(f"adapter={method}"), tmp_path / "config.yaml")
     assert convert.main([str(tmp_path), "--to", "kohya"]) == 2
     assert says in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("method", ["loha", "lokr", "dora"])
+def test_convert_unet_merges_each_method_into_the_base_as_it_trained(method: str) -> None:
+    """`convert <checkpoint> --unet` of an adapter run merges the adapters (diffusers' fuse_lora, then
+    unload_lora): for LyCORIS and DoRA too, the merged UNet gives the adapted UNet's output and holds no
+    adapter tensor (test_lora checks LoRA's through the command and the pipeline's image)."""
+    unet, _ = _adapted(method, "precision=fp32")  # convert writes fp32
+    generator = torch.Generator().manual_seed(1)
+    config = unet.config
+    text = config.projection_class_embeddings_input_dim - 6 * config.addition_time_embed_dim
+    inputs = (torch.randn(1, 4, 16, 16, generator=generator), torch.tensor([10]),
+              torch.randn(1, 8, config.cross_attention_dim, generator=generator))
+    extra = {"added_cond_kwargs": {"text_embeds": torch.randn(1, text, generator=generator),
+                                   "time_ids": torch.randn(1, 6, generator=generator)}}
+    with torch.no_grad():
+        adapted = unet(*inputs, **extra).sample
+        unet.fuse_lora()
+        unet.unload_lora()
+        merged = unet(*inputs, **extra).sample
+    assert not [k for k in unet.state_dict() if any(m in k for m in ("lora", "hada", "lokr"))]
+    assert (adapted - merged).abs().max() < 1e-4 and adapted.abs().max() > 1e-3
