@@ -273,7 +273,8 @@ def _layout_asked(tree: ast.AST) -> list[tuple[int, str]]:
 
 def test_only_the_backends_ask_how_a_parameter_is_laid_out() -> None:
     """Outside train/backends/ nothing names DeepSpeed's or FSDP2's parameter attributes or accessors, nor imports
-    a backend's own module: the parts ask train/backends/placement.py (and sharded.py), read by AST."""
+    a backend's own module: the parts ask their backend's layout object (train/backends/params.py, `run.params`),
+    read by AST."""
     asked = []
     for path in MODULES:
         name = _name(path)

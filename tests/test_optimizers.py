@@ -231,6 +231,7 @@ def test_schedule_free_samples_and_exports_its_evaluation_weights_under_zero(one
     stage (its `eval()` under ZeRO would move only the flat masters, or nothing under ZeRO-3); afterwards training
     goes on from exactly where it was."""
     schedulefree = _package("schedulefree")
+    from ds_trainer.train.backends.params import Zero
     from ds_trainer.train.optim import schedule_free
 
     overrides = ("optimizer=schedule_free_adamw", f"zero={zero}", f"offload={offload}", "precision=fp32")
@@ -242,7 +243,7 @@ def test_schedule_free_samples_and_exports_its_evaluation_weights_under_zero(one
     y = _whole(engine)
     ref_optimizer.eval()  # the library's own evaluation weights, unsharded
     x_ref = {name: p.detach().clone() for name, p in reference.named_parameters()}
-    with schedule_free.moved(engine.module, base, engine):
+    with schedule_free.moved(engine.module, base, Zero(lambda: engine, int(zero[-1])).masters(base)):
         x = _whole(engine)
     after = _whole(engine)
     for name in y:

@@ -322,9 +322,10 @@ def test_the_adapters_on_a_quantized_base_train_in_fp32(kind: str) -> None:
     16-bit base."""
     from ds_trainer.train import families
     from ds_trainer.train.adapters import adapter
+    from ds_trainer.train.backends.params import Whole
 
     cfg = make_cfg("adapter=lora", f"adapter.targets={TARGETS}", f"quantize={kind}", "zero=ddp")
-    trained = adapter.build(cfg, families.of(cfg).load_trained(cfg), None, torch.device("cpu"))
+    trained = adapter.build(cfg, families.of(cfg).load_trained(cfg), None, (torch.device("cpu"), Whole()))
     dtypes = {p.dtype for p in trained.module.parameters() if p.requires_grad}
     assert dtypes == {torch.float32}, dtypes
     assert sum(p.numel() for p in trained.module.parameters() if p.requires_grad) > 0

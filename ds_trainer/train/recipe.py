@@ -130,14 +130,15 @@ def setup(run: Run, resume: Resume) -> Started:
                 part.to("cpu")
         torch.cuda.empty_cache()
     # --- what trains (adapter=lora: injected, the base frozen and cast), its optimizer, the backend's prepare
-    run.trained = adapter.build(cfg, run.family.load_trained(cfg), encoders, accelerator.device)
+    where = (accelerator.device, run.params)
+    run.trained = adapter.build(cfg, run.family.load_trained(cfg), encoders, where)
     model = run.trained.module
     attention.restrict(model, cfg.train.attention.value)  # train.attention: one SDPA kernel in its attention layers
     compiled.apply(model, cfg.train.compile.value, list(cfg.model.compile_blocks))  # train.compile, in place
     resume.before_prepare(model, run.backend)
     run.backend.before_prepare(model)
     startup.mark("model build")
-    run.ema = ema.for_run(cfg, accelerator, model)
+    run.ema = ema.for_run(cfg, accelerator, model, run.params)
     optimizer, scheduler = build.for_run(cfg, run.backend, list(run.trained.parameters))
     if accelerator.is_main_process:
         text_encoders.describe(cfg, model)
@@ -154,7 +155,7 @@ def setup(run: Run, resume: Resume) -> Started:
     step, samples = resume.load(run)
     loader = data.Loader(run, dataset, cache, (step, samples))
     # Samples and exports use schedule-free AdamW's evaluation weights (checkpoints keep its training state).
-    run.eval_weights = schedule_free.context(cfg, accelerator, run.model, run.optimizer)
+    run.eval_weights = schedule_free.context(run)
     return Started(loader, vset, step, samples, resume.path)
 
 

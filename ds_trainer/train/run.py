@@ -15,6 +15,7 @@ from omegaconf import DictConfig
 if TYPE_CHECKING:
     from ds_trainer.train.adapters.adapter import Trained
     from ds_trainer.train.backends import Backend
+    from ds_trainer.train.backends.params import Whole
     from ds_trainer.train.families import Family
     from ds_trainer.train.observe.metrics import Tracker
     from ds_trainer.train.state.ema import EMA
@@ -40,3 +41,8 @@ class Run:
     ema: EMA | None = None
     # What samples, validation and exports run in: schedule-free AdamW's evaluation weights, else nothing.
     eval_weights: Callable[[], contextlib.AbstractContextManager[Any]] = field(default=contextlib.nullcontext)
+
+    @property
+    def params(self) -> Whole:
+        """How the backend lays the parameters out (`Backend.params`)."""
+        return self.backend.params(self.accelerator)

@@ -18,16 +18,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 from omegaconf import DictConfig
 
-from ds_trainer.config import ds_config, formats
+from ds_trainer.config import formats
 from ds_trainer.config.problems import Problem
 from ds_trainer.train import families
 from ds_trainer.train.adapters import kohya_file, lora_file, quantize
 from ds_trainer.train.adapters.lora_file import adaptable_names
 from ds_trainer.train.adapters.names import is_adapter
-from ds_trainer.train.backends import placement
 from ds_trainer.train.families import common, text_encoders
 
 if TYPE_CHECKING:
+    from ds_trainer.train.backends.params import Whole
     from ds_trainer.train.run import Run
 
 log = logging.getLogger("ds_trainer")
@@ -74,7 +74,7 @@ def _freeze_unused(model: torch.nn.Module) -> None:
         model.get_submodule(name).requires_grad_(False)
 
 
-def _register_external(module: torch.nn.Module) -> int:
+def _register_external(module: torch.nn.Module, layout: Whole) -> int:
     """ZeRO-3: LoKr's and LoHa's factors live in parameter dicts no forward calls, and DoRA, LoKr and LoHa read the
     base layer's weight outside the base layer's forward; DeepSpeed gathers and releases a parameter around the
     forward and backward of the modules that call it. Every parameter of each adapted layer is registered with
@@ -87,7 +87,7 @@ def _register_external(module: torch.nn.Module) -> int:
     for layer in module.modules():
         if isinstance(layer, BaseTunerLayer):
             for p in layer.parameters():
-                if placement.partitioned(p):
+                if layout.partitioned(p):
                     register_external_parameter(layer, p)
             layers += 1
     return layers
@@ -214,20 +214,18 @@ class Trained:
     def after_prepare(self, run: Run) -> None:
         """Collective, after `accelerator.prepare`: exact fp32 masters from `adapter.init_from`; under ZeRO-3 the
         parameters of DoRA's, LoKr's and LoHa's layers registered with them."""
-        option = ds_config.zero_option(self.cfg)
-        if self.cfg.quantize.kind.value != "none" and (option == "stage3" or option.startswith("fsdp")):
-            held = quantize.partitioned_bytes(run.accelerator.unwrap_model(run.model))
+        layout, module = run.params, run.accelerator.unwrap_model(run.model)
+        if self.cfg.quantize.kind.value != "none" and layout.shards:
+            held = quantize.partitioned_bytes(module, layout)
             log.info("quantize=%s under %s: this rank holds %.2f MiB of the packed base weights (its partition of "
                      "%.2f MiB) and %.2f MiB of their scales (whole on every rank)", self.cfg.quantize.kind.value,
-                     "ZeRO-3" if option == "stage3" else "FSDP2", held[0] / 2**20, held[1] / 2**20, held[2] / 2**20)
+                     layout.sharder.split()[0], held[0] / 2**20, held[1] / 2**20, held[2] / 2**20)
         if self.lora and enabled(self.cfg) and self.cfg.adapter.method.value != "lora":
-            module = run.accelerator.unwrap_model(run.model)
-            if any(placement.partitioned(p) for p in module.parameters()):
+            if any(layout.partitioned(p) for p in module.parameters()):
                 log.info("adapter=%s under ZeRO-3: %d adapted layers gather their base weight and adapters "
-                         "together", self.cfg.adapter.method.value, _register_external(module))
+                         "together", self.cfg.adapter.method.value, _register_external(module, layout))
         if self.partial and self.lora and enabled(self.cfg) and self.cfg.adapter.init_from is not None:
-            lora_file.set_fp32(run.accelerator.unwrap_model(run.model), self.names, Path(self.cfg.adapter.init_from),
-                               run.backend.engine(run.accelerator))
+            lora_file.set_fp32(module, self.names, Path(self.cfg.adapter.init_from), layout)
 
     def on_save(self, run: Run) -> None:
         """Collective, after each checkpoint: the LoRA file of the weights so far."""
@@ -241,8 +239,7 @@ class Trained:
         `kohya.safetensors` (lora_unet_*, lora_te1_*, lora_te2_*), every LoRA of the run in each."""
         accelerator, ema, run_dir = run.accelerator, run.ema, run.run_dir
         module = accelerator.unwrap_model(run.model)
-        weights = lora_file.gather_fp32(module, self.names, run.backend.engine(accelerator),
-                                        accelerator.is_main_process)
+        weights = lora_file.gather_fp32(module, self.names, run.params, accelerator.is_main_process)
         shadow = ema.full(dst=0, device="cpu") if ema is not None else None  # collective: sharded over the ranks
         if not accelerator.is_main_process:
             return
@@ -273,14 +270,13 @@ LORA_WRITERS: dict[str, Callable[[Run, Path, torch.nn.Module, dict[str, torch.Te
     "diffusers": _diffusers_lora, "kohya": _kohya_lora}
 
 
-def quantize_base(cfg: DictConfig, model: torch.nn.Module, device: torch.device) -> quantize.Quantized:
+def quantize_base(cfg: DictConfig, model: torch.nn.Module, device: torch.device, layout: Whole) -> quantize.Quantized:
     """`quantize=int8|nf4`: the frozen base's linear layers quantized on `device`, computing in the base's dtype;
-    peft then adds its bitsandbytes LoRA layers around them."""
+    peft then adds its bitsandbytes LoRA layers around them (`layout`: the backend's, which may shard them)."""
     kind = cfg.quantize.kind.value
     compute = common.lora_base_dtype(cfg) or torch.float32
     model.requires_grad_(False)
-    option = ds_config.zero_option(cfg)
-    sharder = {"stage3": "ZeRO-3 partitions", "fsdp": "FSDP2 shards"}.get(option.split("_")[0])
+    sharder = layout.sharder
     # Sharded, the packed weights are held in the compute dtype: the one ZeRO-3 gathers in and FSDP2's all-gather casts
     # to, so neither changes their bits; their scales stay on the module, whole on each rank.
     done = quantize.apply(model, kind, compute, device, float(cfg.quantize.threshold),
@@ -300,18 +296,19 @@ def _lora_names(module: torch.nn.Module) -> list[str]:
 
 
 def build(cfg: DictConfig, model: torch.nn.Module, encoders: dict[str, torch.nn.Module] | None = None,
-          device: torch.device | None = None) -> Trained:
+          where: tuple[torch.device, Whole] | None = None) -> Trained:
     """Before `accelerator.prepare`: with `adapter=lora` inject the adapters, freeze and cast the base to
     the training precision's 16-bit type (the adapters stay fp32), and load `adapter.init_from`; with trained text
     encoders (`text_encoders.take` made them trainable) the UNet and them as one module. With `quantize=int8|nf4`
-    and a `device` (the run's; without one the module only names the adapters) the base's linear layers are
-    quantized on it first. Either way the layers whose output feeds nothing (the family's `unused`) stay frozen."""
+    and `where` (the run's device and the backend's layout; without them the module only names the adapters) the
+    base's linear layers are quantized on the device first. Either way the layers whose output feeds nothing (the
+    family's `unused`) stay frozen."""
     if enabled(cfg):
         base = sum(p.numel() for p in model.parameters())  # before quantization packs two 4-bit weights a byte
-        if cfg.quantize.kind.value != "none" and device is not None:
-            quantize_base(cfg, model, device)
+        if cfg.quantize.kind.value != "none" and where is not None:
+            quantize_base(cfg, model, *where)
         inject(cfg, model)
-        if cfg.quantize.kind.value != "none" and device is not None:
+        if cfg.quantize.kind.value != "none" and where is not None:
             # peft's bitsandbytes and torchao LoRA layers make their adapters in the quantized layer's compute dtype
             # (bf16): in fp32, as on a 16-bit base, or DDP's AdamW would step bf16 adapters (small updates round away)
             for p in model.parameters():

@@ -14,7 +14,7 @@ import torch
 from ds_trainer.train import families
 from ds_trainer.train.adapters import quantize
 from ds_trainer.train.adapters.names import is_adapter
-from ds_trainer.train.backends import placement
+from ds_trainer.train.backends import params
 from ds_trainer.train.families import text_encoders
 from ds_trainer.train.layouts import kohya, lycoris
 
@@ -27,7 +27,7 @@ def base_shapes(part: torch.nn.Module) -> dict[str, tuple[int, ...]]:
     them); quantize=fp8's weights are frozen buffers (adapters/quantize.py)."""
     weights = [*part.named_parameters(), *((n, b) for n, b in part.named_buffers() if quantize.is_float8(b))]
     unpacked = quantize.unpacked_shapes(part)
-    return {n.replace(".base_layer", ""): unpacked.get(id(p)) or placement.shape(p)
+    return {n.replace(".base_layer", ""): unpacked.get(id(p)) or params.shape(p)
             for n, p in weights if not is_adapter(n)}
 
 

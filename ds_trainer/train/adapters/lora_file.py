@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ds_trainer.config.problems import Problem
 from ds_trainer.train.adapters.names import is_adapter, peft_name
-from ds_trainer.train.backends import placement
+
+if TYPE_CHECKING:
+    from ds_trainer.train.backends.params import Whole
 
 WEIGHT_NAME = "pytorch_lora_weights.safetensors"
 
@@ -29,26 +31,24 @@ def adaptable_names(model: torch.nn.Module) -> list[str]:
     return [n for n, m in model.named_modules() if isinstance(m, kinds) and not is_adapter(n)]
 
 
-def gather_fp32(module: torch.nn.Module, names: list[str], engine: Any, keep: bool) -> dict[str, torch.Tensor]:
+def gather_fp32(module: torch.nn.Module, names: list[str], layout: Whole, keep: bool) -> dict[str, torch.Tensor]:
     """Collective: the fp32 master value of every named parameter, on the CPU where `keep` (rank 0)."""
     named = dict(module.named_parameters())
-    masters = placement.zero0_masters(engine)
     out: dict[str, torch.Tensor] = {}
     for name in names:
-        value = placement.full_fp32(named[name], masters)
+        value = layout.fp32(named[name])
         if keep:
             out[name] = value.detach().to("cpu", torch.float32).clone()
     return out
 
 
-def set_fp32(module: torch.nn.Module, names: list[str], path: Path, engine: Any) -> None:
+def set_fp32(module: torch.nn.Module, names: list[str], path: Path, layout: Whole) -> None:
     """Collective, after `accelerator.prepare`: set the fp32 masters of the adapters to the file's values
     (DeepSpeed made its masters from the 16-bit module, which rounded what `load_into` had set)."""
     values = read_module(path, module)
     named = dict(module.named_parameters())
-    masters = placement.zero0_masters(engine)
     for name in names:
-        placement.set_full_fp32(named[name], values[peft_name(name)].to(torch.float32), masters)
+        layout.set_fp32(named[name], values[peft_name(name)].to(torch.float32))
 
 
 def write(folder: Path, module: Any, weights: dict[str, torch.Tensor], dtype: torch.dtype) -> Path:

@@ -16,11 +16,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ds_trainer.train.backends import placement
+if TYPE_CHECKING:
+    from ds_trainer.train.backends.params import Whole
 
 log = logging.getLogger("ds_trainer")
 
@@ -181,17 +182,17 @@ def unpacked_shapes(module: torch.nn.Module) -> dict[int, tuple[int, ...]]:
     return {id(weight): tuple(state.shape) for weight, state in _four_bit(module)}
 
 
-def partitioned_bytes(module: torch.nn.Module) -> tuple[int, int, int]:
+def partitioned_bytes(module: torch.nn.Module, layout: Whole) -> tuple[int, int, int]:
     """Under ZeRO-3 or FSDP2: (this rank's partition of the packed 4-bit weights, all of them, their scales), in
     bytes. ZeRO-3 keeps the Params4bit (its data gathered away) and its partition beside it; FSDP2 replaces it with a
     DTensor shard, and bitsandbytes' layer keeps the quantization state on itself."""
     held = whole = scales = 0
     for p, state in _four_bit(module):
-        local = placement.local(p)
+        local = layout.local(p)
         if local is None:
             continue
         held += local.numel() * local.element_size()
-        whole += placement.numel(p) * local.element_size()
+        whole += layout.numel(p) * local.element_size()
         scales += _state_bytes(state)
     return held, whole, scales
 

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from omegaconf import DictConfig
+
+if TYPE_CHECKING:
+    from ds_trainer.train.backends.params import Whole
 
 
 class Backend(Protocol):
@@ -67,6 +70,11 @@ class Backend(Protocol):
 
     def engine(self, accelerator: Any) -> Any:
         """DeepSpeed's engine, or None: where the fp32 masters live apart from the module's parameters."""
+
+    def params(self, accelerator: Any) -> Whole:
+        """How a parameter is laid out under this backend (`params.py`): its whole shape, this
+        rank's share, its whole value and fp32 master, read or set; the object every part asks
+        instead of the parameter's attributes."""
 
     def keep_trainable_only(self, accelerator: Any) -> dict[str, Any]:
         """Checkpoints of a module with frozen parameters keep the trainable ones only: the `save_state` keyword

@@ -12,6 +12,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from ds_trainer.train.backends import accelerator as accel
+from ds_trainer.train.backends.params import Whole
 
 
 @dataclass
@@ -80,6 +81,9 @@ class DDP:
 
     def engine(self, accelerator: Any) -> Any:  # noqa: ARG002
         return None
+
+    def params(self, accelerator: Any) -> Whole:  # noqa: ARG002
+        return Whole()
 
     def keep_trainable_only(self, accelerator: Any) -> dict[str, Any]:
         register_keep_trainable(accelerator)

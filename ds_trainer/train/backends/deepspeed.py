@@ -12,6 +12,7 @@ import contextlib
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from omegaconf import DictConfig
 from ds_trainer.errors import TrainingError
 from ds_trainer.train.backends import accelerator as accel
 from ds_trainer.train.backends import inner, masters, nvme_swap
+from ds_trainer.train.backends.params import Whole, Zero
 
 log = logging.getLogger("ds_trainer")
 
@@ -89,6 +91,9 @@ class DeepSpeed:
 
     def engine(self, accelerator: Any) -> Any:
         return inner.engine(accelerator)
+
+    def params(self, accelerator: Any) -> Whole:
+        return Zero(partial(inner.engine, accelerator), int(self.ds["zero_optimization"]["stage"]))
 
     def keep_trainable_only(self, accelerator: Any) -> dict[str, Any]:  # noqa: ARG002
         return {"exclude_frozen_parameters": True}

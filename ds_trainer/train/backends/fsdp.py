@@ -17,6 +17,7 @@ from omegaconf import DictConfig
 
 from ds_trainer.train.backends import accelerator as accel
 from ds_trainer.train.backends import ddp
+from ds_trainer.train.backends.params import Sharded, Whole
 
 
 @dataclass
@@ -111,6 +112,9 @@ class FSDP:
 
     def engine(self, accelerator: Any) -> Any:  # noqa: ARG002
         return None
+
+    def params(self, accelerator: Any) -> Whole:  # noqa: ARG002
+        return Sharded()
 
     def keep_trainable_only(self, accelerator: Any) -> dict[str, Any]:
         ddp.register_keep_trainable(accelerator)

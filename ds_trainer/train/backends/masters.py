@@ -64,6 +64,20 @@ def unfused_masters(engine: Any) -> dict[int, Any]:
     }
 
 
+def zero0_views(engine: Any) -> dict[int, torch.Tensor]:
+    """ZeRO-0 with bf16/fp16: each 16-bit parameter's fp32 master by its id, a view into its group's
+    flat master (FP16_Optimizer) or its own (FP16_UnfusedOptimizer), which DeepSpeed's
+    `safe_get_full_fp32_param` does not know. Empty elsewhere."""
+    places, views = flat_places(engine), unfused_masters(engine)
+    if not places:
+        return views
+    for group in engine.optimizer.fp16_groups:  # flat_places' groups, in its order
+        for p in group:
+            flat, offset, n = places[id(p)]
+            views[id(p)] = flat[offset : offset + n].view_as(p)
+    return views
+
+
 class Masters:
     """The masters and state of a prepared run: `base` is the optimizer that holds the state
     (`inner.optimizer`), `engine` DeepSpeed's (None under FSDP2 and DDP)."""

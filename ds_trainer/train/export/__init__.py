@@ -37,7 +37,7 @@ def diffusers(run: Run) -> None:
     from ZeRO and one exported from FSDP so agree to the training's noise, not to bf16's rounding."""
     accelerator = run.accelerator
     state = accelerator.get_state_dict(run.model)
-    masters = _masters(accelerator, run.model, run.optimizer)  # collective
+    masters = _masters(run)  # collective
     shadow = run.ema.full(dst=0, device="cpu") if run.ema else None  # collective: the EMA is sharded across the ranks
     if not accelerator.is_main_process:
         return
@@ -143,16 +143,17 @@ def _fresh(part: Any) -> Any:
     return model.to(torch.float32)
 
 
-def _masters(accelerator: Any, model: Any, optimizer: Any) -> dict[str, torch.Tensor]:
+def _masters(run: Run) -> dict[str, torch.Tensor]:
     """Collective: the fp32 masters of the trained parameters where DeepSpeed keeps them apart from a 16-bit
     module (on rank 0; empty elsewhere and where the module's own weights are the masters)."""
-    module = accelerator.unwrap_model(model)
+    accelerator = run.accelerator
+    module = accelerator.unwrap_model(run.model)
     if inner.engine(accelerator) is None or all(p.dtype == torch.float32 for _, p in portable.trainable(module)):
         return {}
-    base = inner.optimizer(accelerator, optimizer)
+    base = inner.optimizer(accelerator, run.optimizer)
     keep = accelerator.is_main_process
     return {name: values[0].detach().to("cpu", torch.float32, copy=True)
-            for name, _, values in portable.full_values(accelerator, model, base, moments=False)
+            for name, _, values in portable.full_values(run.params, module, base, moments=False)
             if keep and values[0] is not None}
 
 

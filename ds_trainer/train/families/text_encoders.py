@@ -27,7 +27,7 @@ import torch
 from omegaconf import DictConfig
 
 from ds_trainer.config import schema
-from ds_trainer.train.backends import placement
+from ds_trainer.train.backends import params
 from ds_trainer.train.families import common
 
 log = logging.getLogger("ds_trainer")
@@ -192,7 +192,7 @@ def parameter_groups(cfg: DictConfig, module: torch.nn.Module) -> list[dict[str,
 def counts(module: torch.nn.Module) -> dict[str, int]:
     """Trainable parameters by component (the UNet alone: {"unet": n}), whole under ZeRO-3's partitioning too."""
     def trainable(part: torch.nn.Module) -> int:
-        return sum(placement.numel(p) for p in part.parameters() if p.requires_grad)
+        return sum(params.numel(p) for p in part.parameters() if p.requires_grad)
 
     return {name: trainable(part) for name, part in components(module)}
 

@@ -33,7 +33,7 @@ from ds_trainer.config import samples
 from ds_trainer.errors import TrainingError
 from ds_trainer.train import families
 from ds_trainer.train.backends import accelerator as accel
-from ds_trainer.train.backends import placement, sharded
+from ds_trainer.train.backends import sharded
 from ds_trainer.train.families import text_encoders
 from ds_trainer.train.state.ema import EMA
 
@@ -194,7 +194,7 @@ def ema_model(accelerator: Any, model: Any, ema: EMA, key: str) -> Any:
     # live module's.
     live = dict(module.named_buffers())
     buffers = {name: _as_built(live[name]) for name in set(built.state_dict()) - set(ema.names) if name in live}
-    built.load_state_dict({**buffers, **placement.whole_copies(fixed), **ema.full()}, assign=True)
+    built.load_state_dict({**buffers, **ema.layout.whole_copies(fixed), **ema.full()}, assign=True)
     _plain_tensors(built, module)
     return built.to(accelerator.device).eval()
 

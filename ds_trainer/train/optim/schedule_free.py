@@ -14,32 +14,34 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ds_trainer.train.backends import inner, masters
 from ds_trainer.train.state import portable
 
+if TYPE_CHECKING:
+    from ds_trainer.train.run import Run
+
 Write = masters.Write
 
 
-def eval_weights(accelerator: Any, model: Any, optimizer: Any) -> contextlib.AbstractContextManager:
+def eval_weights(run: Run) -> contextlib.AbstractContextManager:
     """`moved` for a run's prepared UNet and optimizer."""
-    engine = inner.engine(accelerator)
-    return moved(accelerator.unwrap_model(model), inner.optimizer(accelerator, optimizer), engine)
+    base = inner.optimizer(run.accelerator, run.optimizer)
+    return moved(run.accelerator.unwrap_model(run.model), base, run.params.masters(base))
 
 
 @contextlib.contextmanager
-def moved(module: torch.nn.Module, base: Any, engine: Any) -> Iterator[None]:
+def moved(module: torch.nn.Module, base: Any, held: masters.Masters) -> Iterator[None]:
     """Within: the module (and the fp32 masters that LoRA export reads) at x. `base` is the schedule-free optimizer
-    itself (DeepSpeed's inner one), `engine` the DeepSpeed engine or None. Before its first step the optimizer has
-    no z and x is y: nothing moves."""
+    itself (DeepSpeed's inner one), `held` its masters under the backend's layout (`Backend.params(...).masters`).
+    Before its first step the optimizer has no z and x is y: nothing moves."""
     if not any("z" in state for state in base.state.values()):
         yield
         return
     weight = 1 - 1 / float(base.param_groups[0]["betas"][0])
-    held = masters.Masters(engine, base)
     saved: list[tuple[Write, torch.Tensor]] = []
     params: list[torch.nn.Parameter] = []
     with torch.no_grad():
@@ -59,8 +61,8 @@ def moved(module: torch.nn.Module, base: Any, engine: Any) -> Iterator[None]:
             held.refresh(params)
 
 
-def context(cfg: Any, accelerator: Any, model: Any, optimizer: Any) -> Callable[[], contextlib.AbstractContextManager]:
+def context(run: Run) -> Callable[[], contextlib.AbstractContextManager]:
     """What samples and exports run in: the evaluation weights for schedule-free AdamW, nothing otherwise."""
-    if str(cfg.resolved.optimizer) != "schedule_free_adamw":
+    if str(run.cfg.resolved.optimizer) != "schedule_free_adamw":
         return contextlib.nullcontext
-    return lambda: eval_weights(accelerator, model, optimizer)
+    return lambda: eval_weights(run)

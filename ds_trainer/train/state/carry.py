@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from functools import partial
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from omegaconf import DictConfig
@@ -23,6 +23,10 @@ from ds_trainer.errors import TrainingError
 from ds_trainer.train.backends import inner, masters
 from ds_trainer.train.state import adam8bit, kahan, portable
 from ds_trainer.train.state.portable import KINDS, Reader, trainable
+
+if TYPE_CHECKING:
+    from ds_trainer.train.backends.params import Whole
+    from ds_trainer.train.run import Run
 
 log = logging.getLogger("ds_trainer")
 MOMENTS = portability.MOMENT_OPTIMIZERS
@@ -124,24 +128,25 @@ class Carry:
                             "the optimizer state cannot carry over. Resume with the same model and adapter "
                             "settings, or with resume_optimizer=reset to carry the weights only")
 
-    def after_prepare(self, accelerator: Any, model: Any, optimizer: Any, scheduler: Any, ema: Any) -> int:
+    def after_prepare(self, run: Run) -> int:
         """Write the state into the prepared engine or optimizer; returns the step to continue after."""
+        accelerator, scheduler = run.accelerator, run.scheduler
         assert self.meta is not None and self.reader is not None
         if not self.meta["moments"] and not self.reset and self.meta["identity"]["optimizer"] in MOMENTS:
             raise TrainingError(f"resume={self.path}: the checkpoint's portable state holds no Adam moments (it was "
                                 f"saved under {self.meta['layout']}); resume with that layout, or with "
                                 "resume_optimizer=reset to carry the weights only")
-        base = inner.optimizer(accelerator, optimizer)
+        base = inner.optimizer(accelerator, run.optimizer)
         engine = inner.engine(accelerator)
         moments = bool(self.meta["moments"]) and not self.reset
         t = int(self.meta["optimizer_step"])
         if moments:
-            _prefill(engine, base, t)
+            _prefill(run.params.masters(base), base, t)
         reader: Source = self.reader
         renamed = {name: self._saved_name(name) for name in self.carried if self._saved_name(name) != name}
         if renamed:
             reader = _Renamed(self.reader, renamed)
-        write(accelerator, model, base, reader, set(self.carried), moments, t)
+        write(run.params, accelerator.unwrap_model(run.model), base, reader, set(self.carried), moments, t)
         if moments:  # bitsandbytes' 8-bit AdamW: the carried fp32 moments quantized into its own state
             adam8bit.absorb(engine, base, t)
         step = int(self.meta["step"])
@@ -153,7 +158,7 @@ class Carry:
         if engine is not None:
             masters.restore_optimizer_clocks(engine, t if moments else None)
             engine.global_steps, engine.global_samples = step, int(self.meta["samples"])
-        self._load_ema(ema)
+        self._load_ema(run.ema)
         if self.rounding:
             into = self.precisions[1] == "bf16_pure"
             kept = into and moments and kahan.is_kahan(base)
@@ -207,12 +212,13 @@ def swaps_optimizer(cfg: DictConfig) -> bool:
                 and resolved.get("optimizer_state_on") == "nvme")
 
 
-def write(accelerator: Any, model: Any, base: Any, reader: Source, names: set[str], moments: bool, t: int) -> None:
-    """Collective: the fp32 weight (and with `moments` Adam's moments) of each named trainable parameter from
-    `reader` into wherever this layout keeps them (`backends.masters`: DeepSpeed's masters and state, on NVMe a
-    subgroup at a time, ZeRO-0's flat or per-parameter masters, FSDP's shards, or the parameter itself). With
-    optimi's Kahan summation the rounding of each weight to its dtype starts its compensation."""
-    named = [(name, p) for name, p in trainable(accelerator.unwrap_model(model)) if name in names]
+def write(layout: Whole, module: Any, base: Any, reader: Source, names: set[str], moments: bool, t: int) -> None:
+    """Collective: the fp32 weight (and with `moments` Adam's moments) of each named trainable parameter of the
+    unwrapped `module` from `reader` into wherever the backend's `layout` keeps them (its masters,
+    `backends.masters`: DeepSpeed's masters and state, on NVMe a subgroup at a time, ZeRO-0's flat or per-parameter
+    masters, FSDP's shards, or the parameter itself). With optimi's Kahan summation the rounding of each weight to
+    its dtype starts its compensation."""
+    named = [(name, p) for name, p in trainable(module) if name in names]
     compensated = moments and kahan.is_kahan(base)
 
     def values(name: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -222,7 +228,7 @@ def write(accelerator: Any, model: Any, base: Any, reader: Source, names: set[st
             out[kahan.COMP] = kahan.remainder(out["fp32"], out["fp32"].to(dtype))
         return out
 
-    masters.Masters(inner.engine(accelerator), base).write(named, values, partial(_step_value, base, t))
+    layout.masters(base).write(named, values, partial(_step_value, base, t))
 
 
 def _step_value(base: Any, t: int, device: Any = "cpu") -> Any:
@@ -234,7 +240,7 @@ def _step_value(base: Any, t: int, device: Any = "cpu") -> Any:
     return torch.tensor(float(t), dtype=torch.float32, device=device) if fused else torch.tensor(float(t))
 
 
-def _prefill(engine: Any, base: Any, t: int) -> None:
+def _prefill(held: masters.Masters, base: Any, t: int) -> None:
     """Create DeepSpeed's optimizer state (zeros, at step t) that its first step would create, and link it to
     the parameters, so `write` has somewhere to write before any step ran (optimi's groups set to step t)."""
     compensated = kahan.is_kahan(base)
@@ -245,7 +251,7 @@ def _prefill(engine: Any, base: Any, t: int) -> None:
         if compensated:
             kahan.fill(base, flat)
 
-    masters.Masters(engine, base).prefill(partial(_step_value, base, t), fill, t)
+    held.prefill(partial(_step_value, base, t), fill, t)
 
 
 class Exact:
@@ -268,11 +274,12 @@ class Exact:
     def get(self, key: str) -> torch.Tensor:
         return self.weights[key]
 
-    def after_prepare(self, accelerator: Any, model: Any, optimizer: Any) -> None:
+    def after_prepare(self, run: Run) -> None:
         """Collective: write the held fp32 weights into DeepSpeed's masters, then let them go."""
         if not self.weights:
             return
         names = {key.removeprefix("fp32/") for key in self.weights}
-        write(accelerator, model, inner.optimizer(accelerator, optimizer), self, names, moments=False, t=0)
+        base = inner.optimizer(run.accelerator, run.optimizer)
+        write(run.params, run.accelerator.unwrap_model(run.model), base, self, names, moments=False, t=0)
         log.debug("fp32 masters set from the loaded weights (%d parameters)", len(names))
         self.weights = {}

@@ -22,23 +22,26 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from omegaconf import DictConfig
 
-from ds_trainer.train.backends import placement, sharded
+from ds_trainer.train.backends import sharded
+
+if TYPE_CHECKING:
+    from ds_trainer.train.backends.params import Whole
 
 log = logging.getLogger("ds_trainer")
 
 _GATHER_CHUNK = 100_000_000  # elements gathered at once under ZeRO-3
 
 
-def _chunks(params: list[torch.nn.Parameter]) -> Iterator[list[torch.nn.Parameter]]:
+def _chunks(params: list[torch.nn.Parameter], layout: Whole) -> Iterator[list[torch.nn.Parameter]]:
     chunk: list[torch.nn.Parameter] = []
     size = 0
     for p in params:
-        numel = placement.numel(p)
+        numel = layout.numel(p)
         if chunk and size + numel > _GATHER_CHUNK:
             yield chunk
             chunk, size = [], 0
@@ -60,14 +63,14 @@ def owners(sizes: dict[str, int], world: int) -> dict[str, int]:
     return owner
 
 
-def for_run(cfg: DictConfig, accelerator: Any, model: torch.nn.Module) -> EMA | None:
+def for_run(cfg: DictConfig, accelerator: Any, model: torch.nn.Module, layout: Whole) -> EMA | None:
     """The run's EMA of the trained parameters (`train.ema`), on the host or the training device as
     `train.ema_device` says, sharded over the ranks; None without one."""
     if not cfg.train.ema:
         return None
     device = "cpu" if cfg.train.ema_device == "cpu" else str(accelerator.device)
-    ema = EMA(model, float(cfg.train.ema_decay), device, accelerator.process_index, accelerator.num_processes,
-              accelerator.device)
+    group = (accelerator.process_index, accelerator.num_processes, accelerator.device)
+    ema = EMA(model, float(cfg.train.ema_decay), layout, device, group)
     if accelerator.num_processes > 1 and accelerator.is_main_process:
         whole = sum(torch.Size(s).numel() for s in ema.shapes.values()) * 4 / 2**20
         mine = sum(v.numel() for v in ema.shadow.values()) * 4 / 2**20
@@ -79,17 +82,19 @@ def for_run(cfg: DictConfig, accelerator: Any, model: torch.nn.Module) -> EMA | 
 class EMA:
     """Exponential moving average of named parameters, with the usual warm-up of the decay.
 
-    `rank`, `world`: this rank's place (the shadow is sharded); `comm_device`: where a tensor must be for the
-    process group's collectives (the GPU under NCCL, the CPU under gloo)."""
+    `layout`: how the backend lays the parameters out (`Backend.params`); `group`: this rank's
+    place (the shadow is sharded), the world size, and where a tensor must be for the process
+    group's collectives (the GPU under NCCL, the CPU under gloo)."""
 
-    def __init__(self, model: torch.nn.Module, decay: float, device: str = "cpu", rank: int = 0, world: int = 1,
-                 comm_device: Any = "cpu") -> None:
-        self.decay, self.device, self.step = decay, device, 0
-        self.rank, self.world, self.comm_device = rank, world, comm_device
+    def __init__(self, model: torch.nn.Module, decay: float, layout: Whole, device: str = "cpu",
+                 group: tuple[int, int, Any] = (0, 1, "cpu")) -> None:
+        self.decay, self.device, self.step, self.layout = decay, device, 0, layout
+        self.rank, self.world, self.comm_device = group
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.names = [n for n, _ in named]
-        self.shapes = {n: placement.shape(p) for n, p in named}
-        self.owner = owners({n: int(torch.Size(s).numel()) for n, s in self.shapes.items()}, world)
+        self.shapes = {n: layout.shape(p) for n, p in named}
+        sizes = {n: int(torch.Size(s).numel()) for n, s in self.shapes.items()}
+        self.owner = owners(sizes, self.world)
         self.shadow: dict[str, torch.Tensor] = {}  # this rank's slice
         # FSDP2 (after `follow_shards`): each name's DTensor layout; the shadow holds this rank's shard of every name.
         self.layouts: dict[str, sharded.Layout] = {}
@@ -117,18 +122,19 @@ class EMA:
         if self.layouts:  # FSDP2: this rank's shards, read where they are
             with torch.no_grad():
                 for n in self.names:
-                    self.shadow[n].lerp_(placement.storage(named[n]).to(self.device, torch.float32), weight)
+                    mine = self.layout.storage(named[n])
+                    self.shadow[n].lerp_(mine.to(self.device, torch.float32), weight)
             return
-        split = placement.split(named[n] for n in self.names)
+        split = self.layout.split(named[n] for n in self.names)
         # Held whole, every rank has every parameter: each reads its own. Split over the ranks the gather is
         # collective: every rank takes part in every chunk (every parameter under FSDP) and keeps its own names.
         params = [named[n] for n in self.names if split or self.mine(n)]
         by_id = {id(p): n for n, p in named.items()}
-        for chunk in _chunks(params):
-            with placement.gathered(chunk), torch.no_grad():
+        for chunk in _chunks(params, self.layout):
+            with self.layout.gathered(chunk), torch.no_grad():
                 for p in chunk:
                     name = by_id[id(p)]
-                    whole = sharded.full(p.detach())  # collective for an FSDP parameter
+                    whole = self.layout.full(p.detach())  # collective for an FSDP parameter
                     if not self.mine(name):
                         continue
                     value = whole.to(self.device, torch.float32)
@@ -190,21 +196,18 @@ class EMA:
             sharded.reshard(module)  # the DTensors back in place of whole parameters a forward may have left
         named = dict(module.named_parameters())
         params = [named[n] for n in self.names]
-        partitioned = any(placement.partitioned(p) for p in params)
         whole = {} if self.layouts else self.full()
         saved: list[tuple[torch.Tensor, torch.Tensor]] = []
         with torch.no_grad():
             for n, p in zip(self.names, params, strict=True):
-                target = placement.storage(p)  # this rank's partition or shard, or the whole tensor
-                if self.layouts:
+                target = self.layout.storage(p)  # this rank's partition or shard, or the tensor
+                if self.layouts:  # FSDP2: the shadow holds this rank's shards
                     value = self.shadow[n]
-                elif partitioned:
-                    value = placement.partition_of(whole[n], target, self.rank)
                 else:
-                    value = whole[n]
+                    value = self.layout.share(whole[n], p, self.rank)
                 saved.append((target, target.detach().clone()))
                 target.copy_(value.reshape(target.shape))
-            placement.regather(params)
+            self.layout.regather(params)
         try:
             yield
         finally:
@@ -213,7 +216,7 @@ class EMA:
             with torch.no_grad():
                 for target, value in saved:
                     target.copy_(value)
-                placement.regather(params)
+                self.layout.regather(params)
 
     def state_dict(self) -> dict[str, Any]:
         """Collective: what `ema.pt` holds, the whole shadow, on rank 0 (the other ranks get theirs empty)."""

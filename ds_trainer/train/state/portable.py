@@ -26,10 +26,11 @@ import torch
 
 from ds_trainer.config import portability
 from ds_trainer.errors import TrainingError
-from ds_trainer.train.backends import inner, masters, placement
+from ds_trainer.train.backends import inner
 from ds_trainer.train.state import adam8bit, kahan
 
 if TYPE_CHECKING:
+    from ds_trainer.train.backends.params import Whole
     from ds_trainer.train.run import Run
 
 log = logging.getLogger("ds_trainer")
@@ -42,8 +43,6 @@ def trainable(module: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
     return [(name, p) for name, p in module.named_parameters() if p.requires_grad]
 
 
-def _shape(p: torch.nn.Parameter) -> list[int]:
-    return list(placement.shape(p))
 
 
 def _step_count(base: Any) -> int:
@@ -54,15 +53,15 @@ def _step_count(base: Any) -> int:
     return max(steps) if steps else 0
 
 
-def full_values(accelerator: Any, model: Any, base: Any, moments: bool,
+def full_values(layout: Whole, module: Any, base: Any, moments: bool,
                 ) -> Iterator[tuple[str, torch.nn.Parameter, tuple[torch.Tensor | None, ...]]]:
     """Collective (every rank iterates to the end, in the same order): (name, parameter, its whole fp32 master weight
     and, with `moments`, Adam's `exp_avg` and `exp_avg_sq` (None where there are none)) for every trainable
-    parameter, under any layout (`backends.masters`). `base` is the optimizer that holds the state
-    (`backends.inner.optimizer`). With optimi's Kahan summation the weight is the one learned,
-    w + c."""
-    named = trainable(accelerator.unwrap_model(model))
-    held = masters.Masters(inner.engine(accelerator), base)
+    parameter of the unwrapped `module`, under the backend's `layout` (its masters:
+    `backends.masters`). `base` is the optimizer that holds the state (`backends.inner.optimizer`).
+    With optimi's Kahan summation the weight is the one learned, w + c."""
+    named = trainable(module)
+    held = layout.masters(base)
     compensated = moments and kahan.is_kahan(base)
     if moments:
         held.link_every_group()
@@ -108,6 +107,7 @@ class Writer:
         cfg, accelerator = run.cfg, run.accelerator
         self.accelerator, self.model, self.optimizer, self.scheduler = accelerator, run.model, run.optimizer, \
             run.scheduler
+        self.layout = run.params
         self.start_step, self.start_samples = start
         self.global_batch = (int(cfg.train.micro_batch_size) * int(cfg.train.gradient_accumulation_steps)
                              * accelerator.num_processes)
@@ -131,8 +131,10 @@ class Writer:
         written, without_moments = 0, 0
         # 8-bit moments (bitsandbytes): read as the fp32 moments they encode.
         with adam8bit.exposed(inner.engine(self.accelerator), base):
-            for name, p, values in full_values(self.accelerator, self.model, base, self.moments):  # collective
-                params[name] = _shape(p)
+            module = self.accelerator.unwrap_model(self.model)
+            values_of = full_values(self.layout, module, base, self.moments)  # collective
+            for name, p, values in values_of:
+                params[name] = list(self.layout.shape(p))
                 if not main:
                     continue
                 without_moments += values[1] is None

@@ -74,12 +74,12 @@ class Resume:
         after, the samples seen by then)."""
         accelerator, cfg = run.accelerator, self.cfg
         if self.exact is not None:
-            self.exact.after_prepare(accelerator, run.model, run.optimizer)
+            self.exact.after_prepare(run)
             self.exact = None
         native = not self.carry.changed
         after_native_load = _register_schedule(run, self.path if native else None)
         if not native:
-            step = self.carry.after_prepare(accelerator, run.model, run.optimizer, run.scheduler, run.ema)
+            step = self.carry.after_prepare(run)
         else:
             step = self._native(run)
             if self.path is not None:
