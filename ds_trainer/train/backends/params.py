@@ -37,8 +37,12 @@ def numel(p: Any) -> int:
 class Whole:
     """Every parameter held whole on every rank (DDP, one process)."""
 
-    shards = False  # whether the backend splits the trained parameters over the ranks
-    sharder = ""  # what splits them, as a log says it: "ZeRO-3 partitions", "FSDP2 shards"
+    sharder = ""  # what splits the trained parameters, as a log says it: "ZeRO-3 partitions"
+
+    @property
+    def shards(self) -> bool:
+        """Whether the backend splits the trained parameters over the ranks."""
+        return bool(self.sharder)
 
     def shape(self, p: Any) -> tuple[int, ...]:
         """The whole parameter's shape."""
@@ -112,7 +116,6 @@ class Whole:
 class Sharded(Whole):
     """FSDP2: the trained parameters are DTensor shards, the frozen parts plain tensors."""
 
-    shards = True
     sharder = "FSDP2 shards"
 
     def local(self, p: Any) -> torch.Tensor | None:
@@ -130,8 +133,7 @@ class Zero(Whole):
 
     def __init__(self, engine: Callable[[], Any], stage: int) -> None:
         self.engine, self.stage = engine, stage
-        self.shards = stage == 3
-        self.sharder = "ZeRO-3 partitions" if self.shards else ""
+        self.sharder = "ZeRO-3 partitions" if stage == 3 else ""
         self._views: tuple[Any, dict[int, torch.Tensor]] = (None, {})
 
     def _zero0(self) -> dict[int, torch.Tensor]:
