@@ -140,3 +140,53 @@ def test_the_attention_kernels_cuda_cannot_run_for_a_run_are_refused_before_it()
         assert "train.attention" not in _refused("zero=stage2", f"train.attention={kernel}", "samples=on")
     assert "train.attention" not in _refused("precision=fp32", "train.attention=efficient")
     assert "clips its transformer's streams" in _refused("model=qwen_image_tiny", "precision=fp16")["precision"]
+
+
+def _kahan_run(*overrides: str) -> tuple[bool, str]:
+    report = checks.check(make_cfg("platform=cuda", "precision=bf16_pure_kahan", *overrides), info=GPU)
+    assert report.ok, report.render()
+    return bool(report.cfg.resolved.kahan_loop), " ".join(report.warnings)
+
+
+def test_a_kahan_partition_past_tritons_int32_indices_steps_with_optimis_loop() -> None:
+    """Review 3's C1: optimi's Triton kernel starts each block at program_id * 1024 in int32, so a flat ZeRO
+    partition of 2**31 elements or more (SDXL full on one rank; Qwen-Image full on up to 9) would be stepped 4 GiB
+    below itself. The partition is computed, not allocated: past the kernel's reach the run is built with optimi's
+    torch loop (triton=False), said and recorded; below it, or where no flat partition exists, optimi chooses."""
+    import numpy as np
+
+    from ds_trainer.config.checks.resolve import TRITON_MAX_NUMEL, flat_partition
+    from ds_trainer.train.optim import build
+    from ds_trainer.train.state import kahan
+
+    def last_block_start(numel: int) -> int:  # the kernel's `pid * BLOCK_SIZE` for its last block, in int32
+        with np.errstate(over="ignore"):
+            return int(np.int32(-(-numel // 1024) - 1) * np.int32(1024))
+
+    sdxl = flat_partition(make_cfg("model=sdxl_base", "zero=stage2", "world_size=1"))
+    assert sdxl == 2_567_463_684 and last_block_start(sdxl) < 0  # the wrap the loop avoids
+    assert last_block_start(TRITON_MAX_NUMEL) > 0 and last_block_start(2**31 + 1) < 0  # a block of margin
+    for zero in ("stage1", "stage2", "stage3"):
+        loop, said = _kahan_run("model=sdxl_base", f"zero={zero}", "world_size=1")
+        assert loop and "flat partition of 2,567,463,684 elements" in said and "2 or more ranks" in said, zero
+        assert not _kahan_run("model=sdxl_base", f"zero={zero}", "world_size=2")[0], zero
+    assert _kahan_run("model=qwen_image", "zero=stage3", "world_size=9")[0]
+    assert not _kahan_run("model=qwen_image", "zero=stage3", "world_size=10")[0]
+    assert not _kahan_run("model=sdxl_base", "zero=stage2", "world_size=1", "adapter=lora")[0]
+    assert not _kahan_run("model=sdxl_base", "zero=fsdp_full_shard", "world_size=1")[0]  # DTensors: the loop
+    on_cpu = checks.check(make_cfg("precision=bf16_pure_kahan", "model=sdxl_base", "zero=stage2",
+                                   "world_size=1"))
+    assert on_cpu.ok and not on_cpu.cfg.resolved.kahan_loop  # no Triton kernel there
+
+    # What the run builds from the record: optimi's loop, which steps the Kahan update; else optimi's own choice
+    # (None: its Triton kernel on CUDA tensors).
+    for loop in (True, False):
+        cfg = checks.check(make_cfg("precision=bf16_pure_kahan", "zero=stage2")).cfg
+        cfg.resolved.kahan_loop = loop
+        weight = torch.nn.Parameter(torch.ones(64, dtype=torch.bfloat16))
+        weight.grad = torch.full_like(weight, 0.5)
+        optimizer = build.optimizer(cfg, [weight])
+        assert optimizer.param_groups[0]["triton"] is (False if loop else None)  # None: optimi's choice
+        optimizer.step()
+        learned = kahan.with_compensation(weight.detach(), optimizer.state[weight][kahan.COMP])
+        assert float(learned[0]) < 1.0  # the update is in the compensation: bf16 rounds it away from the weight

@@ -396,6 +396,9 @@ class ResolvedConfig:
     nvme_swap_bytes: int | None = None
     # DeepSpeed's optimizer is torch's AdamW (`torch_adam`): FusedAdam cannot be compiled on this machine.
     torch_adam: bool = False
+    # optimi's Kahan optimizer steps with its torch loop, not its Triton kernel: a rank's flat
+    # partition is past the kernel's 32-bit indices (checks.resolve.TRITON_MAX_NUMEL).
+    kahan_loop: bool = False
     # Parameters the optimizer trains (the UNet's, or the adapters' with adapter=lora); set before training.
     trainable_params: int | None = None
     # What the precision means under the backend that runs: dtypes of the masters, gradients, optimizer state,

@@ -34,6 +34,7 @@ def resolve(cfg: DictConfig, info: hardware.PlatformInfo | None = None) -> tuple
     optimizer = optimizers.stepping(cfg.optimizer.name, cfg.precision.weight_update.value)
     warnings += _kahan(cfg, optimizer)
     warnings += _global_state(cfg, optimizer, info) + _torch_adam(cfg, optimizer, info)
+    warnings += _kahan_kernel(cfg, optimizer, info)
     optimizer_on, params_on = ds_config.placement(cfg)
     r = cfg.resolved
     r.platform, r.backend, r.world_size = info.kind, cfg.zero.backend.value, world_size_of(cfg)
@@ -115,6 +116,51 @@ def _global_state(cfg: DictConfig, optimizer: str | None, info: hardware.Platfor
                    "ranks)")
         cfg.zero.sub_group_size = one_call
     return out
+
+
+# optimi's Triton kernels (optimi 0.3: adam.py, adamw.py, lion.py) start each block of 1024
+# elements at `tl.program_id(0) * BLOCK_SIZE`, an int32: in a tensor of more than 2**31 elements
+# the offsets wrap negative and the masked loads and stores land 2**31 elements below it. One
+# block of margin.
+TRITON_MAX_NUMEL = 2**31 - 1024
+
+
+def flat_partition(cfg: DictConfig) -> int | None:
+    """The elements of the largest flat tensor DeepSpeed hands a client optimizer on one rank of a
+    full fine-tune: the rank's share of the trained module (ZeRO-1/2: one per parameter group;
+    ZeRO-3: one per sub-group), or None where the optimizer steps the parameters themselves (DDP,
+    FSDP2, ZeRO-0, an adapter's small ones)."""
+    if cfg.zero.backend.value != "deepspeed" or int(cfg.zero.stage) == 0:
+        return None
+    if cfg.adapter.method.value != "none":
+        return None
+    share = -(-int(cfg.model.param_count) // world_size_of(cfg))
+    if int(cfg.zero.stage) == 3:
+        return min(share, int(cfg.zero.sub_group_size))
+    return share
+
+
+def _kahan_kernel(cfg: DictConfig, optimizer: str | None, info: hardware.PlatformInfo) -> list[str]:
+    """optimi's Kahan optimizers pick their Triton kernel on CUDA; a flat partition past its 32-bit
+    indices (review 3's C1: SDXL full on one rank, Qwen-Image full on up to 9) steps with optimi's
+    torch loop instead (its elementwise ops index in 64 bits), said loudly and recorded as
+    resolved.kahan_loop."""
+    partition = flat_partition(cfg)
+    if optimizer not in optimizers.KAHAN_OPTIMIZERS or info.kind != "cuda" or partition is None:
+        return []
+    if partition < TRITON_MAX_NUMEL:
+        return []
+    cfg.resolved.kahan_loop = True
+    world, count = world_size_of(cfg), int(cfg.model.param_count)
+    ranks = -(-count // TRITON_MAX_NUMEL)
+    return [f"optimizer={cfg.optimizer.name} with precision.weight_update=kahan: each rank's "
+            f"optimizer steps one flat partition of {partition:,} elements ({cfg.model.name}'s "
+            f"{count:,} on {world} rank(s) under ZeRO-{int(cfg.zero.stage)}), past the "
+            f"{TRITON_MAX_NUMEL:,} that optimi's Triton kernel indexes in 32-bit ints (its writes "
+            "would land below the tensor). optimi steps it with its torch loop instead "
+            "(resolved.kahan_loop=true, triton=False): the same update, slower, with a "
+            f"transient bf16 copy of the partition at each step "
+            f"({2 * partition / 2**30:.1f} GiB). {ranks} or more ranks keep the Triton kernel"]
 
 
 def fused_kernel(cfg: DictConfig, optimizer: str | None, info: hardware.PlatformInfo) -> str | None:

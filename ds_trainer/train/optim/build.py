@@ -79,7 +79,7 @@ def optimizer(cfg: DictConfig, params: list[Any], fused: bool = True) -> Any:
     if name == "schedule_free_adamw":
         return _schedule_free(params, block)
     if name in optimizers.KAHAN_OPTIMIZERS:
-        return _kahan(name, params, block)
+        return _kahan(name, params, block, bool(cfg.resolved.get("kahan_loop", False)))
     torch_class = {"Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW, "Adagrad": torch.optim.Adagrad,
                    "adamw_torch": torch.optim.AdamW}[block["type"]]
     try:
@@ -89,14 +89,21 @@ def optimizer(cfg: DictConfig, params: list[Any], fused: bool = True) -> Any:
         return torch_class(params, **block["params"])
 
 
-def _kahan(name: str, params: list[Any], block: dict[str, Any]) -> Any:
-    """optimi's Adam, AdamW or Lion with Kahan summation on the bf16 weights (precision.weight_update=kahan). optimi
-    picks its Triton kernel on CUDA tensors and a loop elsewhere (FSDP2's DTensors among them)."""
+def _kahan(name: str, params: list[Any], block: dict[str, Any], loop: bool) -> Any:
+    """optimi's Adam, AdamW or Lion with Kahan summation on the bf16 weights
+    (precision.weight_update=kahan). optimi picks its Triton kernel on CUDA tensors and a loop
+    elsewhere (FSDP2's DTensors among them); `loop` (a flat partition past the kernel's 32-bit
+    indices: resolved.kahan_loop) takes the loop everywhere."""
     import optimi
 
     settings = dict(block["params"])
     if "betas" in settings:
         settings["betas"] = tuple(settings["betas"])
+    if loop:  # optimi's torch loop (its foreach is deprecated, and gains nothing on one tensor)
+        settings.update(triton=False, foreach=False)
+        log.warning("optimizer %s steps with optimi's torch loop, not its Triton kernel: a "
+                    "rank's flat partition is past the kernel's 32-bit indices "
+                    "(resolved.kahan_loop)", name)
     cls = {"adam_kahan": optimi.Adam, "adamw_kahan": optimi.AdamW, "lion_kahan": optimi.Lion}[name]
     return cls(params, **settings, kahan_sum=True)
 
