@@ -190,6 +190,22 @@ def test_the_quantized_bases_bytes_in_memory_are_the_planners(kind: str) -> None
     assert before - held > (0.7 if kind == "nf4" else 0.45) * 2 * weights
 
 
+def test_an_fp8_base_leaves_inductors_settings_as_they_were() -> None:
+    """Review 3's P2: torchao's Float8WeightOnlyConfig() turns on inductor's coordinate-descent
+    tuning for the whole process (every Triton kernel of a compiled run then benchmarked direction by
+    direction); quantize=fp8 asks it not to."""
+    import torch._inductor.config as inductor
+
+    from ds_trainer.train.adapters import quantize
+
+    keys = ("coordinate_descent_tuning", "coordinate_descent_check_all_directions")
+    before = {k: getattr(inductor, k) for k in keys}
+    layer = torch.nn.Sequential(torch.nn.Linear(64, 64)).to(torch.bfloat16)
+    assert quantize.apply(layer, "fp8", torch.bfloat16, torch.device("cpu")).layers == 1
+    assert quantize.is_float8(layer[0].weight)
+    assert {k: getattr(inductor, k) for k in keys} == before == dict.fromkeys(keys, False)
+
+
 @pytest.mark.slow
 def test_an_int8_base_trains_a_lora_under_ddp_with_torchs_adamw(workdir: Path) -> None:
     """One run, two checks: int8 under DDP, and torch's AdamW (not DeepSpeed's) stepping a LoRA under DDP."""

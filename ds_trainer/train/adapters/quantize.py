@@ -115,7 +115,10 @@ def _float8(module: torch.nn.Module, compute_dtype: torch.dtype, device: torch.d
     for name, linear in layers:
         before += linear.weight.numel() * linear.weight.element_size()
         linear.to(device=device, dtype=compute_dtype)
-        quantize_(linear, Float8WeightOnlyConfig())
+        # set_inductor_config=False: torchao would otherwise turn on inductor's coordinate-descent
+        # tuning for the whole process (review 3's P2): under train.compile every Triton kernel
+        # benchmarked direction by direction.
+        quantize_(linear, Float8WeightOnlyConfig(set_inductor_config=False))
         weight = linear.weight
         if not is_float8(weight):
             raise RuntimeError(f"{name}: torchao left the fp8 weight a {type(weight).__name__} on {device}")
