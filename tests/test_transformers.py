@@ -653,3 +653,37 @@ def test_kill_9_then_resume_gives_the_uninterrupted_transformer_and_ema_bit_for_
         assert got.keys() == expected.keys()
         for key in expected:
             assert torch.equal(got[key], expected[key]), f"{folder}/{key}"
+
+
+@pytest.mark.parametrize("model", ["qwen_image_tiny", "qwen_image_edit_tiny"])
+def test_qwen_vl_captions_are_encoded_without_the_lm_head(model: str) -> None:
+    """Review 3's P7: a caption's states come from Qwen2.5-VL's model under its LM head, without a KV
+    cache: identical to the full model's last hidden state, and no logits (152k wide on the real
+    model, for every token) are computed."""
+    from ds_trainer.train.families import of, qwen_image
+
+    cfg = make_cfg(f"model={model}")
+    family = of(cfg)
+    frozen = family.load_frozen(cfg)
+    prompts = ["a red cube", "a small green circle on a dark background at night"]
+    references = torch.rand(2, 3, 64, 96) * 2 - 1 if family.reference else None
+    heads: list[int] = []
+    frozen.text_encoder.lm_head.register_forward_hook(lambda *_: heads.append(1))
+    ours = family.text_inputs(frozen, prompts, torch.device("cpu"), references)
+    assert heads == []
+    if references is None:
+        inputs = frozen.tokenizer([qwen_image.TEMPLATE.format(p) for p in prompts],
+                                  max_length=32 + qwen_image.DROP, padding=True, truncation=True,
+                                  return_tensors="pt")
+    else:
+        inputs = frozen.processor(text=[qwen_image.EDIT_TEMPLATE.format(p) for p in prompts],
+                                  images=qwen_image._pictures(references), padding=True,
+                                  return_tensors="pt")
+    with torch.no_grad():
+        full = frozen.text_encoder(**inputs, output_hidden_states=True).hidden_states[-1]
+    assert heads == [1]  # the full model's call: its head ran
+    kept = ours["prompt_mask"].bool()
+    drop = qwen_image.EDIT_DROP if references is not None else qwen_image.DROP
+    for i, keep in enumerate(inputs.attention_mask.bool()):
+        theirs = full[i][keep][drop:drop + int(kept[i].sum())]
+        assert torch.equal(ours["prompt_embeds"][i][kept[i]], theirs), i
