@@ -384,8 +384,7 @@ class PathsConfig:
 
 @dataclass
 class ResolvedConfig:
-    """Decisions the config checks made (config/checks/resolve.py); written to `config.yaml` so a run says what
-    really ran."""
+    """What the config checks decided (config/checks/resolve.py), in `config.yaml`: what ran."""
 
     platform: str | None = None
     backend: str | None = None
@@ -396,13 +395,11 @@ class ResolvedConfig:
     nvme_swap_bytes: int | None = None
     # DeepSpeed's optimizer is torch's AdamW (`torch_adam`): FusedAdam cannot be compiled on this machine.
     torch_adam: bool = False
-    # optimi's Kahan optimizer steps with its torch loop, not its Triton kernel: a rank's flat
-    # partition is past the kernel's 32-bit indices (checks.resolve.TRITON_MAX_NUMEL).
+    # optimi's Kahan optimizer steps in its torch loop: a partition past its Triton kernel's reach.
     kahan_loop: bool = False
     # Parameters the optimizer trains (the UNet's, or the adapters' with adapter=lora); set before training.
     trainable_params: int | None = None
-    # What the precision means under the backend that runs: dtypes of the masters, gradients, optimizer state,
-    # compute and reduce (checks.resolve.precision_meaning).
+    # What the precision means under the backend that runs (checks.resolve.precision_meaning).
     precision: dict[str, Any] | None = None
     # backend=fsdp: what the precision and sharding mean under FSDP2 (the plugin's fields as the run set them).
     fsdp: dict[str, Any] | None = None
