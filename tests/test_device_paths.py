@@ -4,6 +4,7 @@ validation refuses because they fail on a GPU after training has started."""
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -190,3 +191,34 @@ def test_a_kahan_partition_past_tritons_int32_indices_steps_with_optimis_loop() 
         optimizer.step()
         learned = kahan.with_compensation(weight.detach(), optimizer.state[weight][kahan.COMP])
         assert float(learned[0]) < 1.0  # the update is in the compensation: bf16 rounds it away from the weight
+
+
+def test_triton_without_a_c_compiler_or_pythons_headers_is_refused_on_cuda(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: object) -> None:
+    """Review 3's P3: Triton builds its kernels' launcher with a C compiler and Python's headers at
+    their first use, on CUDA too: a compiled run, or DeepSpeed's Muon, on a runtime-only image is
+    refused before its cache build, naming what is missing, and only where Triton runs."""
+    import sysconfig
+
+    def said(*overrides: str) -> str:
+        report = checks.check(make_cfg("platform=cuda", *overrides), info=GPU)
+        return " | ".join(f"{p.key}: {p.why} fix: {p.fix}" for p in report.problems)
+
+    compiled = ("zero=fsdp_full_shard", "train.compile=blocks")
+    muon = ("optimizer=muon", "adapter=lora", "zero=stage2")
+    assert "C compiler" not in said(*compiled) and "C compiler" not in said(*muon)
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    refused = said(*compiled)
+    assert "train.compile: Triton builds" in refused and "CC names (/nonexistent/cc)" in refused
+    assert "apt-get install gcc python3-dev" in refused and "train.compile=none" in refused
+    assert "optimizer.name: Triton builds" in said(*muon)
+    assert "Triton builds" not in said("zero=fsdp_full_shard")  # nothing compiled
+    # optimi's Kahan kernel: Triton only where it is installed (else optimi's loop, which needs none)
+    has_triton = importlib.util.find_spec("triton") is not None
+    kahan = said("precision=bf16_pure_kahan", "zero=stage2")
+    assert ("precision: Triton builds" in kahan) == has_triton, kahan
+    assert "Triton builds" not in checks.check(make_cfg(*compiled)).render()  # the CPU's own rule
+    monkeypatch.delenv("CC")
+    include = {**sysconfig.get_paths(), "include": str(tmp_path)}  # a runtime-only image's Python
+    monkeypatch.setattr(sysconfig, "get_paths", lambda *_a, **_k: include)
+    assert "lacks Python's headers (Python.h)" in said(*compiled)

@@ -175,6 +175,23 @@ def build_tools_missing() -> list[str]:
                                   (headers, "Python's headers (Python.h)"), (ninja, "ninja")) if not ok]
 
 
+def triton_tools_missing() -> list[str]:
+    """What Triton lacks here to build the launcher of its kernels at their first use
+    (triton/runtime/build.py: a C compiler, CC or else gcc or clang on PATH, and Python's
+    headers): inductor's compiled steps, optimi's Kahan kernels, DeepSpeed's compiled Muon."""
+    import sysconfig
+
+    missing = []
+    cc = os.environ.get("CC")
+    if cc and shutil.which(cc) is None:
+        missing.append(f"the C compiler CC names ({cc})")
+    if not cc and shutil.which("gcc") is None and shutil.which("clang") is None:
+        missing.append("a C compiler (gcc or clang on PATH, or CC)")
+    if not Path(sysconfig.get_paths()["include"], "Python.h").exists():
+        missing.append("Python's headers (Python.h)")
+    return missing
+
+
 def built(op: str, folder: Path) -> bool:
     """Whether `op` is compiled already: into the installed DeepSpeed, or in this environment's ops folder."""
     return op in probe().prebuilt or any((folder / op).glob("*.so"))

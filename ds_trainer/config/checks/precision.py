@@ -12,7 +12,7 @@ import shutil
 
 from omegaconf import DictConfig
 
-from ds_trainer.config import ds_config, families, hardware
+from ds_trainer.config import ds_config, families, hardware, optimizers, toolkit
 from ds_trainer.config.problems import Problem
 
 
@@ -29,7 +29,7 @@ def problems(cfg: DictConfig, info: hardware.PlatformInfo) -> list[Problem]:
     if precision == "fp16" and spec.fp16:
         out.append(Problem("precision", "fp16", f"model.family={spec.name}: {spec.fp16}",
                            "precision=bf16 (GPUs from Ampere on), or precision=fp32"))
-    return out + _attention(cfg, info) + _compile(cfg, info)
+    return out + _attention(cfg, info) + _compile(cfg, info) + _triton_tools(cfg, info)
 
 
 def _attention(cfg: DictConfig, info: hardware.PlatformInfo) -> list[Problem]:
@@ -120,4 +120,39 @@ def _compile(cfg: DictConfig, info: hardware.PlatformInfo) -> list[Problem]:
     if info.kind not in ("cpu", "cuda"):
         out.append(Problem("train.compile", mode, f"inductor's kernels are built for CPUs and CUDA GPUs; this run is "
                            f"on {info.kind}", fix))
+    return out
+
+
+
+def _kahan_kernel(cfg: DictConfig) -> bool:
+    """Whether optimi steps with its Triton kernel: DeepSpeed's flat partitions within its reach
+    (FSDP2's DTensors and a partition past it take optimi's loop; without Triton, the loop too)."""
+    kahan = cfg.resolved.optimizer in optimizers.KAHAN_OPTIMIZERS and not cfg.resolved.kahan_loop
+    deepspeed = cfg.zero.backend.value == "deepspeed"
+    return kahan and deepspeed and importlib.util.find_spec("triton") is not None
+
+
+def _triton_tools(cfg: DictConfig, info: hardware.PlatformInfo) -> list[Problem]:
+    """Triton builds the launcher of its kernels with a C compiler and Python's headers at their
+    first use, on CUDA as on the CPU: a runtime-only image fails at the first compiled, Kahan or
+    Muon step (DeepSpeed compiles Muon at its first step), after the cache build (review 3's P3)."""
+    compiled, muon = cfg.train.compile.value != "none", cfg.resolved.optimizer == "muon"
+    if info.kind != "cuda" or not (compiled or muon or _kahan_kernel(cfg)):
+        return []
+    missing = toolkit.triton_tools_missing()
+    if not missing:
+        return []
+    why = ("Triton builds the launcher of its CUDA kernels at their first use with a C compiler "
+           f"and Python's headers, and this machine lacks {' and '.join(missing)}")
+    out = []
+    if compiled:
+        out.append(Problem("train.compile", cfg.train.compile.value, why, "apt-get install gcc "
+                           "python3-dev (or set CC), or train.compile=none"))
+    if _kahan_kernel(cfg):
+        out.append(Problem("precision", "bf16_pure_kahan", why, "apt-get install gcc python3-dev "
+                           "(or set CC), or precision=bf16_pure (DeepSpeed's Adam, rounded "
+                           "updates), or zero=fsdp_full_shard (optimi's loop)"))
+    if muon:
+        out.append(Problem("optimizer.name", "muon", why, "apt-get install gcc python3-dev (or "
+                           "set CC), or optimizer=adamw"))
     return out
