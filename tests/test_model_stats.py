@@ -20,6 +20,11 @@ def test_model_yaml_describes_its_trained_module(model: str) -> None:
     sizes = [p.numel() for p in module.parameters()]
     assert (cfg.model.param_count, cfg.model.max_param_numel) == (sum(sizes), max(sizes))
     vae = OmegaConf.create(AutoencoderKL.load_config(f"{cfg.model.architecture}/vae"))
+    if cfg.model.family.value == "wan":  # a 3D VAE's spatial factor (the 2.2 VAE's patchify in it), 1 x 2 x 2 patches
+        assert cfg.model.downsample_factor == vae.scale_factor_spatial * module.config.patch_size[1]
+        assert module.config.in_channels in (vae.z_dim, 2 * vae.z_dim + 4)  # + a mask and the first frame's latents
+        assert {type(m).__name__ for m in module.modules()} >= set(cfg.model.blocks)
+        return
     if cfg.model.family.value == "qwen_image":  # a video VAE: its spatial downsamplings are temperal_downsample's
         vae_factor, channels = 2 ** len(vae.temperal_downsample), vae.z_dim
     else:

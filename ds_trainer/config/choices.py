@@ -155,6 +155,35 @@ ModelFamily = Enum(  # type: ignore[misc]
 )
 
 
+class VideoCondition(str, Enum):
+    """What a video model is given beside the caption (model.video.condition)."""
+
+    none = "none"  # text to video
+    # Wan 2.1 I2V: the first frame's CLIP image tokens, a mask and the VAE's latents of the first
+    # frame followed by empty frames, as input channels beside the noisy latents
+    clip_and_latents = "clip_and_latents"
+    latents = "latents"  # Wan 2.2 I2V A14B: the mask and the first frame's latents, no CLIP
+    # Wan 2.2 TI2V: the first latent frame is the clean first frame's, its tokens at timestep 0
+    first_frame = "first_frame"
+
+
+class Expert(str, Enum):
+    """Which expert of a two-expert model (Wan 2.2 A14B) trains (model.video.expert)."""
+
+    # the high-noise expert (the pipeline's transformer): timesteps at or above the boundary
+    high = "high"
+    low = "low"  # the low-noise expert (the pipeline's transformer_2): timesteps below it
+
+
+class FrameExtraction(str, Enum):
+    """How a video clip's training windows are cut (data.video.extraction), for each frame count."""
+
+    head = "head"  # the first frames
+    chunk = "chunk"  # consecutive windows that do not overlap
+    slide = "slide"  # a window every data.video.stride frames
+    uniform = "uniform"  # data.video.windows windows spread evenly over the clip
+
+
 class TimestepDensity(str, Enum):
     logit_normal = "logit_normal"
     mode = "mode"

@@ -10,11 +10,14 @@ from omegaconf import MISSING
 
 from ds_trainer.config.choices import (
     DataSource,
+    Expert,
+    FrameExtraction,
     LossWeighting,
     ModelFamily,
     Remainder,
     SourceKind,
     TimestepDensity,
+    VideoCondition,
 )
 
 # Pillow's own limit against decompression bombs (its DecompressionBombError: twice
@@ -80,6 +83,25 @@ class ModelAbout:
 
 
 @dataclass
+class VideoModelConfig:
+    """`model.video`: a video model's own settings (its family's spec says it trains on clips;
+    null for an image model)."""
+
+    # The frame rate the model was trained at (Wan 2.1: 16, Wan 2.2 TI2V: 24): clips are read at it
+    # (data.video.resample) and its samples written at it.
+    fps: float = 16.0
+    # What it is given beside the caption: none (text to video), clip_and_latents (Wan 2.1 I2V: the
+    # first frame's CLIP tokens and latents), latents (Wan 2.2 I2V: its latents), first_frame (Wan
+    # 2.2 TI2V: the clean first latent frame, its tokens at timestep 0).
+    condition: VideoCondition = VideoCondition.none
+    # A model of two experts (Wan 2.2 A14B): the share of the 1000 timesteps above which the
+    # high-noise expert denoises (the pipeline's boundary_ratio: 0.875 T2V, 0.9 I2V), and which
+    # expert trains (its timesteps alone are drawn); null for one transformer.
+    boundary: float | None = None
+    expert: Expert = Expert.high
+
+
+@dataclass
 class ModelConfig:
     """`model` group: which model to train, of which family (`sdxl`: a UNet; `sd3`: SD3/SD3.5's
     MMDiT, `flux`: Flux.1's transformer, both trained by flow matching, which `flow` sets).
@@ -118,6 +140,8 @@ class ModelConfig:
     # control_path or
     # control_column), samples take samples.images.
     reference_images: bool = False
+    # A video model's own settings (frame rate, what conditions it, its experts): VideoModelConfig.
+    video: VideoModelConfig | None = None
     about: ModelAbout = field(default_factory=ModelAbout)
     param_count: int = MISSING
     max_param_numel: int = MISSING
@@ -193,6 +217,25 @@ class SourceConfig:
 
 
 @dataclass
+class VideoDataConfig:
+    """`data.video`: how a video model's clips are cut from the video files (an image trains as a
+    clip of one frame)."""
+
+    # The frame counts a clip trains at, each k * 4 + 1 for Wan's VAE: for each, the windows of that
+    # many frames a clip holds (a clip shorter than all is skipped, counted); every global batch
+    # is of one frame count and one size.
+    frames: list[int] = field(default_factory=lambda: [17])
+    # head: each clip's first frames; chunk: windows that do not overlap; slide: a window every
+    # `stride` frames; uniform: `windows` windows spread evenly.
+    extraction: FrameExtraction = FrameExtraction.head
+    stride: int = 8
+    windows: int = 2
+    # Read each clip at the model's frame rate (model.video.fps), frames dropped or repeated
+    # by their timestamps; false: every frame as it is.
+    resample: bool = True
+
+
+@dataclass
 class DataConfig:
     """`data` group: where images and captions come from."""
 
@@ -257,3 +300,5 @@ class DataConfig:
     bucket_max_aspect_ratio: float = 4.0
     bucket_step: int = 64
     bucket_remainder: Remainder = Remainder.drop
+    # A video model's clips (VideoDataConfig): frame counts, how windows are cut, the frame rate.
+    video: VideoDataConfig = field(default_factory=VideoDataConfig)

@@ -39,7 +39,17 @@ from ds_trainer.config.choices import (  # noqa: F401 - the choices are read as 
     TimestepDensity,
     WeightUpdate,
 )
-from ds_trainer.config.inputs import DataConfig, EncoderDropout, FlowConfig, ModelAbout, ModelConfig, SourceConfig  # noqa: F401 - read as schema.<Name> too
+from ds_trainer.config.inputs import (  # noqa: F401 - read as schema.<Name> too
+    DataConfig,
+    EncoderDropout,
+    FlowConfig,
+    ModelAbout,
+    ModelConfig,
+    SourceConfig,
+    VideoDataConfig,
+    VideoModelConfig,
+)
+from ds_trainer.config.tool_groups import PlanConfig, TuneConfig
 
 
 @dataclass
@@ -301,6 +311,8 @@ class SamplesConfig:
     # None: the training resolution.
     width: int | None = None
     height: int | None = None
+    # A video model's clips: their frames (None: the most of data.video.frames).
+    frames: int | None = None
     # With train.ema=true: sample with the EMA weights (the exported pipeline's UNet) rather than the trained ones.
     ema: bool = True
 
@@ -326,55 +338,6 @@ class ValidationConfig:
     seed: int = 0
     # With train.ema=true (a full fine-tune): also val_loss_ema, from the EMA weights.
     ema: bool = True
-
-
-@dataclass
-class PlanConfig:
-    """`python -m ds_trainer.plan`: the VRAM budget per GPU (None: the detected GPU's memory minus `margin`)."""
-
-    vram_gib: float | None = None
-    # Of a detected GPU's memory, kept for the CUDA context, fragmentation and what the allocator reserves.
-    margin: float = 0.1
-    # Measured cells (written by `python -m ds_trainer.tune`) the planner corrects its activations from.
-    calibration: str = "${paths.outputs}/plan_calibration.jsonl"
-
-
-@dataclass
-class TuneConfig:
-    """`python -m ds_trainer.tune`: the search space and how each cell is measured (see tools/tune/)."""
-
-    # GiB per GPU; None: the detected GPU's memory minus `margin` (no GPU: nothing is pruned).
-    vram_gib: float | None = None
-    margin: float = 0.1
-    # Images per optimizer step (accumulation derived per micro batch); None: free (train's accumulation).
-    global_batch: int | None = None
-    zero: list[str] = field(default_factory=lambda: ["stage0", "stage1", "stage2", "stage3"])
-    offload: list[str] = field(default_factory=lambda: ["none", "cpu"])
-    micro_batch_size: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
-    gradient_checkpointing: list[bool] = field(default_factory=lambda: [False, True])
-    # Optimizers to search too (e.g. [adamw,adamw8bit]: 8-bit moments may let a larger micro batch or a lower ZeRO
-    # stage fit); empty: the training's optimizer only.
-    optimizer: list[str] = field(default_factory=list)
-    # Adapters and quantized bases to search too (e.g. adapter=[lora,lokr] quantize=[none,nf4]: a LoKr's smaller
-    # state or an NF4 base may let a lower ZeRO stage or a larger micro batch fit); empty: the training's own.
-    adapter: list[str] = field(default_factory=list)
-    quantize: list[str] = field(default_factory=list)
-    # train.compile to search too (e.g. [none,blocks]): a cell's s/it leaves its compile time out (measured apart,
-    # the compile_s column), and the winner says whether compiling pays.
-    compile: list[str] = field(default_factory=list)
-    warmup_steps: int = 2
-    timed_steps: int = 5
-    # Seconds per cell, start-up included: a cell still running then is stopped and counts as a hang.
-    time_limit_s: float = 900.0
-    # None: each cell a local process; else a hydra/launcher option (local_2proc, slurm_gpu, ...).
-    launcher: str | None = None
-    # The tune folder (re-running the same command continues there) and the experiment preset's name.
-    name: str = "tuned"
-    dir: str = "${paths.outputs}/tune/${tune.name}"
-    # A config folder: the preset goes to <preset_dir>/experiment/<name>.yaml. None: <paths.outputs>/presets
-    # (found by `+experiment=<name>` as is, with the same paths.outputs); another folder needs
-    # `hydra.searchpath=[file://<folder>]`.
-    preset_dir: str | None = None
 
 
 @dataclass

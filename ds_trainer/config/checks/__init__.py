@@ -23,6 +23,7 @@ from ds_trainer.config.checks import (
     resolve,
     settings,
     swap,
+    video,
 )
 from ds_trainer.config.problems import Problem, Report
 
@@ -31,7 +32,8 @@ def check(cfg: DictConfig, info: hardware.PlatformInfo | None = None) -> Report:
     """Check `cfg` as a whole (on `info`'s platform, else this machine's); the report holds the resolved copy,
     its warnings and every problem."""
     cfg, info, warnings = resolve.resolve(cfg, info)
-    problems: list[Problem] = [*settings.problems(cfg), *model.problems(cfg), *buckets.problems(cfg),
+    problems: list[Problem] = [*settings.problems(cfg), *model.problems(cfg), *video.problems(cfg),
+                               *buckets.problems(cfg),
                                *precision.problems(cfg, info), *backend.problems(cfg, info),
                                *optimizer.problems(cfg, info)]
     if not problems:  # the swap is sized, and its disk asked, only for a config that otherwise runs

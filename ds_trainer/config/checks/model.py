@@ -50,7 +50,7 @@ def _family(cfg: DictConfig) -> list[Problem]:
                            f"model={family}_tiny shows the block "
                            f"(conf/model/{family}_tiny.yaml); copy it into your model's yaml"))
         return out
-    return out + _flow(cfg) + _sdxl_levers(cfg)
+    return out + _flow(cfg) + _sdxl_levers(cfg) + list(spec.rules(cfg))
 
 
 def _flow(cfg: DictConfig) -> list[Problem]:

@@ -72,4 +72,5 @@ SPEC = FamilySpec(
     "diffusers' `load_lora_weights`",
     tags=("flux", "text-to-image"),
     text_tokens=_text_tokens,
+    input_layer="x_embedder",
 )

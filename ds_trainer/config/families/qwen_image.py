@@ -59,4 +59,5 @@ SPEC = FamilySpec(
     kohya_readers="ComfyUI (`models/loras`), musubi-tuner, diffusers' `load_lora_weights`",
     tags=("qwen-image", "text-to-image"),
     text_tokens=_text_tokens,
+    input_layer="img_in",
 )

@@ -77,4 +77,5 @@ SPEC = FamilySpec(
     "layout for SD3: use `pytorch_lora_weights.safetensors` there)",
     tags=("stable-diffusion-3", "sd3", "text-to-image"),
     text_tokens=_text_tokens,
+    input_layer="pos_embed.proj",
 )

@@ -71,6 +71,16 @@ class FamilySpec:
     cache_key_without_family: bool = False
     # The text tokens the trained module attends to (the planner), from the composed config
     text_tokens: Callable[[Any], int] = field(default=lambda cfg: 77)  # noqa: ARG005 - CLIP's 77
+    # The trained module's first layer (the sampler casts what it is given to that layer's dtype)
+    input_layer: str = "conv_in"
+    # Trains on clips (frames x height x width; model.video, data.video): an image is a clip of one
+    # frame, and its samples are clips (mp4)
+    video: bool = False
+    # The VAE's compression in time: a clip's frames are k * temporal_factor + 1
+    temporal_factor: int = 1
+    # The family's own rules before a run (its conditioning against its architecture): the composed
+    # config to its problems (config.problems.Problem), asked by config/checks/model.py
+    rules: Callable[[Any], list[Any]] = field(default=lambda cfg: [])  # noqa: ARG005 - none
 
     @property
     def module_label(self) -> str:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from ds_trainer.errors import DataError
-from ds_trainer.train.data import sources, text
+from ds_trainer.train.data import sources, text, video
 from ds_trainer.train.data.sources import Item
 
 
@@ -63,7 +63,8 @@ def _shard(source: sources.Source, path: Path, seen: Counter[str]) -> list[sourc
         _check_end(tar)
         st = path.stat()
         for key, members in samples.items():
-            image = next((members[e] for e in ("jpg", "jpeg", "png", "webp") if e in members), None)
+            media = ("jpg", "jpeg", "png", "webp", *(CLIP_MEMBERS if source.clips else ()))
+            image = next((members[e] for e in media if e in members), None)
             if image is None:
                 continue
             named = members.get(source.caption_ext) or members.get("txt") or members.get("caption")
@@ -76,6 +77,10 @@ def _shard(source: sources.Source, path: Path, seen: Counter[str]) -> list[sourc
                             (image.size, st.st_mtime_ns),
                             _member_reader(path, image.offset_data, image.size)))
     return out
+
+
+# A video model's clips: the member extensions read as its media beside the images'
+CLIP_MEMBERS = tuple(suffix.lstrip(".") for suffix in video.VIDEO_EXTENSIONS)
 
 
 def _check_end(tar: tarfile.TarFile) -> None:

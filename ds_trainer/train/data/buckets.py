@@ -16,7 +16,7 @@ import logging
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from omegaconf import DictConfig
 from PIL import Image
@@ -74,40 +74,66 @@ def nearest(size: tuple[int, int], found: list[Bucket]) -> int:
 
 @dataclass
 class Layout:
-    """The buckets of a folder: `of[i]` is sample i's bucket in `buckets`, `sizes[i]` its source size."""
+    """The buckets of a folder: `of[i]` is sample i's bucket in `buckets`, `sizes[i]` its source
+    size, `frames[i]` its frames (a video model's clip; 1 for an image): a global batch is of one
+    bucket and one frame count."""
 
     buckets: list[Bucket]
     of: list[int]
     sizes: list[tuple[int, int]]
+    frames: list[int] | None = None
 
     def bucket(self, index: int) -> Bucket:
         return self.buckets[self.of[index]]
 
+    def key(self, index: int) -> tuple[int, int]:
+        """What a global batch shares: the bucket, and the frame count."""
+        return self.of[index], self.frames[index] if self.frames else 1
+
+    def label(self, key: tuple[int, int]) -> str:
+        """`1216x832`, or a clip's `832x480x81`."""
+        size = geometry.name(self.buckets[key[0]])
+        return size if self.frames is None else f"{size}x{key[1]}"
+
     def counts(self) -> dict[str, int]:
-        """{WIDTHxHEIGHT: images} of the buckets that hold images."""
+        """{WIDTHxHEIGHT[xFRAMES]: samples} of the buckets that hold samples."""
         out: dict[str, int] = {}
-        for k in sorted(set(self.of)):
-            out[geometry.name(self.buckets[k])] = self.of.count(k)
+        for key in sorted({self.key(i) for i in range(len(self.of))}):
+            out[self.label(key)] = sum(1 for i in range(len(self.of)) if self.key(i) == key)
         return out
 
 
-def layout(cfg: DictConfig, items: list[Item], sides: list[int | None] | None = None) -> tuple[Layout, list[Item]]:
+# A video model's window per sample (train/data/video.py's Window; None for an image)
+Windows = list[Any]
+
+
+def layout(cfg: DictConfig, items: list[Item], sides: list[int | None] | None = None,
+           windows: Windows | None = None,
+           checks: dict[str, list[Any]] | None = None) -> tuple[Layout, list[Item], Windows]:
     """Assign every image to its bucket (a repeated image's header is read once), among the buckets of its source's
     resolution (`sides[item.source]`, None: the run's); images more elongated than the max aspect ratio fit none and
-    are left out (with their sizes in the log); no image left is a DataError naming the sizes."""
+    are left out (with their sizes in the log); no image left is a DataError naming the sizes.
+    A video model's samples (`windows`, their sizes from the clips' `checks`) also keep their
+    frame counts; without data.buckets they all train at the run's resolution, in batches of one
+    frame count."""
+    windows = windows if windows is not None else [None] * len(items)
+    if not geometry.enabled(cfg):  # a video model's run at one size: buckets of frames alone
+        size = (int(cfg.resolution.width), int(cfg.resolution.height))
+        sizes = [_size(item, checks) for item in items]
+        return Layout([size], [0] * len(items), sizes, _frames(windows)), items, windows
     s = geometry.spec(cfg)
     found = geometry.generate_all(cfg)
     sides = sides or [None]
     own = {side: [found.index(b) for b in geometry.generate(geometry.spec(cfg, side))] for side in set(sides)}
     kept, sizes, skipped, known = [], [], [], {}
-    for item in items:
+    for item, window in zip(items, windows, strict=True):
         if item.key not in known:
-            known[item.key] = source_size(item.read)
+            known[item.key] = _size(item, checks)
         w, h = known[item.key]
         if max(w / h, h / w) > s.max_ratio + 1e-9:
             skipped.append(f"{item.key} ({w}x{h})")
         else:
-            kept.append(item)
+            kept.append((item, window))
             sizes.append((w, h))
     skipped = list(dict.fromkeys(skipped))
     if skipped:
@@ -119,10 +145,26 @@ def layout(cfg: DictConfig, items: list[Item], sides: list[int | None] | None = 
                         f"{geometry.name(found[0])} to {geometry.name(found[-1])}); raise "
                         f"data.bucket_max_aspect_ratio or train at one size with data.buckets=false")
     of = []
-    for item, size in zip(kept, sizes, strict=True):
+    for (item, _), size in zip(kept, sizes, strict=True):
         choices = own[sides[item.source]]
         of.append(choices[nearest(size, [found[k] for k in choices])])
-    return Layout(found, of, sizes), kept
+    left = [window for _, window in kept]
+    return Layout(found, of, sizes, _frames(left)), [item for item, _ in kept], left
+
+
+def _size(item: Item, checks: dict[str, list[Any]] | None) -> tuple[int, int]:
+    """A sample's source size: a clip's from its check, an image's from its header."""
+    info = checks[item.key][-1] if checks is not None and item.key in checks else None
+    if isinstance(info, dict):
+        return int(info["width"]), int(info["height"])
+    return source_size(item.read)
+
+
+def _frames(windows: Windows) -> list[int] | None:
+    """Each sample's frames where any is a clip's window (an image's: 1), else None."""
+    if all(window is None for window in windows):
+        return None
+    return [1 if window is None else int(window.count) for window in windows]
 
 
 def cache_name(bucket: Bucket, identity: str, crop: Crop) -> str:
@@ -136,13 +178,14 @@ class Plan:
 
     def __init__(self, layout_: Layout, global_batch: int, seed: int, repeat: bool) -> None:
         self.layout, self.global_batch, self.seed, self.repeat = layout_, global_batch, seed, repeat
-        self.members = {k: [i for i, b in enumerate(layout_.of) if b == k] for k in sorted(set(layout_.of))}
+        keys = sorted({layout_.key(i) for i in range(len(layout_.of))})
+        self.members = {k: [i for i in range(len(layout_.of)) if layout_.key(i) == k] for k in keys}
         self.counts = {k: len(m) // global_batch + (1 if repeat and len(m) % global_batch else 0)
                        for k, m in self.members.items()}
         self.per_epoch = sum(self.counts.values())
         self._cached: tuple[int, list[list[int]]] | None = None
         if self.per_epoch == 0:
-            sizes = ", ".join(f"{geometry.name(layout_.buckets[k])}: {len(m)}" for k, m in self.members.items())
+            sizes = ", ".join(f"{layout_.label(k)}: {len(m)}" for k, m in self.members.items())
             raise DataError(f"every bucket holds fewer images than one global batch of {global_batch} (micro batch x "
                             f"accumulation x ranks) ({sizes}), so data.bucket_remainder=drop leaves nothing to train "
                             f"on; use data.bucket_remainder=repeat, a smaller batch, or data.buckets=false")
@@ -153,7 +196,8 @@ class Plan:
         for k, m in self.members.items():
             rest = len(m) % self.global_batch
             extra = (f", {self.global_batch - rest} repeated" if self.repeat else f", {rest} dropped") if rest else ""
-            lines.append(f"{geometry.name(self.layout.buckets[k])}: {len(m)} image(s), {self.counts[k]} batch(es) "
+            what = "image(s)" if self.layout.frames is None else "sample(s)"
+            lines.append(f"{self.layout.label(k)}: {len(m)} {what}, {self.counts[k]} batch(es) "
                          f"per epoch{extra}")
         return lines
 

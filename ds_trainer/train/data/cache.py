@@ -31,6 +31,9 @@ log = logging.getLogger(__name__)
 PACK_BYTES = 256 * 2**20
 PACK_GLOB = "pack-*.safetensors"
 FORMAT = "ds_trainer-latents-1"
+# What a family's `conditioning` adds to a sample beside its latents (not text: kept when the
+# captions are encoded anew)
+IMAGE_KEYS = ("condition_latents", "image_embeds")
 OPEN_PACKS = 16  # packs kept open for reading (their headers parsed); the least recently read is closed beyond it
 
 
@@ -121,7 +124,9 @@ class LatentCache:
             for start in range(0, len(group), batch_size):
                 part = group[start:start + batch_size]
                 chunk = [data[i] for i in part]
-                latents = family.encode_images(frozen, torch.stack([e.pixels for e in chunk]))
+                pixels = torch.stack([e.pixels for e in chunk])
+                latents = family.encode_images(frozen, pixels)
+                conditioning = family.conditioning(frozen, pixels)
                 references = _references(family, frozen, chunk)
                 text = family.text_inputs(frozen, [e.caption for e in chunk], device, _seen(family, chunk))
                 for j, i in enumerate(part):
@@ -129,6 +134,8 @@ class LatentCache:
                         "latents": latents[j].to("cpu", torch.float32).clone(),
                         **{key: on_cpu(value[j], family.storage_dtype(key)) for key, value in text.items()},
                         "time_ids": chunk[j].time_ids.clone(), **_mask(chunk[j], latents[j]),
+                        **{key: on_cpu(value[j], family.storage_dtype(key))
+                           for key, value in conditioning.items()},
                         **({"control_latents": references[j].to("cpu", torch.float32).clone()}
                            if references is not None else {})})
                     if pack.full:
@@ -164,7 +171,7 @@ class LatentCache:
     def load(self, indices: list[int], drop: list[bool] | None = None, text: bool = True) -> dict[str, torch.Tensor]:
         """The samples' tensors; those `drop` marks with the empty prompt's text tensors; without the text tensors
         where `text` is false (captions encoded now replace them)."""
-        wanted = None if text else ("latents", "time_ids", "mask", "control_latents")
+        wanted = None if text else ("latents", "time_ids", "mask", "control_latents", *IMAGE_KEYS)
         with self._lock:
             index = self._scan()
             items = [self._read(self.names[i], index, wanted) for i in indices]
@@ -352,7 +359,9 @@ def encode_batch(data: SyntheticImages | SourceImages, frozen: Any, indices: lis
         family = SDXL()
     examples = [data[i] for i in indices]
     drop = drop or [False] * len(examples)
-    latents = family.encode_images(frozen, torch.stack([e.pixels for e in examples]))
+    pixels = torch.stack([e.pixels for e in examples])
+    latents = family.encode_images(frozen, pixels)
+    conditioning = family.conditioning(frozen, pixels)
     if texts is None:
         texts = ["" if gone else e.caption for e, gone in zip(examples, drop, strict=True)]
     text = family.text_inputs(frozen, texts, device, _seen(family, examples))
@@ -363,6 +372,8 @@ def encode_batch(data: SyntheticImages | SourceImages, frozen: Any, indices: lis
     return {"latents": latents.to("cpu", torch.float32),
             **{key: on_cpu(value, family.storage_dtype(key)) for key, value in text.items()},
             "time_ids": torch.stack([e.time_ids for e in examples]),
+            **{key: on_cpu(value, family.storage_dtype(key))
+               for key, value in conditioning.items()},
             **({"mask": torch.stack([m["mask"] for m in masks])} if masks[0] else {}),
             **({"control_latents": references.to("cpu", torch.float32)} if references is not None else {})}
 

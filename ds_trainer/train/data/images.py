@@ -14,9 +14,9 @@ from omegaconf import DictConfig
 from PIL import Image, ImageOps
 
 from ds_trainer.config import buckets as bucket_geometry
-from ds_trainer.config import holdout, source_repeats
+from ds_trainer.config import families, holdout, source_repeats
 from ds_trainer.errors import DataError
-from ds_trainer.train.data import buckets, scan, sources
+from ds_trainer.train.data import buckets, clips, scan, sources, video
 
 log = logging.getLogger(__name__)
 
@@ -77,19 +77,26 @@ class SyntheticImages:
         self.width, self.height = int(cfg.resolution.width), int(cfg.resolution.height)
         # An editing model's pairs: the same picture with the shape in another colour is the reference
         self.reference = bool(cfg.model.get("reference_images"))
+        # A video model's: clips of the most frames data.video.frames names, the shape moving
+        self.frames = max(int(n) for n in cfg.data.video.frames) if families.of(cfg).video else None
 
     def __len__(self) -> int:
         return self.n
 
     def identity(self) -> dict[str, Any]:
         return {"source": "synthetic", "n": self.n, "seed": self.seed, **({"first": self.first} if self.first else {}),
-                **({"reference": True} if self.reference else {})}
+                **({"reference": True} if self.reference else {}),
+                **({"frames": self.frames} if self.frames else {})}
 
     def names(self) -> list[str]:
         return [f"synthetic #{self.first + i}" for i in range(self.n)]
 
     def __getitem__(self, index: int) -> Example:
         index += self.first
+        time_ids = torch.tensor([self.height, self.width, 0, 0, self.height, self.width])
+        if self.frames:
+            clip, caption = clips.synthetic(index, self.seed, self.width, self.height, self.frames)
+            return Example(clip, caption, time_ids)
         rng = random.Random(self.seed * 1_000_003 + index)
         bg, fg = rng.sample(sorted(_COLORS), 2)
         shape = rng.choice(_SHAPES)
@@ -103,7 +110,6 @@ class SyntheticImages:
         noise = torch.Generator().manual_seed(self.seed * 7919 + index)
         pixels = (pixels + 0.05 * torch.randn(pixels.shape, generator=noise)).clamp(-1, 1)
         caption = f"a {fg} {shape} on a {bg} background"
-        time_ids = torch.tensor([self.height, self.width, 0, 0, self.height, self.width])
         if control is None:
             return Example(pixels, caption, time_ids)
         before = rng.choice(sorted(set(_COLORS) - {fg, bg}))  # the reference: the shape in another colour
@@ -132,13 +138,19 @@ class SourceImages:
         self.masked = bool(cfg.data.masked_loss) and part != "validation" and not self.scoring  # validation: unmasked
         self.reference = bool(cfg.model.get("reference_images"))  # each image read with its reference
         found, checks, checked_now = scan.listed_and_checked(cfg, self.sources, accelerator, decode)
-        usable = [found[key] for key, entry in sorted(checks.items()) if entry[-1] is None]
+        usable = [found[key] for key, entry in sorted(checks.items())
+                  if not isinstance(entry[-1], str)]
         self.found = Counter(found[key].source for key in checks)
         self.skipped_by_source: Counter[tuple[int, str]] = Counter()
         # the files skipped, by source and reason
         self.skipped_names: dict[tuple[int, str], list[str]] = {}
         self.damaged: set[str] = set()  # the reasons that are damage (not a missing reference)
         usable = self._skip_unusable(found, checks, usable)
+        # A video model's: each clip's windows (data.video), a clip shorter than all skipped
+        self.clip_windows = None
+        if families.of(cfg).video:
+            self.clip_windows = clips.windows_of(cfg, checks, usable, self._skip)
+            usable = [item for item in usable if self.clip_windows.get(item.key, True)]
         if part in ("all", "train"):  # the held-out part says nothing new about the sources
             self._log_found(checks, checked_now)
             if self.masked:
@@ -155,7 +167,11 @@ class SourceImages:
         self.unique = len(usable)
         # Fractional repeats: the epoch is the passes that see every source a whole number of times.
         self.passes = 1 if part == "validation" else source_repeats.epoch_passes([s.repeats for s in self.sources])
-        self.items = [item for item in usable for _ in range(1 if part == "validation" else self._repeats(item))]
+        windows = self.clip_windows or {}
+        pairs = [(item, window) for item in usable for window in windows.get(item.key) or [None]
+                 for _ in range(1 if part == "validation" else self._repeats(item))]
+        self.items = [item for item, _ in pairs]
+        self.windows: list[video.Window | None] = [window for _, window in pairs]
         if self.passes > 1 and part in ("all", "train"):
             log.info("fractional repeats: an epoch is %d passes over the sources, in which %s", self.passes,
                      ", ".join(f"{s.label} is seen {source_repeats.fraction(s.repeats) * self.passes} time(s)"
@@ -166,23 +182,31 @@ class SourceImages:
                         "scoring" if self.scoring else "training")
         self.layout: buckets.Layout | None = None
         self.plan: buckets.Plan | None = None
-        if bucket_geometry.enabled(cfg):
-            self.layout, self.items = buckets.layout(cfg, self.items, [s.resolution for s in self.sources])
-            if part == "validation" or self.scoring:
-                return  # scored image by image at its bucket's size: no epochs to plan
-            world = accelerator.num_processes if accelerator else 1
-            batch = int(cfg.train.micro_batch_size) * int(cfg.train.gradient_accumulation_steps) * world
-            self.plan = buckets.Plan(self.layout, batch, self.seed, cfg.data.bucket_remainder.value == "repeat")
-            if accelerator is None or accelerator.is_main_process:
-                for line in self.plan.report():
-                    log.info("bucket %s", line)
+        if bucket_geometry.enabled(cfg) or self.clip_windows is not None:
+            self._arrange(cfg, checks, part, accelerator)
+
+    def _arrange(self, cfg: DictConfig, checks: dict[str, list[Any]], part: str,
+                 accelerator: Any) -> None:
+        """The samples in their buckets (of size, and of frames for a video model's clips) and, for
+        training, the plan of global batches, each of one bucket."""
+        self.layout, self.items, self.windows = buckets.layout(
+            cfg, self.items, [s.resolution for s in self.sources], self.windows, checks)
+        if part == "validation" or self.scoring:
+            return  # scored image by image at its bucket's size: no epochs to plan
+        world = accelerator.num_processes if accelerator else 1
+        batch = int(cfg.train.micro_batch_size) * int(cfg.train.gradient_accumulation_steps) * world
+        repeat = cfg.data.bucket_remainder.value == "repeat"
+        self.plan = buckets.Plan(self.layout, batch, self.seed, repeat)
+        if accelerator is None or accelerator.is_main_process:
+            for line in self.plan.report():
+                log.info("bucket %s", line)
 
     def _skip_unusable(self, found: dict[str, sources.Item], checks: dict[str, list[Any]],
                        usable: list[sources.Item]) -> list[sources.Item]:
         """Count and name what cannot train: what its check found wrong, and for an editing model
         an image without its reference; the usable items left."""
         for key, entry in sorted(checks.items()):
-            if (problem := entry[-1]) is not None:
+            if isinstance(problem := entry[-1], str):
                 self._skip(found[key], problem)
                 self.damaged.add(problem)
         if not self.reference:
@@ -296,6 +320,8 @@ class SourceImages:
                 size = sizes[item.key] = sizes.get(item.key) or buckets.source_size(item.read)
             crop = buckets.crop_of(size, target, self.center, self.flip, rng)
             identity = f"{item.key}|{item.stat}|{size}|{item.caption}"
+            if self.windows[index] is not None:  # a clip's window (its frames at the model's rate)
+                identity += f"|window {self.windows[index].name()}"
             if self.masked:  # the mask is cached with the latents: its own cache file
                 identity += f"|mask {item.mask_stat}"
             if self.reference:  # so is the reference image's latents
@@ -304,6 +330,18 @@ class SourceImages:
         return names
 
     def __getitem__(self, index: int) -> Example:
+        item, window = self.items[index], self.windows[index]
+        if window is not None:  # a video model's clip: its window's frames, each cut as an image is
+            (width, height), _ = self._target(index)
+            pixels, time_ids = clips.window_pixels(item.read, window, lambda image: _fit(
+                image, width, height, self.center, self.flip, self._target(index)[1]), _pixels)
+            return Example(pixels, item.caption, torch.tensor(time_ids))
+        example = self._image(index)
+        if self.clip_windows is not None:  # an image in a video model's run: a clip of one frame
+            example.pixels = example.pixels[:, None]
+        return example
+
+    def _image(self, index: int) -> Example:
         item = self.items[index]
         with item.read() as f, Image.open(f) as raw:
             upright = ImageOps.exif_transpose(raw)

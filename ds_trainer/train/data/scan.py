@@ -17,22 +17,29 @@ from typing import Any
 from omegaconf import DictConfig
 from PIL import Image, UnidentifiedImageError
 
-from ds_trainer.config import inputs
+from ds_trainer.config import families, inputs
 from ds_trainer.errors import DataError
-from ds_trainer.train.data import order, readers, sources
+from ds_trainer.train.data import order, readers, sources, video
 
 HEADER_BYTES = 1 << 20  # what a header-only check reads of a file: every format's header fits
 
 
 def problem(item: sources.Item, limit: int, decode: bool = True,
-            parts: tuple[str, ...] = ()) -> str | None:
+            parts: tuple[str, ...] = (), clips: bool = False) -> str | dict[str, Any] | None:
     """Why an image cannot be trained on (decoding it whole; with `decode=False` its header only),
     or None; an entry damaged in its listing (a table's row) says so itself; one above `limit`
     pixels is too large. `parts`: the files it trains with that are checked too, its `mask`
-    (data.masked_loss) and its `control` (a reference image)."""
+    (data.masked_loss) and its `control` (a reference image). `clips` (a video model's run): a
+    video file (by its name, or a table's bytes no image decoder knows) is described instead, its
+    frames, rate and size (train/data/video.py), or says why it cannot train."""
     if item.damaged is not None:
         return item.damaged
+    if clips and video.is_video_name(item.key):
+        return video.check(item.read, limit, decode)
     why = _decodes(item.read, limit, decode)
+    if clips and why == NOT_AN_IMAGE:
+        found = video.check(item.read, limit, decode)
+        return found if isinstance(found, dict) else why
     for part in parts:
         reader = getattr(item, part)
         if why is None and reader is not None and (found := _decodes(reader, limit, decode)):
@@ -40,6 +47,7 @@ def problem(item: sources.Item, limit: int, decode: bool = True,
     return why
 
 
+NOT_AN_IMAGE = "not an image (unrecognized format)"
 PARTS = {"mask": f"mask ({sources.MASK_SUFFIX})", "control": "reference image"}
 
 
@@ -63,7 +71,7 @@ def _decodes(read: Any, limit: int, decode: bool) -> str | None:
             if decode:
                 image.load()
     except UnidentifiedImageError:
-        return "not an image (unrecognized format)"
+        return NOT_AN_IMAGE
     except Exception:  # noqa: BLE001 - PIL raises many types for damaged files
         return "truncated or corrupt image"
     finally:
@@ -71,7 +79,8 @@ def _decodes(read: Any, limit: int, decode: bool) -> str | None:
     return None
 
 
-Checks = dict[str, list[Any]]  # {key: [size, mtime_ns, (the parts' too,) problem or None]}
+# {key: [size, mtime_ns, (the parts' too,) problem, or None, or a clip's description (a dict)]}
+Checks = dict[str, list[Any]]
 
 
 def listed_and_checked(cfg: DictConfig, found: list[sources.Source], accelerator: Any,
@@ -83,7 +92,9 @@ def listed_and_checked(cfg: DictConfig, found: list[sources.Source], accelerator
     wanted = {"mask": bool(cfg.data.masked_loss),
               "control": bool(cfg.model.get("reference_images"))}
     parts = tuple(part for part, used in wanted.items() if used)
-    checks, checked_now = check_items(items, record(cfg, found), accelerator, limit, decode, parts)
+    clips = families.of(cfg).video
+    checks, checked_now = check_items(items, record(cfg, found), accelerator, limit, decode, parts,
+                                      clips)
     return items, checks, checked_now
 
 
@@ -104,11 +115,14 @@ def record(cfg: DictConfig, found: list[sources.Source]) -> Path:
         text = str(Path(found[0].path).resolve())
     if int(cfg.data.max_image_pixels) != inputs.PILLOW_PIXELS:  # another limit: all checked again
         text += f"|pixels:{int(cfg.data.max_image_pixels)}"
+    if families.of(cfg).video:  # videos described, where an image model's run finds none
+        text += "|clips"
     return Path(cfg.data.cache_dir) / f"scan-{hashlib.sha256(text.encode()).hexdigest()[:16]}.json"
 
 
 def check_items(found: dict[str, sources.Item], kept: Path, accelerator: Any, limit: int,
-                decode: bool = True, parts: tuple[str, ...] = ()) -> tuple[Checks, int]:
+                decode: bool = True, parts: tuple[str, ...] = (),
+                clips: bool = False) -> tuple[Checks, int]:
     """{key: [size, mtime_ns, (`parts`' sizes and times,) problem or None]} of every item, and how
     many were decoded now.
 
@@ -134,7 +148,7 @@ def check_items(found: dict[str, sources.Item], kept: Path, accelerator: Any, li
                         "system or the same path on each node")
     checks = {key: known[key] for key, stat in stats.items() if known.get(key, [None])[:-1] == stat}
     todo = [key for key in stats if key not in checks]
-    mine = {key: [*stats[key], problem(found[key], limit, decode, parts)]
+    mine = {key: [*stats[key], problem(found[key], limit, decode, parts, clips)]
             for key in order.share(todo, rank, world)}
     if world > 1:
         from accelerate.utils import gather_object

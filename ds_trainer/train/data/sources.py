@@ -18,9 +18,9 @@ from typing import Any, BinaryIO
 
 from omegaconf import DictConfig, OmegaConf
 
-from ds_trainer.config import source_kinds
+from ds_trainer.config import families, source_kinds
 from ds_trainer.errors import DataError
-from ds_trainer.train.data import text
+from ds_trainer.train.data import text, video
 from ds_trainer.train.data.captions import Policy
 
 log = logging.getLogger("ds_trainer")
@@ -74,6 +74,7 @@ class Source:
     resolution: int | None = None  # its buckets' side (None: the run's resolution)
     control_path: str | None = None  # folder: its reference images' folder (model.reference_images)
     control_column: str | None = None  # table: the column of its reference images' paths
+    clips: bool = False  # a video model's source: its video files are read beside its images
 
     @property
     def caption_dropout(self) -> float:
@@ -86,10 +87,11 @@ class Source:
 
 def of(cfg: DictConfig) -> list[Source]:
     """The run's sources: `data.sources`, or for `data=folder` the one folder of data.path."""
+    clips = families.of(cfg).video
     if cfg.data.source.value == "folder":
         return [Source(0, Path(str(cfg.data.path)).name or str(cfg.data.path), str(cfg.data.path), "folder", 1,
                        policy(cfg.data, {}), str(cfg.data.caption_ext), key="data.path", keyed=False,
-                       control_path=cfg.data.get("control_path"))]
+                       control_path=cfg.data.get("control_path"), clips=clips)]
     out, names = [], [_name_of(str(entry.path)) for entry in cfg.data.sources]
     for index, entry in enumerate(cfg.data.sources):
         spec: dict[str, Any] = OmegaConf.to_container(entry, resolve=True)  # type: ignore[assignment]
@@ -101,7 +103,8 @@ def of(cfg: DictConfig) -> list[Source]:
                           spec.get("image_column"), spec.get("caption_column"), str(spec.get("split") or "train"),
                           f"data.sources[{index}]", regularization=bool(spec.get("regularization")),
                           loss_weight=float(spec.get("loss_weight", 1.0)), resolution=spec.get("resolution"),
-                          control_path=spec.get("control_path"), control_column=spec.get("control_column")))
+                          control_path=spec.get("control_path"),
+                          control_column=spec.get("control_column"), clips=clips))
     return out
 
 
@@ -119,7 +122,7 @@ def policy(data: DictConfig, spec: dict[str, Any]) -> Policy:
 def for_validation(cfg: DictConfig) -> Source:
     """validation.path: a folder of other images the validation loss scores."""
     return Source(0, "validation", str(cfg.validation.path), "folder", 1, Policy(), str(cfg.data.caption_ext),
-                  key="validation.path", keyed=False)
+                  key="validation.path", keyed=False, clips=families.of(cfg).video)
 
 
 def _name_of(path: str) -> str:
@@ -161,7 +164,9 @@ def folder(source: Source) -> list[Item]:
     controls = Path(source.control_path).resolve() if source.control_path else None
     out = []
     for path in sorted(root.rglob("*")):
-        if path.suffix.lower() in IMAGE_EXTENSIONS and path.is_file() and not path.name.lower().endswith(MASK_SUFFIX):
+        media = IMAGE_EXTENSIONS + (video.VIDEO_EXTENSIONS if source.clips else ())
+        mask = path.name.lower().endswith(MASK_SUFFIX)
+        if path.suffix.lower() in media and path.is_file() and not mask:
             if controls is not None and path.resolve().is_relative_to(controls):
                 continue  # a reference image inside the images' folder is no training image
             rel = str(path.relative_to(root))

@@ -19,7 +19,7 @@ from ds_trainer.config import families as specs
 from ds_trainer.config.families import FamilySpec
 from ds_trainer.train.families.base import Family, component_of, label_of, spec_of
 
-__all__ = ["Family", "component_of", "label_of", "named", "of", "of_module"]
+__all__ = ["Family", "component_of", "label_of", "named", "of", "of_module", "spec_of"]
 
 
 def of(cfg: DictConfig) -> Family:

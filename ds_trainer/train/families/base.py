@@ -52,6 +52,10 @@ class Family(Protocol):
     def encode_images(self, frozen: Any, pixels: torch.Tensor) -> torch.Tensor:
         """Images in [-1, 1] to the latents the trained module sees (the VAE's mean, scaled and shifted)."""
 
+    def conditioning(self, frozen: Any, pixels: torch.Tensor) -> dict[str, torch.Tensor]:
+        """What a sample's pixels give the trained module beside their latents, cached with them
+        (Wan's image to video: the first frame's latents and CLIP tokens); {} for most families."""
+
     def storage_dtype(self, key: str) -> torch.dtype | None:
         """The dtype the cache keeps a floating tensor of the batch in (None: float32)."""
 

@@ -56,6 +56,12 @@ class FlowFamily:
         latents = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist.mean
         return (latents - vae.config.shift_factor) * vae.config.scaling_factor
 
+    def conditioning(
+            self, frozen: Any, pixels: torch.Tensor,  # noqa: ARG002 - the protocol's
+    ) -> dict[str, torch.Tensor]:
+        """Nothing beside the latents (Wan's image to video has more)."""
+        return {}
+
     def storage_dtype(self, key: str) -> torch.dtype | None:
         return torch.bfloat16 if key == "prompt_embeds" else None
 

@@ -78,6 +78,12 @@ class SDXL:
     def encode_images(self, frozen: Any, pixels: torch.Tensor) -> torch.Tensor:
         return encode_images(frozen, pixels)
 
+    def conditioning(
+            self, frozen: Any, pixels: torch.Tensor,  # noqa: ARG002 - the protocol's
+    ) -> dict[str, torch.Tensor]:
+        """Nothing beside the latents."""
+        return {}
+
     def storage_dtype(self, key: str) -> torch.dtype | None:  # noqa: ARG002 - the Family protocol's signature
         return None
 

@@ -34,6 +34,7 @@ from ds_trainer.errors import TrainingError
 from ds_trainer.train import families
 from ds_trainer.train.backends import accelerator as accel
 from ds_trainer.train.backends import sharded
+from ds_trainer.train.data import video
 from ds_trainer.train.families import text_encoders
 from ds_trainer.train.state.ema import EMA
 
@@ -78,11 +79,14 @@ def generate(pipe: Any, prompt: str, seed: int, s: Settings, image: Any = None) 
     images from the exported pipeline. The latents come from a CPU generator, so the device does not
     change them; an empty negative prompt means SDXL's zeroed unconditional embedding (SD3's pipeline encodes
     an empty one); the family says which arguments carry the guidance scale and the negative prompt."""
-    model = pipe.unet if hasattr(pipe, "unet") else pipe.transformer
+    model = pipe.unet if hasattr(pipe, "unet") else pipe.transformer or pipe.transformer_2
     guidance = families.of_module(model).guidance_kwargs(s.guidance_scale, s.negative_prompt)
-    return pipe(prompt=prompt, num_inference_steps=s.steps, width=s.width, height=s.height,
-                generator=torch.Generator().manual_seed(int(seed)), **guidance, **dict(s.extra),
-                **({"image": image} if image is not None else {})).images[0]
+    out = pipe(prompt=prompt, num_inference_steps=s.steps, width=s.width, height=s.height,
+               generator=torch.Generator().manual_seed(int(seed)), **guidance, **dict(s.extra),
+               **({"image": image} if image is not None else {}))
+    if hasattr(out, "frames"):  # a video model's clip: its frames
+        return out.frames[0]
+    return out.images[0]
 
 
 def _cast(value: Any, dtype: torch.dtype) -> Any:
@@ -102,10 +106,8 @@ def model_in_its_dtype(model: Any) -> Iterator[None]:
     """Run a 16-bit UNet or transformer (as DeepSpeed trains it) inside a float32 pipeline: its latents, text
     embeddings and added conditions are cast to the model's dtype, its prediction back to the latents' dtype; the
     timestep is left alone (Euler's float timesteps would round in bf16). Training casts the same way."""
-    # The input layer of a UNet, Flux's transformer, Qwen-Image's, SD3's
-    names = [name for name in ("conv_in", "x_embedder", "img_in") if hasattr(model, name)]
-    first = getattr(model, names[0]) if names else model.pos_embed.proj
-    dtype = _compute_dtype(first)
+    # The dtype of its family's first layer
+    dtype = _compute_dtype(model.get_submodule(families.spec_of(model).input_layer))
     seen: list[torch.dtype] = []
 
     def before(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:  # noqa: ARG001 - torch's hook signature
@@ -360,16 +362,25 @@ class Sampler:
         return pipe
 
     def _write(self, step: int, images: list[tuple[int, int, Any]], seconds: float) -> None:
-        """Rank 0: PNGs, the grid (a row per prompt, a column per seed), the timing line and W&B."""
+        """Rank 0: PNGs (a video model's clips as mp4, their first frames in the grid), the grid (a
+        row per prompt, a column per seed), the timing line and W&B."""
         folder = self.dir / f"step_{step:08d}"
         folder.mkdir(parents=True, exist_ok=True)
         for index, seed, image in images:
-            image.save(folder / f"{index}_{seed}.png")
-        _grid([image for _, _, image in images], len(self.cfg.samples.seeds)).save(folder / "grid.png")
+            if isinstance(image, list):
+                video.write(folder / f"{index}_{seed}.mp4", image, self._fps())
+            else:
+                image.save(folder / f"{index}_{seed}.png")
+        firsts = [image[0] if isinstance(image, list) else image for _, _, image in images]
+        _grid(firsts, len(self.cfg.samples.seeds)).save(folder / "grid.png")
         with (self.dir / "samples.jsonl").open("a") as file:
             file.write(json.dumps({"step": step, "seconds": seconds, "images": len(images)}) + "\n")
         log.info("sampled %d images at step %d in %.1fs: %s", len(images), step, seconds, folder)
         self._to_wandb(step, images, seconds)
+
+    def _fps(self) -> float:
+        """A video model's frame rate (model.video.fps): its clips are written at it."""
+        return float(self.cfg.model.video.fps) if self.cfg.model.get("video") is not None else 16.0
 
     def _to_wandb(self, step: int, images: list[tuple[int, int, Any]], seconds: float) -> None:
         if not self.tracker.wandb_id or self.tracker.wandb_broken:
@@ -378,7 +389,18 @@ class Sampler:
             import wandb
 
             run = self.accelerator.get_tracker("wandb", unwrap=True)
-            run.log({"samples": [wandb.Image(image, caption=f"{index}_{seed}: {self.prompts[index]}")
-                                 for index, seed, image in images], "sample_s": seconds}, step=step)
+            logged = [_to_wandb(wandb, image, f"{index}_{seed}: {self.prompts[index]}", self._fps())
+                      for index, seed, image in images]
+            run.log({"samples": logged, "sample_s": seconds}, step=step)
         except Exception as exc:  # noqa: BLE001 - W&B going away must not stop training
             log.warning("could not log samples to W&B (%s); they are in %s", exc, self.dir)
+
+
+def _to_wandb(wandb: Any, image: Any, caption: str, fps: float) -> Any:
+    """A sample as W&B logs it: an image, or a clip (its frames) as a video."""
+    if not isinstance(image, list):
+        return wandb.Image(image, caption=caption)
+    import numpy as np
+
+    frames = np.stack([np.asarray(frame.convert("RGB")) for frame in image]).transpose(0, 3, 1, 2)
+    return wandb.Video(frames, caption=caption, fps=int(round(fps)), format="mp4")
