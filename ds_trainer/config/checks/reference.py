@@ -17,6 +17,9 @@ EDITING = ("flux", "qwen_image")  # the families with a reference-image input (K
 
 
 def problems(cfg: DictConfig) -> list[Problem]:
+    if not cfg.model.get("reference_images") and starts_from_image(cfg):  # a clip's first frame
+        return (_unread(cfg, samples_too=False)
+                + _samples(cfg, "starts each sample clip from an image"))
     if not cfg.model.get("reference_images"):
         return _unread(cfg)
     out: list[Problem] = []
@@ -89,15 +92,24 @@ def _captions_fixed(cfg: DictConfig) -> list[Problem]:
     return out
 
 
-def _samples(cfg: DictConfig) -> list[Problem]:
-    """Each sample prompt's reference image."""
+def starts_from_image(cfg: DictConfig) -> bool:
+    """Whether a video model is given its clip's first frame (model.video.condition), which its
+    samples take from samples.images."""
+    video = cfg.model.get("video")
+    return families.of(cfg).video and video is not None and video.condition.value != "none"
+
+
+def _samples(cfg: DictConfig, what: str = "edits a reference image") -> list[Problem]:
+    """Each sample prompt's reference image (an image to video model's first frame)."""
     s = cfg.samples
     images = list(s.get("images") or [])
     if not s.enabled:
         return []
     if not images:
-        return [Problem("samples.images", [], f"model={cfg.model.name} edits a reference image: each sample prompt "
-                        "needs one", "samples.images=[/path/to/reference.png] (one for every prompt, or one each)")]
+        return [Problem("samples.images", [],
+                        f"model={cfg.model.name} {what}: each sample prompt needs one",
+                        "samples.images=[/path/to/reference.png] (one for every prompt, or one "
+                        "each)")]
     out = [Problem("samples.images", image, "no such image file", "samples.images=[/path/to/reference.png]")
            for image in images if not Path(str(image)).is_file()]
     prompts = s.prompts if not isinstance(s.prompts, str) else None
@@ -107,8 +119,9 @@ def _samples(cfg: DictConfig) -> list[Problem]:
     return out
 
 
-def _unread(cfg: DictConfig) -> list[Problem]:
-    """Reference images given to a model that reads none: said, not ignored."""
+def _unread(cfg: DictConfig, samples_too: bool = True) -> list[Problem]:
+    """Reference images given to a model that reads none: said, not ignored (`samples_too`: the
+    samples' too; an image to video model's samples start from theirs)."""
     fix = "model=flux_kontext_dev or model=qwen_image_edit (editing models), or drop it"
     out = []
     if cfg.data.get("control_path"):
@@ -119,7 +132,7 @@ def _unread(cfg: DictConfig) -> list[Problem]:
             if entry.get(key):
                 out.append(Problem(f"data.sources[{index}].{key}", entry[key], f"model={cfg.model.name} reads no "
                                    "reference images (model.reference_images=false)", fix))
-    if cfg.samples.enabled and cfg.samples.get("images"):
+    if samples_too and cfg.samples.enabled and cfg.samples.get("images"):
         out.append(Problem("samples.images", list(cfg.samples.images), f"model={cfg.model.name} samples from its "
                            "prompts alone (model.reference_images=false)", "samples.images=[]"))
     return out

@@ -24,7 +24,7 @@ def problems(cfg: DictConfig) -> list[Problem]:
                 f"model.family={spec.name} trains on images; model.video sets a video "
                 "model's frame rate, conditioning and experts",
                 "drop the video block from the model's "
-                "yaml, or a video model (model=wan21_t2v_tiny shows the block)",
+                "yaml, or a video model (model=wan_tiny shows the block)",
             )
         ]
     if video is None:
@@ -34,8 +34,8 @@ def problems(cfg: DictConfig) -> list[Problem]:
                 None,
                 f"model.family={spec.name} trains on clips, whose frame rate and "
                 "conditioning model.video sets",
-                f"model={spec.name}21_t2v_tiny shows the block "
-                f"(conf/model/{spec.name}21_t2v_tiny.yaml); copy it into your model's yaml",
+                f"model={spec.name}_tiny shows the block "
+                f"(conf/model/{spec.name}_tiny.yaml); copy it into your model's yaml",
             )
         ]
     return _frames(cfg, spec.temporal_factor) + _settings(cfg) + _unsupported(cfg)

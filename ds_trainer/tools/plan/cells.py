@@ -8,12 +8,20 @@ from functools import cache
 
 from omegaconf import DictConfig
 
-from ds_trainer.config import buckets, nvme
+from ds_trainer.config import buckets, families, nvme
 from ds_trainer.config.source_repeats import tags_vary
 from ds_trainer.tools.plan import cache as disk_cache
 from ds_trainer.tools.plan import lora, quantized, samples
 from ds_trainer.tools.plan.states import architecture, model_states, moments_saved, stats, trained_module
-from ds_trainer.tools.plan.unet import blocks_of, forward_of, meta_unet, saved_bytes, text_tokens, token_height
+from ds_trainer.tools.plan.unet import (
+    blocks_of,
+    forward_of,
+    is_transformer,
+    meta_unet,
+    saved_bytes,
+    text_tokens,
+    token_height,
+)
 
 GIB = 2**30
 CELLS = [("ddp", "none"), ("stage0", "none"), ("stage1", "none"), ("stage2", "none"), ("stage3", "none"),
@@ -47,8 +55,10 @@ class Estimate:
 
 
 @cache  # a pure function of its arguments; the tuner asks for the same few shapes many times
-def activation_bytes(architecture: str, batch: int, width: int, height: int, dtype_bytes: int,
-                     checkpointing: bool, cross_dim_tokens: int = 77) -> int:
+def activation_bytes(  # noqa: PLR0913 - the disk cache's key, one argument each
+        architecture: str, batch: int, width: int, height: int, dtype_bytes: int,
+        checkpointing: bool, cross_dim_tokens: int = 77, frames: int = 1,
+        downsample: int = 8) -> int:
     """Bytes autograd keeps for backward in one forward of the trained module, a UNet or a transformer (see the module
     docstring); `cross_dim_tokens`: the text tokens it attends to."""
     import torch
@@ -63,14 +73,21 @@ def activation_bytes(architecture: str, batch: int, width: int, height: int, dty
         diffusers_logging.set_verbosity(verbosity)
     unet.train()
     unet.disable_gradient_checkpointing()
-    forward = forward_of(unet, batch, height, width, dtype, "meta", cross_dim_tokens)
-    return saved_bytes(unet, blocks_of(unet), forward, checkpointing, block_inputs=hasattr(unet, "transformer_blocks"))
+    forward = forward_of(unet, batch, height, width, dtype, "meta", cross_dim_tokens, frames,
+                         downsample)
+    return saved_bytes(unet, blocks_of(unet), forward, checkpointing,
+                       block_inputs=is_transformer(architecture))
 
 
 def _tokens(cfg: DictConfig) -> tuple[int, ...]:
-    """The text tokens of a transformer (unet.text_tokens) as part of the activations' cache key; SDXL's key
-    has none (its 77)."""
-    return (text_tokens(cfg),) if cfg.model.get("flow") is not None else ()
+    """The text tokens of a transformer (unet.text_tokens) as part of the activations' cache key,
+    and a video model's frames and downsampling; SDXL's key has none (its 77)."""
+    if cfg.model.get("flow") is None:
+        return ()
+    if not families.of(cfg).video:
+        return (text_tokens(cfg),)
+    frames = max(int(n) for n in cfg.data.video.frames)
+    return text_tokens(cfg), frames, int(cfg.model.downsample_factor)
 
 
 def quantized_layers(architecture: str) -> list[tuple[int, int]]:

@@ -61,7 +61,11 @@ def _working_set(module: Any, run: Any, held_in: list[Any]) -> int:
 
 @cache
 @cache  # a function of its arguments (a meta-device forward): the tuner and the plan table ask again and again
-def _activations(architecture: str, width: int, height: int, batch: int, dtype_bytes: int, tokens: int = 77) -> int:
+def _activations(  # noqa: PLR0913 - the cache's key, one argument each
+        architecture: str, width: int, height: int, batch: int, dtype_bytes: int,
+        tokens: int = 77, frames: int = 0, downsample: int = 8) -> int:
+    """The working set of a forward without gradients and of the VAE's decode; `frames`: a video
+    model's clip of that many frames (0: an image model's image)."""
     import torch
     from diffusers import AutoencoderKL
 
@@ -70,14 +74,32 @@ def _activations(architecture: str, width: int, height: int, batch: int, dtype_b
     dtype = {2: torch.bfloat16, 4: torch.float32}[dtype_bytes]
     unet = meta_unet(architecture).to(dtype)
     with torch.device("meta"), torch.no_grad():
-        forward = forward_of(unet, batch, height, width, dtype, tokens=tokens)
+        forward = forward_of(unet, batch, height, width, dtype, tokens=tokens,
+                             frames=max(1, frames), downsample=downsample)
         # A UNet keeps its down blocks' outputs for the skip connections; a transformer keeps nothing across blocks.
         unet_peak = _working_set(unet, forward, [unet.conv_in, *unet.down_blocks] if hasattr(unet, "down_blocks")
                                  else [])
+        if frames:
+            return max(unet_peak, _clip_decode(architecture, width, height, frames))
         vae = AutoencoderKL.from_config(AutoencoderKL.load_config(architecture, subfolder="vae"))
         latents = torch.randn(1, int(vae.config.latent_channels), height // 8, width // 8)
         vae_peak = _working_set(vae, lambda: vae.decode(latents), [])
     return max(unet_peak, vae_peak)
+
+
+def _clip_decode(architecture: str, width: int, height: int, frames: int) -> int:
+    """A video model's VAE (its own class, a causal 3D one) decoding one clip's latents: the
+    working set of its decode, frame by latent frame as it runs."""
+    import diffusers
+    import torch
+
+    config = diffusers.AutoencoderKL.load_config(architecture, subfolder="vae")
+    vae = getattr(diffusers, str(config["_class_name"])).from_config(config)
+    c = vae.config
+    space, time = int(c.get("scale_factor_spatial", 8)), int(c.get("scale_factor_temporal", 4))
+    latent_frames = (frames - 1) // time + 1
+    latents = torch.randn(1, int(c.z_dim), latent_frames, height // space, width // space)
+    return _working_set(vae, lambda: vae.decode(latents), [])
 
 
 @cache
@@ -155,7 +177,16 @@ def _validation(cfg: DictConfig, resident: int, unet_params: int, architecture: 
     batch = int(cfg.validation.batch_size) or int(cfg.train.micro_batch_size)
     ema = 4 * unet_params if cfg.train.ema and cfg.validation.ema and cfg.adapter.method.value == "none" else 0
     dtype_bytes = 4 if cfg.precision.name.value == "fp32" or ema else 2
-    return resident + ema + _activations(architecture, width, height, batch, dtype_bytes, text_tokens(cfg))
+    clip = _clip(cfg, max(int(n) for n in cfg.data.video.frames))
+    return resident + ema + _activations(architecture, width, height, batch, dtype_bytes,
+                                         text_tokens(cfg), *clip)
+
+
+def _clip(cfg: DictConfig, frames: int) -> tuple[int, int]:
+    """A video model's (frames, downsample factor) for `_activations`; (0, 8) for an image model."""
+    from ds_trainer.config import families
+
+    return (frames, int(cfg.model.downsample_factor)) if families.of(cfg).video else (0, 8)
 
 
 def _sampling(cfg: DictConfig, resident: int, unet_params: int, architecture: str, kind: str) -> int | None:
@@ -173,7 +204,9 @@ def _sampling(cfg: DictConfig, resident: int, unet_params: int, architecture: st
     if ema:
         dtype_bytes = 4  # the EMA UNet samples in float32
     frozen = frozen_bytes(architecture, kind, cfg.precision.name.value, quantize=encoders_quantized(cfg))
-    return resident + frozen + ema + _activations(architecture, width, height, batch, dtype_bytes, text_tokens(cfg))
+    frames = cfg.samples.get("frames") or max(int(n) for n in cfg.data.video.frames)
+    return resident + frozen + ema + _activations(architecture, width, height, batch, dtype_bytes,
+                                                  text_tokens(cfg), *_clip(cfg, int(frames)))
 
 
 def describe(sampling: int, training: int) -> str:

@@ -14,9 +14,20 @@ import sys
 from ds_trainer.config import overrides, rundir, schema
 
 GIB = 2**30
-MODELS = [("sdxl_base", "SDXL UNet"), ("sd35_medium", "SD3.5 Medium"), ("sd35_large", "SD3.5 Large"),
-          ("flux_dev", "FLUX.1-dev"), ("flux_kontext_dev", "FLUX.1 Kontext-dev"), ("qwen_image", "Qwen-Image"),
-          ("qwen_image_edit", "Qwen-Image-Edit")]
+# (model option, label, the size it trains at: overrides)
+PX1024 = ("resolution=px1024",)
+MODELS = [("sdxl_base", "SDXL UNet", PX1024), ("sd35_medium", "SD3.5 Medium", PX1024),
+          ("sd35_large", "SD3.5 Large", PX1024), ("flux_dev", "FLUX.1-dev", PX1024),
+          ("flux_kontext_dev", "FLUX.1 Kontext-dev", PX1024), ("qwen_image", "Qwen-Image", PX1024),
+          ("qwen_image_edit", "Qwen-Image-Edit", PX1024)]
+# The video models at 480p and 720p, 81 frames (Wan 2.2 TI2V-5B at its 16x VAE's multiples of 32)
+P480 = ("resolution.width=832", "resolution.height=480", "data.video.frames=[81]")
+P720 = ("resolution.width=1280", "resolution.height=720", "data.video.frames=[81]")
+P704 = ("resolution.width=1280", "resolution.height=704", "data.video.frames=[81]")
+VIDEO = [("wan21_t2v_14b", "Wan 2.1 T2V 14B", P480), ("wan21_t2v_14b", "Wan 2.1 T2V 14B", P720),
+         ("wan22_t2v_a14b", "Wan 2.2 A14B, one expert", P480),
+         ("wan22_t2v_a14b", "Wan 2.2 A14B, one expert", P720),
+         ("wan22_ti2v_5b", "Wan 2.2 TI2V-5B", P480), ("wan22_ti2v_5b", "Wan 2.2 TI2V-5B", P704)]
 # (label, zero, offload, parameters offloaded too, GPUs)
 CELLS = [("ZeRO-2, 8 GPUs", "stage2", "none", False, 8), ("ZeRO-2 + CPU offload, 8 GPUs", "stage2", "cpu", False, 8),
          ("ZeRO-3, 8 GPUs", "stage3", "none", False, 8),
@@ -38,34 +49,44 @@ def _deepspeed(zero: str, offload: str, params_offload: bool, gpus: int, params:
                                                      cpu_offload_params=params_offload)[1])
 
 
-def rows() -> list[list[str]]:
-    """[model, cell, DeepSpeed's model states, the planner's, the planner's training peak] in GiB."""
+def _size(cfg: object) -> str:
+    """What a row trains at: `1024 px`, or a clip's `832x480, 81 frames`."""
+    r = cfg.resolution  # type: ignore[attr-defined]
+    if cfg.model.get("video") is None:  # type: ignore[attr-defined]
+        return f"{int(r.width)} px"
+    return f"{int(r.width)}x{int(r.height)}, {max(cfg.data.video.frames)} frames"  # type: ignore[attr-defined]
+
+
+def rows() -> list[tuple[str, list[tuple[float, float, float]]]]:
+    """Per model and size: its label, and per cell (DeepSpeed's model states, the planner's, the
+    planner's training peak) in GiB."""
     from ds_trainer.tools import plan
 
     schema.register()
     rundir.register_resolvers()
     out = []
-    for model, label in MODELS:
-        for cell, zero, offload, params_offload, gpus in CELLS:
-            cfg = overrides.compose_checked([f"model={model}", "resolution=px1024", "train.micro_batch_size=1",
+    for model, label, size in [*MODELS, *VIDEO]:
+        cells = []
+        for _, zero, offload, params_offload, gpus in CELLS:
+            cfg = overrides.compose_checked([f"model={model}", *size, "train.micro_batch_size=1",
                                              "train.gradient_checkpointing=true", f"zero={zero}",
                                              f"offload={offload}", f"offload.params={str(params_offload).lower()}",
                                              f"world_size={gpus}"])
             stats = plan.unet_stats(str(cfg.model.architecture))
             e = plan.estimate(cfg, zero, offload, gpus)
-            states = e.params + e.grads + e.optimizer
             ds = _deepspeed(zero, offload, params_offload, gpus, stats.params, stats.largest_layer)
-            out.append([f"{label} ({stats.params / 1e9:.2f} B)", cell, f"{ds / GIB:.1f}", f"{states / GIB:.1f}",
-                        f"{e.gpu / GIB:.1f}"])
+            cells.append((ds / GIB, (e.params + e.grads + e.optimizer) / GIB, e.gpu / GIB))
+        out.append((f"{label} ({stats.params / 1e9:.2f} B), {_size(cfg)}", cells))
     return out
 
 
-def markdown() -> str:
-    """The README's table, in markdown."""
-    head = ["model (trained parameters)", "cell", "DeepSpeed's estimator: model states", "planner: model states",
-            "planner: training peak"]
+def markdown(found: list[tuple[str, list[tuple[float, float, float]]]] | None = None) -> str:
+    """The README's table, in markdown: per cell the model states (DeepSpeed's estimator's and the
+    planner's, which agree: tests/test_plan.py) / the planner's training peak."""
+    head = ["model (trained parameters), size", *(cell[0] for cell in CELLS)]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    lines += ["| " + " | ".join(row) + " |" for row in rows()]
+    for label, cells in found if found is not None else rows():
+        lines.append("| " + " | ".join([label, *(f"{states:.1f} / {peak:.1f}" for _, states, peak in cells)]) + " |")
     return "\n".join(lines)
 
 

@@ -93,71 +93,31 @@ def build_meta(architecture: str) -> Any:
 
 
 def blocks_of(model: Any) -> tuple[Any, ...]:
-    """The classes gradient checkpointing recomputes one at a time: the UNet's ResNet and transformer blocks, the
-    transformer's joint blocks."""
-    if hasattr(model, "single_transformer_blocks"):  # Flux: double- and single-stream blocks
-        from diffusers.models.transformers.transformer_flux import FluxSingleTransformerBlock, FluxTransformerBlock
+    """The classes gradient checkpointing recomputes one at a time: its family's (the UNet's ResNet and
+    transformer blocks, a transformer's blocks)."""
+    from ds_trainer.train import families as trained
 
-        return (FluxTransformerBlock, FluxSingleTransformerBlock)
-    if hasattr(model, "img_in"):  # Qwen-Image: dual-stream blocks
-        from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformerBlock
-
-        return (QwenImageTransformerBlock,)
-    if hasattr(model, "transformer_blocks"):
-        from diffusers.models.attention import JointTransformerBlock
-
-        return (JointTransformerBlock,)
-    from diffusers.models.resnet import ResnetBlock2D
-    from diffusers.models.transformers.transformer_2d import Transformer2DModel
-
-    return (ResnetBlock2D, Transformer2DModel)
+    return trained.of_module(model).planner_blocks()
 
 
-def forward_of(model: Any, batch: int, height: int, width: int, dtype: Any = None, device: Any = None,
-               tokens: int = 77) -> Callable[[], Any]:
-    """A forward of `model` (a UNet or a transformer) on random inputs for images of height x width pixels with
-    `tokens` text tokens (SDXL: CLIP's 77; SD3: 77 + T5's; Flux: T5's)."""
-    import torch
+def forward_of(model: Any, batch: int, height: int, width: int, dtype: Any = None, device: Any = None,  # noqa: PLR0913
+               tokens: int = 77, frames: int = 1, downsample: int = 8) -> Callable[[], Any]:
+    """A forward of `model` (a UNet or a transformer) on random inputs for images of height x width
+    pixels (a video model's clips of `frames` frames) with `tokens` text tokens (SDXL: CLIP's 77; SD3:
+    77 + T5's; Flux: T5's), as its family builds them."""
+    from ds_trainer.train import families as trained
+    from ds_trainer.train.families.base import Shape
 
-    if not hasattr(model, "transformer_blocks"):
-        x, t, enc, cond = unet_inputs(model.config, batch, height, width, dtype, device, tokens)
-        return lambda: model(x, t, enc, added_cond_kwargs=cond)
-    c, kw = model.config, {"dtype": dtype, "device": device}
-    if hasattr(model, "single_transformer_blocks"):  # Flux: 2 x 2 patches of latents as tokens, 3-axis ids
-        image = (height // 16) * (width // 16)
-        flux = {"hidden_states": torch.randn(batch, image, int(c.in_channels), **kw),
-                "encoder_hidden_states": torch.randn(batch, tokens, int(c.joint_attention_dim), **kw),
-                "pooled_projections": torch.randn(batch, int(c.pooled_projection_dim), **kw),
-                "timestep": torch.rand(batch, device=device), "txt_ids": torch.zeros(tokens, 3, device=device),
-                "img_ids": torch.zeros(image, 3, device=device),
-                "guidance": torch.full((batch,), 3.5, device=device) if c.guidance_embeds else None}
-        return lambda: model(**flux)
-    if hasattr(model, "img_in"):  # Qwen-Image: 2 x 2 patches of latents as tokens, their (frames, rows, columns)
-        rows, columns = height // 16, width // 16
-        qwen = {"hidden_states": torch.randn(batch, rows * columns, int(c.in_channels), **kw),
-                "encoder_hidden_states": torch.randn(batch, tokens, int(c.joint_attention_dim), **kw),
-                "encoder_hidden_states_mask": torch.ones(batch, tokens, dtype=torch.long, device=device),
-                "timestep": torch.rand(batch, device=device), "img_shapes": [[(1, rows, columns)]] * batch}
-        return lambda: model(**qwen)
-    inputs = {"hidden_states": torch.randn(batch, int(c.in_channels), height // 8, width // 8, **kw),
-              "encoder_hidden_states": torch.randn(batch, tokens, int(c.joint_attention_dim), **kw),
-              "pooled_projections": torch.randn(batch, int(c.pooled_projection_dim), **kw),
-              "timestep": torch.rand(batch, device=device) * 1000}
-    return lambda: model(**inputs)
+    shape = Shape(batch, height, width, tokens, frames, downsample, dtype, device)
+    return trained.of_module(model).planner_forward(model, shape)
 
 
 def unet_inputs(config: Any, batch: int, height: int, width: int, dtype: Any = None, device: Any = None,
                 tokens: int = 77) -> tuple[Any, Any, Any, dict[str, Any]]:
-    """Random SDXL UNet inputs for images of height x width pixels: latents, timesteps, prompt embeddings
-    and the added conditions (pooled text embedding, time ids)."""
-    import torch
+    """Random SDXL UNet inputs for images of height x width pixels (train/families/sdxl.py's)."""
+    from ds_trainer.train.families.sdxl import unet_inputs as inputs
 
-    pooled = int(config.projection_class_embeddings_input_dim) - 6 * int(config.addition_time_embed_dim)
-    kw = {"dtype": dtype, "device": device}
-    latents = torch.randn(batch, int(config.in_channels), height // 8, width // 8, **kw)
-    embeds = torch.randn(batch, tokens, int(config.cross_attention_dim), **kw)
-    cond = {"text_embeds": torch.randn(batch, pooled, **kw), "time_ids": torch.randn(batch, 6, **kw)}
-    return latents, torch.randint(0, 1000, (batch,), device=device), embeds, cond
+    return inputs(config, batch, height, width, dtype, device, tokens)  # type: ignore[no-any-return]
 
 
 def saved_bytes(module: Any, blocks: tuple[Any, ...], forward: Callable[[], Any], checkpointing: bool,

@@ -167,10 +167,12 @@ def _frames(windows: Windows) -> list[int] | None:
     return [1 if window is None else int(window.count) for window in windows]
 
 
-def cache_name(bucket: Bucket, identity: str, crop: Crop) -> str:
-    """The cache file of one sample: its bucket's folder, a hash of the image, caption and crop."""
+def cache_name(bucket: Bucket, identity: str, crop: Crop, frames: int | None = None) -> str:
+    """The cache file of one sample: its bucket's folder (a video model's: and its frames), a hash of
+    the image, caption and crop."""
     text = f"{identity}|{crop.width}x{crop.height}|{crop.top},{crop.left},{int(crop.flipped)}"
-    return f"{geometry.name(bucket)}/{hashlib.sha256(text.encode()).hexdigest()[:24]}"
+    folder = geometry.name(bucket) if frames is None else f"{geometry.name(bucket)}x{frames}"
+    return f"{folder}/{hashlib.sha256(text.encode()).hexdigest()[:24]}"
 
 
 class Plan:

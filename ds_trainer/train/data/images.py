@@ -326,7 +326,8 @@ class SourceImages:
                 identity += f"|mask {item.mask_stat}"
             if self.reference:  # so is the reference image's latents
                 identity += f"|control {item.control_stat}"
-            names.append(buckets.cache_name(target, identity, crop))
+            frames = self.layout.frames if self.layout is not None else None
+            names.append(buckets.cache_name(target, identity, crop, frames[index] if frames else None))
         return names
 
     def __getitem__(self, index: int) -> Example:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -12,6 +13,28 @@ from omegaconf import DictConfig
 from ds_trainer.config import families as specs
 from ds_trainer.config.families import FamilySpec
 from ds_trainer.train.layouts.table import Part
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The inputs of a forward the planner measures (random, on any device): `batch` samples of
+    height x width pixels (a video model's of `frames` frames), `tokens` text tokens, the pixels per
+    latent-and-patch step `downsample` (model.downsample_factor)."""
+
+    batch: int
+    height: int
+    width: int
+    tokens: int = 77
+    frames: int = 1
+    downsample: int = 8
+    dtype: Any = None
+    device: Any = None
+
+    @property
+    def tensors(self) -> dict[str, Any]:
+        """The keyword arguments of a random tensor of this shape's dtype and device."""
+        return {"dtype": self.dtype, "device": self.device}
+
 
 # Where a family builds its frozen parts: the backend's `whole()` (outside ZeRO-3's partitioning).
 Whole = Callable[[], AbstractContextManager[Any]]
@@ -94,6 +117,13 @@ class Family(Protocol):
     def single_file(self, denoiser: Any, parts: dict[str, Any]) -> dict[str, torch.Tensor]:
         """Its makers' single file: the denoiser and `parts` ({component: module} for each of the spec's
         `single_file_parts`) under the file's names."""
+
+    def planner_forward(self, model: Any, shape: Shape) -> Callable[[], Any]:
+        """A forward of the trained module (on the meta device, for the planner) on random inputs of
+        `shape`."""
+
+    def planner_blocks(self) -> tuple[type, ...]:
+        """The block classes gradient checkpointing recomputes one at a time (the planner's)."""
 
     def kohya_parts(self, shapes: Mapping[str, tuple[int, ...]], config: Any) -> list[Part]:
         """The trained module's weights (diffusers' names -> shapes) in the makers' module names of its kohya-layout

@@ -9,7 +9,7 @@ The text encoders stay frozen here (diffusers' Flux scripts train CLIP's LoRA at
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -20,7 +20,7 @@ from omegaconf import DictConfig
 from ds_trainer import console
 from ds_trainer.config.families.flux import SPEC
 from ds_trainer.train.families import common, flow
-from ds_trainer.train.families.base import TextParts, Whole
+from ds_trainer.train.families.base import Shape, TextParts, Whole
 from ds_trainer.train.families.common import per_sample_mse
 from ds_trainer.train.families.flow_family import FlowFamily, FrozenParts
 from ds_trainer.train.layouts import transformers as transformers_layout
@@ -168,6 +168,29 @@ class Flux(FlowFamily):
 
     def kohya_parts(self, shapes: Mapping[str, tuple[int, ...]], config: Any) -> list[Part]:
         return transformers_layout.flux(shapes, config.num_layers, config.num_single_layers)
+
+    def planner_forward(self, model: Any, shape: Shape) -> Callable[[], Any]:
+        """2 x 2 patches of latents as tokens, 3-axis ids."""
+        c, b, tokens, on = model.config, shape.batch, shape.tokens, shape.tensors
+        image = (shape.height // 16) * (shape.width // 16)
+        inputs = {"hidden_states": torch.randn(b, image, int(c.in_channels), **on),
+                  "encoder_hidden_states": torch.randn(b, tokens, int(c.joint_attention_dim), **on),
+                  "pooled_projections": torch.randn(b, int(c.pooled_projection_dim), **on),
+                  "timestep": torch.rand(b, device=shape.device),
+                  "txt_ids": torch.zeros(tokens, 3, device=shape.device),
+                  "img_ids": torch.zeros(image, 3, device=shape.device), "guidance": None}
+        if c.guidance_embeds:
+            inputs["guidance"] = torch.full((b,), 3.5, device=shape.device)
+        return lambda: model(**inputs)
+
+    def planner_blocks(self) -> tuple[type, ...]:
+        """Double- and single-stream blocks."""
+        from diffusers.models.transformers.transformer_flux import (
+            FluxSingleTransformerBlock,
+            FluxTransformerBlock,
+        )
+
+        return (FluxTransformerBlock, FluxSingleTransformerBlock)
 
     def lora_pipeline(self) -> Any:
         """FluxPipeline, or FluxKontextPipeline for a model that edits a reference image (the same LoRA keys)."""

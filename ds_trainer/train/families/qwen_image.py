@@ -22,7 +22,7 @@ The text encoder stays frozen (a 7 B vision-language model; peers train the tran
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -33,7 +33,7 @@ from omegaconf import DictConfig
 from ds_trainer import console
 from ds_trainer.config.families.qwen_image import SPEC
 from ds_trainer.train.families import common, flow
-from ds_trainer.train.families.base import TextParts, Whole
+from ds_trainer.train.families.base import Shape, TextParts, Whole
 from ds_trainer.train.families.common import per_sample_mse
 from ds_trainer.train.families.flow_family import FlowFamily, FrozenParts
 from ds_trainer.train.families.flux import pack
@@ -241,6 +241,24 @@ class QwenImage(FlowFamily):
     def kohya_parts(self, shapes: Mapping[str, tuple[int, ...]], config: Any) -> list[Part]:  # noqa: ARG002
         """musubi-tuner's names, which ComfyUI reads: diffusers' modules."""
         return kohya.same_names(shapes)
+
+    def planner_forward(self, model: Any, shape: Shape) -> Callable[[], Any]:
+        """2 x 2 patches of latents as tokens, their (frames, rows, columns)."""
+        c, b, rows, columns = model.config, shape.batch, shape.height // 16, shape.width // 16
+        tokens, on = shape.tokens, shape.tensors
+        inputs = {"hidden_states": torch.randn(b, rows * columns, int(c.in_channels), **on),
+                  "encoder_hidden_states": torch.randn(b, tokens, int(c.joint_attention_dim), **on),
+                  "encoder_hidden_states_mask": torch.ones(b, tokens, dtype=torch.long,
+                                                           device=shape.device),
+                  "timestep": torch.rand(b, device=shape.device),
+                  "img_shapes": [[(1, rows, columns)]] * b}
+        return lambda: model(**inputs)
+
+    def planner_blocks(self) -> tuple[type, ...]:
+        """Dual-stream blocks."""
+        from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformerBlock
+
+        return (QwenImageTransformerBlock,)
 
     def lora_pipeline(self) -> Any:
         """QwenImagePipeline, or QwenImageEditPipeline for a model that edits a reference image (the same LoRA

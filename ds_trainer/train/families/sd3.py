@@ -10,7 +10,7 @@ per caption in bf16).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -21,7 +21,7 @@ from omegaconf import DictConfig
 from ds_trainer import console
 from ds_trainer.config.families.sd3 import SPEC
 from ds_trainer.train.families import common, flow
-from ds_trainer.train.families.base import TextParts, Whole
+from ds_trainer.train.families.base import Shape, TextParts, Whole
 from ds_trainer.train.families.common import per_sample_mse
 from ds_trainer.train.families.flow_family import FlowFamily, FrozenParts
 from ds_trainer.train.layouts import sdxl as sdxl_layout
@@ -46,6 +46,22 @@ class Frozen(FrozenParts):
 class SD3(FlowFamily):
     spec = SPEC
     name = SPEC.name
+
+    def planner_forward(self, model: Any, shape: Shape) -> Callable[[], Any]:
+        c, b, on = model.config, shape.batch, shape.tensors
+        latents = (b, int(c.in_channels), shape.height // 8, shape.width // 8)
+        inputs = {"hidden_states": torch.randn(*latents, **on),
+                  "encoder_hidden_states": torch.randn(b, shape.tokens, int(c.joint_attention_dim),
+                                                       **on),
+                  "pooled_projections": torch.randn(b, int(c.pooled_projection_dim), **on),
+                  "timestep": torch.rand(b, device=shape.device) * 1000}
+        return lambda: model(**inputs)
+
+    def planner_blocks(self) -> tuple[type, ...]:
+        """The MMDiT's joint blocks."""
+        from diffusers.models.attention import JointTransformerBlock
+
+        return (JointTransformerBlock,)
 
     def __init__(self, cfg: DictConfig | None = None) -> None:
         flow_cfg = cfg.model.flow if cfg is not None else None

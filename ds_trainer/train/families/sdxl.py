@@ -8,7 +8,7 @@ weights (common.py).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -20,7 +20,7 @@ from ds_trainer import console
 from ds_trainer.config import weights_file
 from ds_trainer.config.families.sdxl import SPEC
 from ds_trainer.train.families import common, text_encoders
-from ds_trainer.train.families.base import TextParts, Whole
+from ds_trainer.train.families.base import Shape, TextParts, Whole
 from ds_trainer.train.layouts import sdxl as sdxl_layout
 from ds_trainer.train.layouts.table import Part
 
@@ -37,6 +37,18 @@ class SDXL:
 
     def load_frozen(self, cfg: DictConfig, whole: Whole = nullcontext) -> Frozen:
         return load_frozen(cfg, whole)
+
+    def planner_forward(self, model: Any, shape: Shape) -> Callable[[], Any]:
+        x, t, enc, cond = unet_inputs(model.config, shape.batch, shape.height, shape.width,
+                                      shape.dtype, shape.device, shape.tokens)
+        return lambda: model(x, t, enc, added_cond_kwargs=cond)
+
+    def planner_blocks(self) -> tuple[type, ...]:
+        """The UNet's ResNet and transformer blocks."""
+        from diffusers.models.resnet import ResnetBlock2D
+        from diffusers.models.transformers.transformer_2d import Transformer2DModel
+
+        return (ResnetBlock2D, Transformer2DModel)
 
     def single_file_denoiser(self, denoiser: Any) -> dict[str, torch.Tensor]:
         return sdxl_layout.unet_tensors(denoiser)
@@ -278,3 +290,17 @@ def encode_images(frozen: Frozen, pixels: torch.Tensor) -> torch.Tensor:
     vae = frozen.vae
     latents = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist.mean
     return latents * vae.config.scaling_factor
+
+
+def unet_inputs(config: Any, batch: int, height: int, width: int, dtype: Any = None,
+                device: Any = None, tokens: int = 77) -> tuple[Any, Any, Any, dict[str, Any]]:
+    """Random SDXL UNet inputs for images of height x width pixels: latents, timesteps, prompt
+    embeddings and the added conditions (pooled text embedding, time ids)."""
+    time_ids = 6 * int(config.addition_time_embed_dim)
+    pooled = int(config.projection_class_embeddings_input_dim) - time_ids
+    kw = {"dtype": dtype, "device": device}
+    latents = torch.randn(batch, int(config.in_channels), height // 8, width // 8, **kw)
+    embeds = torch.randn(batch, tokens, int(config.cross_attention_dim), **kw)
+    cond = {"text_embeds": torch.randn(batch, pooled, **kw),
+            "time_ids": torch.randn(batch, 6, **kw)}
+    return latents, torch.randint(0, 1000, (batch,), device=device), embeds, cond

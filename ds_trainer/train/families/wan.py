@@ -23,7 +23,7 @@ is exported (the trained one in its slot: the low-noise expert is the pipeline's
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -34,7 +34,7 @@ from omegaconf import DictConfig
 from ds_trainer import console
 from ds_trainer.config.families.wan import SPEC
 from ds_trainer.train.families import common, flow
-from ds_trainer.train.families.base import TextParts, Whole
+from ds_trainer.train.families.base import Shape, TextParts, Whole
 from ds_trainer.train.families.common import per_sample_mse
 from ds_trainer.train.families.flow_family import FlowFamily, FrozenParts
 from ds_trainer.train.layouts import wan as wan_layout
@@ -332,6 +332,26 @@ class Wan(FlowFamily):
         """Classifier-free guidance at `scale` against the negative prompt (empty: UMT5's empty
         caption); both experts of A14B at the same scale."""
         return {"guidance_scale": scale, "negative_prompt": negative or None}
+
+    def planner_forward(self, model: Any, shape: Shape) -> Callable[[], Any]:
+        """A clip's latents (frames by the VAE's 4x, space by the model's downsampling over the
+        patch's 2), the caption's tokens; an image to video model's channels and CLIP tokens."""
+        c, b, factor = model.config, shape.batch, shape.downsample // 2
+        frames = (shape.frames - 1) // SPEC.temporal_factor + 1
+        latents = (b, int(c.in_channels), frames, shape.height // factor, shape.width // factor)
+        inputs = {"hidden_states": torch.randn(*latents, **shape.tensors),
+                  "timestep": torch.rand(b, device=shape.device) * 1000,
+                  "encoder_hidden_states": torch.randn(b, shape.tokens, int(c.text_dim),
+                                                       **shape.tensors)}
+        if c.image_dim:  # Wan 2.1 I2V: CLIP ViT-H's 257 tokens
+            image = torch.randn(b, 257, int(c.image_dim), **shape.tensors)
+            inputs["encoder_hidden_states_image"] = image
+        return lambda: model(**inputs)
+
+    def planner_blocks(self) -> tuple[type, ...]:
+        from diffusers.models.transformers.transformer_wan import WanTransformerBlock
+
+        return (WanTransformerBlock,)
 
     def lora_pipeline(self) -> Any:
         """WanPipeline's LoRA file (WanImageToVideoPipeline reads the same; A14B's low-noise expert

@@ -57,7 +57,7 @@ CLIP_TINY = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2,
 
 # name: (transformer, transformer_2 or None, VAE, text encoder, image encoder or None, image size, flow shift)
 MODELS = {
-    "wan21_t2v_tiny": (TINY, None, VAE_TINY, UMT5_TINY, None, None, 3.0),
+    "wan_tiny": (TINY, None, VAE_TINY, UMT5_TINY, None, None, 3.0),
     "wan21_i2v_tiny": ({**TINY, "in_channels": 36, "image_dim": 16, "added_kv_proj_dim": 24}, None, VAE_TINY,
                        UMT5_TINY, CLIP_TINY, 28, 3.0),
     "wan22_ti2v_tiny": ({**TINY, "in_channels": 48, "out_channels": 48}, None, VAE_22_TINY, UMT5_TINY, None, None,
