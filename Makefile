@@ -27,7 +27,7 @@ RUN :=
 endif
 PIP := $(PY) -m pip install --disable-pip-version-check -c $(CONSTRAINTS)
 
-.PHONY: setup system-deps python ops run test test-long lint lock upgrade wheelhouse gpucheck
+.PHONY: setup system-deps python ops run test test-long lint lock upgrade wheelhouse gpucheck rehearse
 
 # torch first, and only when missing: a torch the user already has (CUDA build, nightly) is kept, and nothing
 # below pulls a second one (the constraints leave torch out). DeepSpeed builds against that torch (no build
@@ -91,6 +91,11 @@ wheelhouse: setup
 # The GPU check's CPU form (python -m ds_trainer.gpucheck --cpu): every step a CPU can run, tiny models.
 gpucheck: setup
 	$(RUN) $(PY) -m ds_trainer.gpucheck --cpu --out outputs/gpucheck-cpu
+
+# The GPU check's two device calls rehearsed here: their exact commands under the device tool's limits
+# (600 s a call with the install, 64 MiB of tree and wheels, 8 files of 16 MiB back); fails on a broken one.
+rehearse: wheelhouse
+	$(RUN) $(PY) -m ds_trainer.gpucheck.rehearse
 
 lint:
 	$(RUN) $(PY) -m ruff check ds_trainer tests

@@ -63,7 +63,7 @@ USER_FILES = {"data.path", "validation.path", "model.pretrained", "model.vae", "
               "samples.prompts", "adapter.init_from", "data.control_path", "samples.images"}
 CHECKED_BY_VALIDATION = {"ds_trainer", "ds_trainer.cache", "ds_trainer.plan", "ds_trainer.tune", "ds_trainer.doctor"}
 CHECKED_BY_PARSER = {"ds_trainer.report", "ds_trainer.convert", "ds_trainer.bench", "ds_trainer.slurm_local",
-                     "ds_trainer.gpucheck",
+                     "ds_trainer.gpucheck", "ds_trainer.gpucheck.rehearse",
                      "ds_trainer.config.docs_reference", "ds_trainer.config.refusals", "ds_trainer.tools.plan.table"}
 CHECKED_BY_NAME = {"ds_trainer.tools.ops"}
 

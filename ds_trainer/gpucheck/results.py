@@ -1,11 +1,18 @@
-"""The check's outputs, rewritten after every step: results.json (every row, whole), results.md (the table to
-read), and plan_calibration.jsonl (the real-size cells in the form `python -m ds_trainer.tune` appends, so the
-planner learns from them: copy its lines into a run's `plan.calibration` file)."""
+"""The check's outputs, rewritten after every step: results.json (every row, whole), results.md
+(the table to read), and plan_calibration.jsonl (the real-size cells in the form
+`python -m ds_trainer.tune` appends, so the planner learns from them: copy its lines into a run's
+`plan.calibration` file). With a mirror (the device tool's $OUT) the three and logs.tgz are copied
+there after every step too, so a call killed at any moment brings back what it measured (review
+3's K2).
+"""
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import shutil
+import tarfile
 import time
 from pathlib import Path
 from typing import Any
@@ -13,9 +20,11 @@ from typing import Any
 from ds_trainer.gpucheck.steps import Step
 
 GIB = 2**30
-COLUMNS = (("step", "step"), ("status", "status"), ("s_per_it", "s/it"), ("gpu_alloc_gib", "GPU alloc GiB"),
-           ("gpu_reserved_gib", "GPU reserved GiB"), ("host_rss_gib", "host RSS GiB"), ("plan_gib", "plan GiB"),
-           ("measured_over_planned", "alloc/plan"), ("mfu", "MFU"), ("elapsed_s", "s"), ("timeout_s", "timeout s"))
+COLUMNS = (("step", "step"), ("call", "call"), ("status", "status"), ("s_per_it", "s/it"),
+           ("gpu_alloc_gib", "GPU alloc GiB"), ("gpu_reserved_gib", "GPU reserved GiB"),
+           ("host_rss_gib", "host RSS GiB"), ("plan_gib", "plan GiB"),
+           ("measured_over_planned", "alloc/plan"), ("mfu", "MFU"), ("elapsed_s", "s"),
+           ("timeout_s", "timeout s"))
 
 
 def _atomic(path: Path, text: str) -> None:
@@ -67,7 +76,8 @@ def mfu(row: dict[str, Any], step: Step, machine: dict[str, Any]) -> float | Non
     return round(flops * float(row["images_per_s"]) / float(machine["peak_tflops"]), 4)
 
 
-def calibration_record(row: dict[str, Any], step: Step, machine: dict[str, Any]) -> dict[str, Any] | None:
+def calibration_record(row: dict[str, Any], step: Step,
+                       machine: dict[str, Any]) -> dict[str, Any] | None:
     """The tuner's calibration record of a measured real-size cell (tools/calibration.py reads these fields): on a
     GPU the peak allocated bytes less the planner's model states, on a CPU the host RSS the loop added."""
     plan, summary = row.get("plan"), row.get("run_summary") or {}
@@ -82,7 +92,11 @@ def calibration_record(row: dict[str, Any], step: Step, machine: dict[str, Any])
     else:
         return None
     o = step.overrides
-    device = f"cuda:{machine['gpu_name']}" if machine.get("gpu_name") else "cpu"
+    device = "cpu"
+    if measure == "gpu_allocated":  # a GPU's figure is never labelled cpu (review 3's K5)
+        if not machine.get("gpu_name"):
+            return None  # no name to file it under: the machine step said none
+        device = f"cuda:{machine['gpu_name']}"
     res = o.get("resolution", "px128").removeprefix("px")
     return {"model": o.get("model", "sdxl_tiny"), "device": device, "precision": o.get("precision", "bf16"),
             "cell": f"gpucheck-{step.name}", "resolution": f"{res}x{res}",
@@ -94,8 +108,43 @@ def calibration_record(row: dict[str, Any], step: Step, machine: dict[str, Any])
             "predicted_peak_bytes": int(plan["gpu"] * GIB), "time": time.time(), "source": "gpucheck"}
 
 
-def write(out: Path, header: dict[str, Any], rows: list[dict[str, Any]], records: list[dict[str, Any]]) -> None:
+def write(out: Path, header: dict[str, Any], rows: list[dict[str, Any]],
+          records: list[dict[str, Any]]) -> None:
     """Rewrite results.json, results.md and plan_calibration.jsonl."""
     _atomic(out / "results.json", json.dumps({**header, "steps": rows}, indent=2, default=str) + "\n")
     _atomic(out / "results.md", markdown(header, rows))
     _atomic(out / "plan_calibration.jsonl", "".join(json.dumps(r) + "\n" for r in records))
+
+
+RESULTS = ("results.json", "results.md", "plan_calibration.jsonl")
+LOG_TAIL = 256 * 1024  # the last bytes kept of each log in logs.tgz: far under 16 MiB in all
+
+
+def _logs(out: Path) -> list[Path]:
+    """Every step's output and each run's log, summary and metrics."""
+    names = ("ds_trainer.log", "summary.json", "metrics.jsonl")
+    runs = sorted(p for n in names for p in out.glob(f"runs/*/{n}"))
+    return sorted(out.glob("logs/*.log")) + runs
+
+
+def logs_tarball(out: Path, path: Path) -> None:
+    """logs.tgz: the logs under `out`, each cut to its last LOG_TAIL bytes, written whole or not at
+    all."""
+    tmp = path.with_name(path.name + ".tmp")
+    with tarfile.open(tmp, "w:gz") as tar:
+        for file in _logs(out):
+            data = file.read_bytes()[-LOG_TAIL:]
+            info = tarfile.TarInfo(str(file.relative_to(out)))
+            info.size, info.mtime = len(data), int(file.stat().st_mtime)
+            tar.addfile(info, io.BytesIO(data))
+    os.replace(tmp, path)
+
+
+def mirror(out: Path, to: Path) -> None:
+    """Copy the results and a fresh logs.tgz into `to`: four flat files."""
+    to.mkdir(parents=True, exist_ok=True)
+    for name in RESULTS:
+        if (out / name).exists():
+            shutil.copyfile(out / name, to / f"{name}.tmp")
+            os.replace(to / f"{name}.tmp", to / name)
+    logs_tarball(out, to / "logs.tgz")

@@ -20,10 +20,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ds_trainer.gpucheck.steps import Step
+from ds_trainer.gpucheck.builds import Build
+from ds_trainer.gpucheck.steps import BUILDERS, Step
 
 MIB = 2**20
 GRACE_S = 3.0  # SIGTERM to SIGKILL: a run stopped at its timeout may not write a checkpoint on the budget's time
+KILL_WAIT_S = 10.0  # SIGKILL to its end: freeing a large host memory (Flux's) takes seconds
 # The line a run logs at its start (tools/plan.py: log_for_run / describe): the planner's estimate of this run.
 PLAN = re.compile(r"memory plan \(python -m ds_trainer\.plan\)[^:]*: about ([\d.]+) GiB GPU per rank \(params "
                   r"([\d.]+), grads ([\d.]+), optimizer ([\d.]+), activations ([\d.]+), buffers ([\d.]+) GiB\), "
@@ -31,8 +33,9 @@ PLAN = re.compile(r"memory plan \(python -m ds_trainer\.plan\)[^:]*: about ([\d.
 ERROR = re.compile(r"^(\w+\.)*\w*(Error|Exception|Interrupt|Exit)\b:?|^error:|^ds_trainer: |CUDA error", re.I)
 
 
-def command(step: Step, out: Path) -> list[str]:
-    """The step's command line."""
+def command(step: Step, out: Path, runs: dict[str, Path] | None = None) -> list[str]:
+    """The step's command line (a resume from the run an earlier step left, in `runs` when an
+    earlier call ran it)."""
     if step.kind == "probe":
         return [sys.executable, "-m", "ds_trainer.gpucheck.probes", *step.args]
     if step.kind == "cli":
@@ -40,7 +43,8 @@ def command(step: Step, out: Path) -> list[str]:
     folder = out / "runs" / step.name
     extra = [f"hydra.run.dir={folder}", f"plan.calibration={out / 'runs' / 'uncalibrated.jsonl'}"]
     if step.resume_from is not None:
-        extra.append(f"resume={last_checkpoint(out / 'runs' / step.resume_from)}")
+        source = (runs or {}).get(step.resume_from, out / "runs" / step.resume_from)
+        extra.append(f"resume={last_checkpoint(source)}")
     if step.tagged_images:
         extra += ["data=folder", f"data.path={out / 'data' / step.name}"]
     if step.reference_image:
@@ -101,7 +105,7 @@ def execute(cmd: list[str], log: Path, timeout: float) -> tuple[int | None, floa
             if time.monotonic() - start > timeout:
                 break
             time.sleep(0.2)
-        for sig, wait in ((signal.SIGTERM, GRACE_S), (signal.SIGKILL, 10.0)):
+        for sig, wait in ((signal.SIGTERM, GRACE_S), (signal.SIGKILL, KILL_WAIT_S)):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, sig)
             deadline = time.monotonic() + wait
@@ -220,9 +224,30 @@ def probe_row(log: Path) -> dict[str, Any]:
             "note": "; ".join(f"{k} {v}" for k, v in findings.items())}
 
 
-def run_step(step: Step, out: Path, timeout: float) -> dict[str, Any]:
+def build_row(step: Step, build: Build | None, timeout: float) -> dict[str, Any]:
+    """A build step's row: the background build of its op, waited for at most `timeout` (left
+    running past it: the steps that load the op wait for it in their own time)."""
+    op = step.args[0]
+    row: dict[str, Any] = {"step": step.name, "group": step.group, "what": step.what,
+                           "command": f"-m ds_trainer.tools.ops {BUILDERS[op]} (in the background)",
+                           "timeout_s": round(timeout, 1)}
+    if build is None:
+        return {**row, "status": "skipped", "error": "no step of this call loads it"}
+    status = build.wait(time.monotonic() + timeout)
+    row.update(elapsed_s=build.seconds(), note=f"{build.said()} ({build.seconds():.0f} s since "
+               "the check started it)")
+    if status == "ok":
+        return {**row, "status": "ok"}
+    if status is None:
+        return {**row, "status": "timeout", "error": f"still building after {build.seconds():.0f}"
+                f" s; the steps that load {op} wait for it"}
+    return {**row, "status": status, "error": build.said()}
+
+
+def run_step(step: Step, out: Path, timeout: float,
+             runs: dict[str, Path] | None = None) -> dict[str, Any]:
     """Run the step and return its row."""
-    cmd = command(step, out)
+    cmd = command(step, out, runs)
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     log = logs / f"{step.name}.log"

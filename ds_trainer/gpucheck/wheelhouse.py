@@ -1,12 +1,16 @@
-"""`make wheelhouse` (python -m ds_trainer.gpucheck.wheelhouse): the wheels a GPU machine without network lacks.
+"""`make wheelhouse` (python -m ds_trainer.gpucheck.wheelhouse): the wheels a GPU machine without
+network lacks.
 
-The machine (docs/gpu-check.md) has Python 3.12, a CUDA torch, accelerate, transformers, peft and the common
-libraries; it lacks DeepSpeed, diffusers, Hydra and the rest below. This downloads them for CPython 3.12 manylinux
-x86-64 at the versions constraints.txt pins, builds DeepSpeed's sdist into a wheel here (DS_BUILD_OPS=0: its ops
-compile on the GPU machine, where nvcc is) and antlr4's (an sdist only), and checks that every requirement of every
-wheel is either in the wheelhouse or on that machine. Each set stays under 60 MiB, so that one set and the
-checkout travel together within a 64 MiB transfer; install one there with
-`pip install --no-index --no-deps --target DIR .wheelhouse/core/*.whl` and put DIR on PYTHONPATH.
+The machine (docs/gpu-check.md) has Python 3.12, a CUDA torch, accelerate and the common libraries;
+it lacks DeepSpeed, diffusers, Hydra and the rest below, and its transformers (5.17) and peft are
+not the versions the tests vouch for, so those travel too (review 3's K4). This downloads them for
+CPython 3.12 manylinux x86-64 at the versions constraints.txt pins, builds DeepSpeed's sdist into a
+wheel here (DS_BUILD_OPS=0: its ops compile on the GPU machine, where nvcc is) and antlr4's (an
+sdist only), keeps of bitsandbytes' 16 native libraries the two that machine loads (its CPU one and
+the one for torch's CUDA, 13.0), and checks that every requirement of every wheel is met by a
+version in the wheelhouse or on that machine. The carried sets and the checkout stay within the
+device tool's 64 MiB (`TRANSFER_MIB`); install them there with
+`pip install --no-index --no-deps --target DIR .wheelhouse/*/*.whl` and put DIR on PYTHONPATH.
 """
 
 from __future__ import annotations
@@ -19,28 +23,43 @@ import sys
 import zipfile
 from pathlib import Path
 
+from packaging.requirements import Requirement
+
 SETS = {
-    # What `python -m ds_trainer` imports on its run path, with what those need that the machine lacks.
-    "core": ["deepspeed", "hjson", "pydantic", "pydantic_core", "annotated-types", "typing-inspection",
-             "typing_extensions", "diffusers", "importlib_metadata", "lazy-importer", "hydra-core", "omegaconf",
-             "antlr4-python3-runtime", "prodigyopt", "schedulefree", "torch-optimi", "torchao", "submitit",
-             "hydra-submitit-launcher"],
-    "bnb": ["bitsandbytes"],  # optimizer=adamw8bit; 43 MB alone
+    # What `python -m ds_trainer` imports on its run path, with what those need that the machine
+    # lacks, and what it has at another version than the tests'.
+    "core": ["deepspeed", "hjson", "pydantic", "pydantic_core", "annotated-types",
+             "typing-inspection", "typing_extensions", "diffusers", "importlib_metadata",
+             "lazy-importer", "hydra-core", "omegaconf", "antlr4-python3-runtime", "prodigyopt",
+             "schedulefree", "torch-optimi", "torchao", "submitit", "hydra-submitit-launcher",
+             "peft", "transformers"],
+    # optimizer=adamw8bit, quantize=nf4/int8; trimmed to the machine's CUDA (41 MiB whole)
+    "bnb": ["bitsandbytes"],
     "wandb": ["wandb", "cwevals", "opentelemetry-api", "opentelemetry-sdk",  # logger=wandb only
               "opentelemetry-exporter-otlp-proto-http",
               "opentelemetry-exporter-otlp-proto-common", "opentelemetry-proto",
               "opentelemetry-semantic-conventions", "googleapis-common-protos",
-              "opentelemetry-exporter-http-transport", "opentelemetry-exporter-otlp-common", "distro", "sniffio"],
+              "opentelemetry-exporter-http-transport", "opentelemetry-exporter-otlp-common",
+              "distro", "sniffio", "platformdirs"],
 }
 BUILT_HERE = {"deepspeed", "antlr4-python3-runtime"}  # sdists: built into wheels on this machine
-# On the GPU machine already (its image's package list, docs/gpu-check.md): what the check need not bring.
-PRESENT = {"torch", "numpy", "packaging", "psutil", "py-cpuinfo", "msgpack", "ninja", "tqdm", "einops",
-           "nvidia-ml-py", "pyyaml", "filelock", "huggingface-hub", "regex", "requests", "safetensors", "pillow",
-           "httpx", "cloudpickle", "zipp", "accelerate", "transformers", "peft", "matplotlib", "xxhash", "protobuf",
-           "click", "platformdirs", "setuptools", "jinja2", "fsspec", "tokenizers", "sympy", "networkx",
-           "typing-extensions", "urllib3", "certifi", "idna", "charset-normalizer", "triton", "anyio", "h11"}
-LIMIT_MIB = 60
-PLATFORMS = ["manylinux2014_x86_64"] + [f"manylinux_2_{n}_x86_64" for n in (17, 24, 27, 28, 31, 34, 35, 39)]
+# On the GPU machine already (KINDS.md's package list): what the check need not bring.
+PRESENT = {"torch", "numpy", "packaging", "psutil", "py-cpuinfo", "msgpack", "ninja", "tqdm",
+           "einops", "nvidia-ml-py", "pyyaml", "filelock", "huggingface-hub", "regex", "requests",
+           "safetensors", "pillow", "httpx", "cloudpickle", "zipp", "accelerate", "matplotlib",
+           "xxhash", "protobuf", "typer", "click", "setuptools", "jinja2", "fsspec", "tokenizers",
+           "sympy", "networkx", "typing-extensions", "urllib3", "certifi", "idna",
+           "charset-normalizer", "triton", "anyio", "h11"}
+# Their versions where KINDS.md's pip list gives them (nvidia-h100-x1 and nvidia-h200 share the
+# image): a requirement of a carried wheel is checked against these.
+MACHINE_VERSIONS = {"torch": "2.11.0", "accelerate": "1.15.0", "huggingface-hub": "1.33.0",
+                    "numpy": "2.5.2", "safetensors": "0.8.0", "tokenizers": "0.23.2",
+                    "triton": "3.6.0"}
+MACHINE_CUDA = "130"  # torch 2.11.0+cu130: bitsandbytes loads libbitsandbytes_cuda130.so
+TRANSFER_MIB = 64  # the device tool's working tree, carried paths included
+LIMIT_MIB = 60  # the carried sets together: the rest is the checkout (about 3.8 MiB)
+PLATFORMS = ["manylinux2014_x86_64"] + [f"manylinux_2_{n}_x86_64"
+                                        for n in (17, 24, 27, 28, 31, 34, 35, 39)]
 
 
 def norm(name: str) -> str:
@@ -72,29 +91,53 @@ def fetch(folder: Path, names: list[str], versions: dict[str, str]) -> None:
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check"]
     if binary:
         platform = [arg for p in PLATFORMS for arg in ("--platform", p)]
-        subprocess.run([*pip, "download", "-q", "--no-deps", "--only-binary=:all:", "--python-version", "3.12",
-                        "--implementation", "cp", *platform, "-d", str(folder), *_pinned(binary, versions)],
-                       check=True)
+        subprocess.run([*pip, "download", "-q", "--no-deps", "--only-binary=:all:",
+                        "--python-version", "3.12", "--implementation", "cp", *platform, "-d",
+                        str(folder), *_pinned(binary, versions)], check=True)
     if built:  # pure Python once the ops are left out: a py3 wheel installs on 3.12
-        subprocess.run([*pip, "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(folder),
-                        *_pinned(built, versions)], check=True, env={**os.environ, "DS_BUILD_OPS": "0"})
+        subprocess.run([*pip, "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
+                        str(folder), *_pinned(built, versions)], check=True,
+                       env={**os.environ, "DS_BUILD_OPS": "0"})
 
 
-def requirements(wheel: Path) -> list[str]:
+def trim_native(wheel: Path, keep: tuple[str, ...]) -> int:
+    """Drop the native libraries of `wheel` that the GPU machine never loads (bitsandbytes ships one
+    per CUDA and ROCm release, 16 in 41 MiB; its loader picks the one for torch's CUDA) and their
+    RECORD lines; the bytes saved."""
+    before = wheel.stat().st_size
+    tmp = wheel.with_suffix(".tmp")
+
+    def dropped(name: str) -> bool:
+        native = name.endswith(".so") and "/libbitsandbytes_" in f"/{name}"
+        return native and not name.endswith(keep)
+
+    with zipfile.ZipFile(wheel) as src, zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as dst:
+        for item in src.infolist():
+            if dropped(item.filename):
+                continue
+            data = src.read(item)
+            if item.filename.endswith(".dist-info/RECORD"):
+                lines = data.decode().splitlines(keepends=True)
+                data = "".join(ln for ln in lines if not dropped(ln.split(",", 1)[0])).encode()
+            dst.writestr(item, data)
+    os.replace(tmp, wheel)
+    return before - wheel.stat().st_size
+
+
+def requirements(wheel: Path) -> list[Requirement]:
     """The wheel's requirements that apply on CPython 3.12 on Linux without extras."""
-    from packaging.requirements import Requirement
-
     with zipfile.ZipFile(wheel) as z:
         meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
         lines = z.read(meta).decode().splitlines()
     env = {"python_version": "3.12", "python_full_version": "3.12.3", "sys_platform": "linux",
-           "platform_system": "Linux", "platform_machine": "x86_64", "implementation_name": "cpython", "extra": ""}
+           "platform_system": "Linux", "platform_machine": "x86_64",
+           "implementation_name": "cpython", "extra": ""}
     out = []
     for line in lines:
         if line.startswith("Requires-Dist:"):
             req = Requirement(line.split(":", 1)[1].strip())
             if req.marker is None or req.marker.evaluate(env):
-                out.append(norm(req.name))
+                out.append(req)
     return out
 
 
@@ -102,21 +145,35 @@ def dist_name(wheel: Path) -> str:
     return norm(wheel.name.split("-")[0])
 
 
-def check(root: Path) -> list[str]:
-    """Requirements that neither the wheelhouse nor the machine provide, and sets over the limit."""
+def _unmet(wheel: Path, req: Requirement, versions: dict[str, str]) -> str | None:
+    """Why `req` of `wheel` is not met on the machine with the wheelhouse installed, or None."""
+    name = norm(req.name)
+    if name not in versions and name in PRESENT:
+        return None
+    if name not in versions:
+        return (f"{wheel.name} needs {name}, which is neither in the wheelhouse nor on the GPU "
+                "machine")
+    if req.specifier.contains(versions[name], prereleases=True):
+        return None
+    return f"{wheel.name} needs {req}, and the GPU machine would have {name} {versions[name]}"
+
+
+def check(root: Path, carried: tuple[str, ...] = ("core", "bnb")) -> list[str]:
+    """Requirements that neither the wheelhouse nor the machine meet (by version where the machine's
+    is known), and the carried sets over the limit together."""
     wheels = list(root.glob("*/*.whl"))
-    have = {dist_name(w) for w in wheels} | PRESENT
-    problems = [f"{w.name} needs {r}, which is neither in {root} nor on the GPU machine"
-                for w in wheels for r in requirements(w) if r not in have]
-    for folder in sorted(p for p in root.iterdir() if p.is_dir()):
-        size = sum(w.stat().st_size for w in folder.glob("*.whl")) / 2**20
-        if size > LIMIT_MIB:
-            problems.append(f"{folder.name}: {size:.1f} MiB, over {LIMIT_MIB} MiB")
+    versions = {**MACHINE_VERSIONS, **{dist_name(w): w.name.split("-")[1] for w in wheels}}
+    problems = [why for w in wheels for r in requirements(w) if (why := _unmet(w, r, versions))]
+    size = sum(w.stat().st_size for name in carried for w in (root / name).glob("*.whl")) / 2**20
+    if size > LIMIT_MIB:
+        problems.append(f"{' + '.join(carried)}: {size:.1f} MiB, over {LIMIT_MIB} MiB (the device "
+                        f"tool carries {TRANSFER_MIB} MiB with the checkout)")
     return problems
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ds_trainer.gpucheck.wheelhouse", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m ds_trainer.gpucheck.wheelhouse",
+                                     description=__doc__)
     parser.add_argument("--out", type=Path, default=Path(".wheelhouse"))
     parser.add_argument("--constraints", type=Path, default=Path("constraints.txt"))
     parser.add_argument("--sets", nargs="+", default=list(SETS), choices=list(SETS))
@@ -127,6 +184,9 @@ def main(argv: list[str] | None = None) -> int:
         for old in folder.glob("*.whl"):
             old.unlink()
         fetch(folder, SETS[name], versions)
+        for wheel in folder.glob("bitsandbytes-*.whl"):
+            saved = trim_native(wheel, ("_cpu.so", f"_cuda{MACHINE_CUDA}.so"))
+            print(f"{wheel.name}: {saved / 2**20:.1f} MiB of other CUDA and ROCm releases dropped")
         size = sum(w.stat().st_size for w in folder.glob("*.whl")) / 2**20
         print(f"{folder}: {len(list(folder.glob('*.whl')))} wheels, {size:.1f} MiB", flush=True)
     problems = check(args.out)
