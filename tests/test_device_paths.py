@@ -178,6 +178,7 @@ def test_a_kahan_partition_past_tritons_int32_indices_steps_with_optimis_loop() 
     on_cpu = checks.check(make_cfg("precision=bf16_pure_kahan", "model=sdxl_base", "zero=stage2",
                                    "world_size=1"))
     assert on_cpu.ok and not on_cpu.cfg.resolved.kahan_loop  # no Triton kernel there
+    assert "world_size" in _refused("precision=bf16_pure_kahan", "zero=stage2", "world_size=0")
 
     # What the run builds from the record: optimi's loop, which steps the Kahan update; else optimi's own choice
     # (None: its Triton kernel on CUDA tensors).

@@ -134,7 +134,8 @@ def flat_partition(cfg: DictConfig) -> int | None:
         return None
     if cfg.adapter.method.value != "none":
         return None
-    share = -(-int(cfg.model.param_count) // world_size_of(cfg))
+    world = max(world_size_of(cfg), 1)  # world_size=0 is refused by the settings' rule
+    share = -(-int(cfg.model.param_count) // world)
     if int(cfg.zero.stage) == 3:
         return min(share, int(cfg.zero.sub_group_size))
     return share
@@ -145,10 +146,10 @@ def _kahan_kernel(cfg: DictConfig, optimizer: str | None, info: hardware.Platfor
     indices (review 3's C1: SDXL full on one rank, Qwen-Image full on up to 9) steps with optimi's
     torch loop instead (its elementwise ops index in 64 bits), said loudly and recorded as
     resolved.kahan_loop."""
-    partition = flat_partition(cfg)
-    if optimizer not in optimizers.KAHAN_OPTIMIZERS or info.kind != "cuda" or partition is None:
+    if optimizer not in optimizers.KAHAN_OPTIMIZERS or info.kind != "cuda":
         return []
-    if partition < TRITON_MAX_NUMEL:
+    partition = flat_partition(cfg)
+    if partition is None or partition < TRITON_MAX_NUMEL:
         return []
     cfg.resolved.kahan_loop = True
     world, count = world_size_of(cfg), int(cfg.model.param_count)
