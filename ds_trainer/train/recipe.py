@@ -305,12 +305,14 @@ def _build_cache(run: Run, dataset: Any) -> data.LatentCache | None:
         cache.finish()
         size = cache.disk_bytes()
         t5 = f"; {run.family.sequence_encoder}'s sequence in bf16" if run.family.storage_dtype("prompt_embeds") else ""
-        files = cache.files()
-        log.info("cached latents and embeddings of %d samples (%d images) in %.1fs: %s MiB on disk "
-                 "(%s KiB an image%s), %s", len(dataset), files, time.time() - start, f"{size / 2**20:.1f}",
-                 f"{size / max(files, 1) / 2**10:.0f}", t5, cache.dir)
-        log.info("latent cache: %d image(s) encoded now on %d rank(s), %d there from an earlier build; %d pack(s)",
-                 encoded, accelerator.num_processes, files - encoded, len(cache.packs()))
+        files, one = cache.files(), "clip" if run.family.spec.video else "image"
+        each = f"{size / max(files, 1) / 2**10:.0f} KiB {'a' if one == 'clip' else 'an'} {one}"
+        log.info("cached latents and embeddings of %d samples (%d %ss) in %.1fs: %s MiB on disk "
+                 "(%s%s), %s", len(dataset), files, one, time.time() - start,
+                 f"{size / 2**20:.1f}", each, t5, cache.dir)
+        log.info("latent cache: %d %s(s) encoded now on %d rank(s), %d there from an earlier "
+                 "build; %d pack(s)", encoded, one, accelerator.num_processes, files - encoded,
+                 len(cache.packs()))
     accelerator.wait_for_everyone()
     return cache
 

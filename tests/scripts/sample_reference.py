@@ -1,8 +1,9 @@
 """The image an exported pipeline makes with the sampler's settings, computed in a fresh process.
 
 `python tests/scripts/sample_reference.py <pipeline> <prompt> <seed> <out.npy> [--bf16-unet] [--lora <folder>]
-[--max-sequence-length N] [--reference <image>]`: any family's pipeline (DiffusionPipeline picks its class from the
-folder; helpers/pipelines.py reads Qwen-Image-Edit's processor); the bf16 flag casts its UNet or transformer.
+[--max-sequence-length N] [--reference <image>] [--frames N --size WxH]`: any family's pipeline (DiffusionPipeline
+picks its class from the folder; helpers/pipelines.py reads Qwen-Image-Edit's processor); the bf16 flag casts its
+UNet or transformer.
 
 A fresh process, because the pytest process is not a clean one: its in-process ZeRO-3 engines
 (test_deepspeed_engines, test_lora) replace `torch.nn.functional.linear` for good, which changes the
@@ -34,7 +35,10 @@ def main() -> None:
     parser.add_argument("--bf16-unet", action="store_true")
     parser.add_argument("--lora")
     parser.add_argument("--max-sequence-length", type=int)
-    parser.add_argument("--reference", help="an editing model's reference image (FluxKontextPipeline)")
+    parser.add_argument("--reference", help="an editing model's reference image (FluxKontextPipeline), an image to "
+                        "video model's first frame")
+    parser.add_argument("--frames", type=int, help="a video model's clip: its frames (its frames are saved)")
+    parser.add_argument("--size", default="128x128", help="WIDTHxHEIGHT of the sample")
     args = parser.parse_args()
     torch.set_num_threads(1)
     pipe = pipelines.load(Path(args.pipeline))
@@ -53,9 +57,13 @@ def main() -> None:
         extra = (("max_sequence_length", args.max_sequence_length),) if args.max_sequence_length else ()
         if args.reference and type(pipe).__name__ == "FluxKontextPipeline":  # the sampler's call of Kontext: the
             extra += (("max_area", 128 * 128), ("_auto_resize", False))  # reference fitted to the sample's size
-        settings = sampling.Settings(2, 5.0, "", 128, 128, extra, (args.reference,) if args.reference else ())
+        if args.frames:  # a video model's call (families/wan.py's call_kwargs): its frames, as pictures
+            extra = tuple(sorted((*extra, ("num_frames", args.frames), ("output_type", "pil"))))
+        width, height = (int(side) for side in args.size.split("x"))
+        settings = sampling.Settings(2, 5.0, "", width, height, extra, (args.reference,) if args.reference else ())
         image = sampling.generate(pipe, args.prompt, args.seed, settings, sampling.reference(settings, 0))
-    np.save(args.out, np.asarray(image))
+    frames = image if isinstance(image, list) else [image]
+    np.save(args.out, np.stack([np.asarray(frame) for frame in frames]) if args.frames else np.asarray(image))
 
 
 if __name__ == "__main__":

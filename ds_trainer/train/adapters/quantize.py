@@ -46,9 +46,12 @@ def is_float8(tensor: object) -> bool:
 
 def linears(module: torch.nn.Module) -> list[tuple[str, torch.nn.Linear]]:
     """The plain `nn.Linear` layers of `module` by name (not a LoRA's wrapper, not one already quantized: an fp8
-    layer keeps its class, its weight is torchao's)."""
+    layer keeps its class, its weight is torchao's), but those its class keeps in float32
+    (diffusers' `_keep_in_fp32_modules`: Wan's time embedder, which casts the timestep to its
+    weights' dtype)."""
+    kept = set(getattr(type(module), "_keep_in_fp32_modules", None) or ())
     return [(name, m) for name, m in module.named_modules() if type(m) is torch.nn.Linear
-            and not is_float8(m.weight)]
+            and not is_float8(m.weight) and not kept & set(name.split("."))]
 
 
 def apply(module: torch.nn.Module, kind: str, compute_dtype: torch.dtype, device: torch.device,  # noqa: PLR0913

@@ -127,6 +127,8 @@ def hf(source: sources.Source) -> list[sources.Item]:
                                  "captions", f"{source.key}.caption_column")
     if isinstance(loaded.features[image_col], datasets.Image):
         loaded = loaded.cast_column(image_col, datasets.Image(decode=False))
+    elif isinstance(loaded.features[image_col], datasets.Video):  # a video model's clips
+        loaded = loaded.cast_column(image_col, datasets.Video(decode=False))
     captions = loaded[caption_col] if caption_col is not None else [""] * len(loaded)
     root = Path(source.path)
     mtime = max((p.stat().st_mtime_ns for p in root.rglob("*.arrow")), default=0)

@@ -261,8 +261,8 @@ class SourceImages:
 
     def _log_found(self, checks: dict[str, list[Any]], checked_now: int) -> None:
         for source in self.sources:
-            log.info("%s=%s: %d image(s), repeated %g time(s) an epoch%s", source.label, source.path,
-                     self.found[source.index], source.repeats,
+            log.info("%s=%s: %d %s, repeated %g time(s) an epoch%s", source.label, source.path,
+                     self.found[source.index], self._noun(), source.repeats,
                      "" if source.resolution is None else f", in buckets of about {source.resolution}x"
                                                           f"{source.resolution} pixels")
         for (index, reason), count in sorted(self.skipped_by_source.items()):
@@ -270,8 +270,12 @@ class SourceImages:
             shown = f" ({', '.join(names[:10])}{', ...' * (len(names) > 10)})" if names else ""
             log.warning("%s=%s: skipped %d file(s): %s%s", source.label, source.path, count, reason,
                         shown)
-        log.info("checked %d image(s): %d decoded now, %d known from an earlier check", len(checks), checked_now,
-                 len(checks) - checked_now)
+        log.info("checked %d %s: %d decoded now, %d known from an earlier check", len(checks),
+                 self._noun(), checked_now, len(checks) - checked_now)
+
+    def _noun(self) -> str:
+        """What the sources hold: images, or a video model's files (videos and images)."""
+        return "image(s)" if self.clip_windows is None else "file(s)"
 
     def _split(self, cfg: DictConfig, usable: list[sources.Item], part: str) -> list[sources.Item]:
         """The items `validation.split` leaves to training (`train`) or holds out (`validation`)."""

@@ -29,6 +29,8 @@ IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp")
 MASK_SUFFIX = ".mask.png"  # `photo.jpg`'s mask is `photo.mask.png` beside it (data.masked_loss)
 TABLE_SUFFIXES = source_kinds.TABLE_SUFFIXES
 IMAGE_COLUMNS = ("image", "file_name", "path", "jpg", "png")
+# A video model's table: the column of its clips, looked for before the images'
+VIDEO_COLUMNS = ("video", "mp4", "clip")
 CAPTION_COLUMNS = ("text", "caption", "prompt", "txt")
 
 
@@ -262,11 +264,14 @@ def column(source: Source, columns: list[str], asked: str | None, candidates: tu
 
 
 def image_column(source: Source, columns: list[str]) -> str:
+    """The column of a table's images (a video model's: of its videos or images)."""
     key = f"{source.key}.image_column"
-    found = column(source, columns, source.image_column, IMAGE_COLUMNS, "images", key)
+    candidates = (*VIDEO_COLUMNS, *IMAGE_COLUMNS) if source.clips else IMAGE_COLUMNS
+    found = column(source, columns, source.image_column, candidates, "images", key)
     if found is None:
-        raise DataError(f"{source.label}: {source.path} has none of the columns {', '.join(IMAGE_COLUMNS)} for the "
-                        f"images; its columns: {', '.join(columns)}; set {key}")
+        raise DataError(f"{source.label}: {source.path} has none of the columns "
+                        f"{', '.join(candidates)} for the images; its columns: "
+                        f"{', '.join(columns)}; set {key}")
     return found
 
 

@@ -23,6 +23,7 @@ is exported (the trained one in its slot: the low-noise expert is the pipeline's
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable, Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -40,6 +41,7 @@ from ds_trainer.train.families.flow_family import FlowFamily, FrozenParts
 from ds_trainer.train.layouts import wan as wan_layout
 from ds_trainer.train.layouts.table import Part
 
+log = logging.getLogger("ds_trainer")
 # The text tokens WanImageToVideoPipeline's attention takes the image tokens after (its processor
 # cuts there).
 I2V_TEXT_TOKENS = 512
@@ -143,6 +145,12 @@ class Wan(FlowFamily):
     def load_trained(self, cfg: DictConfig) -> torch.nn.Module:
         from diffusers import WanTransformer3DModel
 
+        if self.boundary is not None:
+            side = "at or above" if self.expert == "high" else "below"
+            log.info("%s trains its %s-noise expert (the pipeline's %s) on the timesteps whose "
+                     "sigma is %s %g; the other expert is the source's, frozen, in the samples and "
+                     "the exported pipeline", cfg.model.name, self.expert, self._trained_folder(), side,
+                     self.boundary)
         return common.trained_module(  # type: ignore[no-any-return]
             cfg, WanTransformer3DModel, self._trained_folder(), cfg.model.get("transformer")
         )
@@ -286,7 +294,7 @@ class Wan(FlowFamily):
         slots = {"transformer": model}
         if self.boundary is not None:  # the other expert as the source has it
             other = "transformer" if self._trained_folder() == "transformer_2" else "transformer_2"
-            slots = {self._trained_folder(): model, other: self._other_expert(cfg, other)}
+            slots = {self._trained_folder(): model, other: self.other_expert(cfg, other)}
         parts = {
             "vae": frozen.vae,
             "text_encoder": frozen.text_encoder,
@@ -302,7 +310,7 @@ class Wan(FlowFamily):
             parts.update(image_encoder=frozen.image_encoder, image_processor=frozen.image_processor)
         return self._pipeline_class()(**parts)
 
-    def _other_expert(self, cfg: DictConfig, folder: str) -> Any:
+    def other_expert(self, cfg: DictConfig, folder: str) -> Any:
         from diffusers import WanTransformer3DModel
 
         path, kwargs = common.source(cfg)

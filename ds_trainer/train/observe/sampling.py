@@ -215,10 +215,11 @@ def _compute_dtype(layer: Any) -> torch.dtype:
 
 
 def _plain_tensors(built: torch.nn.Module, live: torch.nn.Module) -> None:
-    """The tensors a module keeps as plain attributes (no parameter, no buffer: Qwen-Image's RoPE frequencies), which
-    a module built on the meta device holds empty: the live module's."""
+    """The tensors a module keeps as plain attributes (no parameter: Qwen-Image's RoPE
+    frequencies) or as buffers left out of its state dict (Wan's RoPE tables), which a module built
+    on the meta device holds empty: the live module's."""
     for name, part in built.named_modules():
-        for attr, value in list(vars(part).items()):
+        for attr, value in [*vars(part).items(), *part._buffers.items()]:
             if isinstance(value, torch.Tensor) and value.is_meta:
                 setattr(part, attr, getattr(live.get_submodule(name), attr).detach().clone())
 
@@ -362,8 +363,8 @@ class Sampler:
         return pipe
 
     def _write(self, step: int, images: list[tuple[int, int, Any]], seconds: float) -> None:
-        """Rank 0: PNGs (a video model's clips as mp4, their first frames in the grid), the grid (a
-        row per prompt, a column per seed), the timing line and W&B."""
+        """Rank 0: PNGs (a video model's clips as mp4), the grid (a row per prompt, a column per
+        seed; a video model's: a row per clip, a column per frame), the timing line and W&B."""
         folder = self.dir / f"step_{step:08d}"
         folder.mkdir(parents=True, exist_ok=True)
         for index, seed, image in images:
@@ -371,8 +372,11 @@ class Sampler:
                 video.write(folder / f"{index}_{seed}.mp4", image, self._fps())
             else:
                 image.save(folder / f"{index}_{seed}.png")
-        firsts = [image[0] if isinstance(image, list) else image for _, _, image in images]
-        _grid(firsts, len(self.cfg.samples.seeds)).save(folder / "grid.png")
+        clips = [image for _, _, image in images if isinstance(image, list)]
+        if clips:  # a video model's: a row per clip, its frames left to right (lossless, unlike the mp4)
+            _grid([frame for clip in clips for frame in clip], len(clips[0])).save(folder / "grid.png")
+        else:
+            _grid([image for _, _, image in images], len(self.cfg.samples.seeds)).save(folder / "grid.png")
         with (self.dir / "samples.jsonl").open("a") as file:
             file.write(json.dumps({"step": step, "seconds": seconds, "images": len(images)}) + "\n")
         log.info("sampled %d images at step %d in %.1fs: %s", len(images), step, seconds, folder)
