@@ -267,6 +267,48 @@ def _images(tmp_path: Path) -> int:
     return n
 
 
+def _videos(tmp_path: Path) -> int:
+    """A video model's clip in every damaged form, an audio file named as a clip, and a legal clip whose frames are
+    above data.max_image_pixels: each is skipped and counted with its reason (or, cut where the frames before the
+    cut still decode, trains on those: a webm's frames stream in order), the rest trains."""
+    from test_video import write_clips
+
+    folder, n = write_clips(tmp_path / "folder"), 0
+    (folder / "torn.mp4").unlink()
+    clip, good = folder / "bad.webm", (folder / "spin.webm").read_bytes()
+    (folder / "bad.txt").write_text("a caption")
+    wan = ["model=wan_tiny", "data.video.frames=[1,5]"]
+    for case in damaged.cases(clip, good):
+        _, data = _dataset(tmp_path / f"v{n}", [{"path": str(folder)}], *wan)
+        reasons = [reason for (_, reason), names in data.skipped_names.items() if "bad.webm" in names[0]]
+        usable = "folder/bad.webm" in data.names()
+        assert (len(reasons) == 1) != usable or case in damaged.places(clip), (case, data.skipped_by_source)
+        assert data.unique >= 5, (case, data.skipped_by_source)  # the other clips and the image train
+        n += 1
+    audio = folder / "voice.mp4"
+    _audio(audio)
+    _, data = _dataset(tmp_path / "audio", [{"path": str(folder)}], *wan)
+    assert data.skipped_names[(0, "no video stream (an audio file?)")] == ["folder/voice.mp4"]
+    audio.unlink()
+    _, data = _dataset(tmp_path / "large", [{"path": str(folder)}], *wan, "data.max_image_pixels=5000")
+    assert data.skipped_names[(0, "too large (96x64 a frame, above data.max_image_pixels=5000)")] == [
+        "folder/walk.mp4"]
+    return n + 2
+
+
+def _audio(path: Path) -> None:
+    """An mp4 holding an AAC sound and no picture."""
+    import av
+    import numpy as np
+
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("aac", rate=16000)
+        frame = av.AudioFrame.from_ndarray(np.zeros((1, 1024), dtype=np.float32), format="fltp", layout="mono")
+        frame.sample_rate = 16000
+        for packet in [*stream.encode(frame), *stream.encode()]:
+            container.mux(packet)
+
+
 def _captions(tmp_path: Path) -> int:
     """A caption in every damaged form: read as what it holds (any bytes decode as Latin-1, said), or
     where no file can be read, the image trains with an empty caption and the log says why."""
@@ -388,6 +430,7 @@ RUNNERS: dict[str, Callable[[Path], int]] = {
     "tar shard": _shards,
     "saved dataset": _saved_dataset,
     "image": _images,
+    "video": _videos,
     "caption": _captions,
     "preset": _presets,
     "cache pack": _cache_packs,

@@ -49,6 +49,8 @@ SURFACES = (
     Surface("tar shard", "a webdataset .tar shard", "whole", "train/data/sources.py", "data"),
     Surface("image", "an image file of a folder, a table or a shard", "sample",
             "train/data/images.py", "data"),
+    Surface("video", "a video model's clip: a video file (mp4, webm, mov, mkv) of a folder, a "
+            "table, a shard or a saved dataset", "sample", "train/data/video.py", "data"),
     Surface("caption", "a caption file (.txt) in any of the encodings people write", "sample",
             "train/data/text.py", "data"),
     Surface("mask", "an image's <name>.mask.png (data.masked_loss)", "sample",

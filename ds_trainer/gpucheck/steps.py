@@ -198,6 +198,15 @@ def lever_steps(cpu: bool) -> list[Step]:
                overrides={"zero": "stage3", "precision": "bf16_pure_kahan",
                           "train.attention": _kernel(cpu, "cudnn"), "adapter": "lokr",
                           "train.checkpoint_every": "2"}, needs=("optimi",), part=2),
+        # The video family on CUDA: Wan 2.1 image to video's UMT5 and CLIP vision tower in bf16,
+        # the causal 3D VAE encoding clips and the first frame's latents (the input channels of
+        # image to video), FSDP2, validation and the export (WanImageToVideoPipeline). No samples:
+        # the machine lacks PyAV, whose 34 MiB wheel would not fit beside the carried sets.
+        _train("tiny_wan_i2v_fsdp", "correctness", t(20), "Wan 2.1 I2V tiny, FSDP2 full shard, "
+               "bf16, synthetic clips of 5 frames, validation, the export",
+               overrides={"model": "wan21_i2v_tiny", "zero": "fsdp_full_shard",
+                          "data.video.frames": "[5]", "validation": "on", "validation.split": "2",
+                          "validation.timesteps": "2", "train.export": "true"}, part=2),
         _build("cpu_adam", 2, t(15)),
         # An NF4 base under ZeRO-3: bitsandbytes' CUDA 4-bit kernels on weights packed in bf16
         # storage, partitioned and gathered by DeepSpeed, then a sample and the LoRA file.
