@@ -40,6 +40,9 @@ def _front_matter(cfg: DictConfig, lora: bool) -> str:
     tags = ["ds_trainer", *families.of(cfg).tags, "lora" if lora else "full-fine-tune"]
     if cfg.model.get("reference_images"):  # an editing model (Kontext, Qwen-Image-Edit): its makers' pipeline tag
         tags = [("image-to-image" if t == "text-to-image" else t) for t in tags]
+    video = cfg.model.get("video")
+    if video is not None and metadata.value_of(video.condition) != "none":  # given the first frame
+        tags = [("image-to-video" if t == "text-to-video" else t) for t in tags]
     lines.append("tags:")
     lines += [f"- {tag}" for tag in tags]
     lines.append("---")
@@ -72,12 +75,15 @@ def _training(cfg: DictConfig, facts: dict[str, Any]) -> list[str]:
     source = metadata.value_of(data.source) + (f" (`{data.path}`)" if data.path else "")
     images = facts.get("images")
     res = f"{cfg.resolution.width}x{cfg.resolution.height}"
+    if cfg.model.get("video") is not None:  # a video model's clips
+        frames = " and ".join(str(n) for n in sorted(cfg.data.video.frames))
+        res += f", clips of {frames} frame(s) at {cfg.model.video.fps:g} fps"
     buckets = facts.get("buckets")
     value = metadata.value_of
     backend = cfg.resolved.backend or value(cfg.zero.backend)
     out = [f"- steps: {cfg.train.max_steps}, micro-batch {cfg.train.micro_batch_size} x gradient accumulation "
            f"{cfg.train.gradient_accumulation_steps} x {cfg.resolved.world_size or 1} rank(s)",
-           f"- data: {source}" + (f", {images} images" if images is not None else ""),
+           f"- data: {source}" + (f", {images} {_held(cfg)}" if images is not None else ""),
            f"- resolution: {res}" + (f", aspect-ratio buckets {buckets}" if data.buckets and buckets else
                                      (", aspect-ratio buckets" if data.buckets else ", no buckets")),
            f"- optimizer: {value(cfg.optimizer.name)}, learning rate {cfg.optimizer.lr}, schedule "
@@ -90,6 +96,11 @@ def _training(cfg: DictConfig, facts: dict[str, Any]) -> list[str]:
         out.append(f"  - `{entry['name']}` ({entry['kind']}): {entry['images']} images x {entry['repeats']:g} an "
                    f"epoch, {entry['samples_seen']} samples seen, {entry['captions_dropped']} with the caption dropped")
     return out
+
+
+def _held(cfg: DictConfig) -> str:
+    """What the data holds: images, or a video model's files (clips and images)."""
+    return "images" if cfg.model.get("video") is None else "files"
 
 
 def _validation(validations: list[dict[str, Any]]) -> list[str]:
@@ -121,10 +132,11 @@ def _samples(cfg: DictConfig, run_dir: Path) -> list[str]:
     prompts = _prompts(cfg)
     out = [f"At step {int(last.name.removeprefix('step_'))}, {cfg.samples.steps} sampling steps, guidance "
            f"{cfg.samples.guidance_scale}:", ""]
-    for image in sorted(last.glob("*_*.png")):
+    for image in sorted([*last.glob("*_*.png"), *last.glob("*_*.mp4")]):
         index, seed = image.stem.split("_", 1)
         prompt = prompts[int(index)] if index.isdigit() and int(index) < len(prompts) else ""
-        out.append(f"![{prompt}]({image.relative_to(run_dir).as_posix()})")
+        link = image.relative_to(run_dir).as_posix()
+        out.append(f"[{prompt} (video)]({link})" if image.suffix == ".mp4" else f"![{prompt}]({link})")
         out.append(f"*{prompt}* (seed {seed})")
         out.append("")
     return out
