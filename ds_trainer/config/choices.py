@@ -184,6 +184,17 @@ class FrameExtraction(str, Enum):
     uniform = "uniform"  # data.video.windows windows spread evenly over the clip
 
 
+class ContextAttention(str, Enum):
+    """How attention sees a sequence split across the context ranks (parallel.attention)."""
+
+    # DeepSpeed-Ulysses: an all-to-all before and after attention trades the split of the
+    # sequence for a split of the heads (each rank attends over the whole sequence, for its heads)
+    ulysses = "ulysses"
+    # each rank keeps its keys and values and passes them around the ring (needs a CUDA kernel that
+    # returns the log-sum-exp)
+    ring = "ring"
+
+
 class TimestepDensity(str, Enum):
     logit_normal = "logit_normal"
     mode = "mode"

@@ -18,6 +18,7 @@ from ds_trainer.config.choices import (  # noqa: F401 - the choices are read as 
     Attention,
     Backend,
     Compile,
+    ContextAttention,
     DataSource,
     ExportFormat,
     LoggerMode,
@@ -370,6 +371,17 @@ class ResolvedConfig:
 
 
 @dataclass
+class ParallelConfig:
+    """`parallel`: how the ranks divide the work beyond data parallelism (docs/backends.md)."""
+
+    # Context parallelism: each sample's sequence split over this many ranks (a divisor of the
+    # world size; the ranks form a data x context mesh, the data's streams one per context group).
+    context: int = 1
+    # How attention runs on a split sequence: ulysses (all-to-all over heads) or ring.
+    attention: ContextAttention = ContextAttention.ulysses
+
+
+@dataclass
 class Config:
     zero: ZeroConfig = field(default_factory=ZeroConfig)
     offload: OffloadConfig = field(default_factory=OffloadConfig)
@@ -387,6 +399,7 @@ class Config:
     quantize: QuantizeConfig = field(default_factory=QuantizeConfig)
     samples: SamplesConfig = field(default_factory=SamplesConfig)
     validation: ValidationConfig = field(default_factory=ValidationConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     paths: PathsConfig = field(default_factory=PathsConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
     tune: TuneConfig = field(default_factory=TuneConfig)

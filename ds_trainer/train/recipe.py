@@ -31,7 +31,7 @@ from ds_trainer.train.adapters import adapter, quantize
 from ds_trainer.train.backends import accelerator as accel
 from ds_trainer.train.backends import inner
 from ds_trainer.train.export import card
-from ds_trainer.train.families import attention, common, compiled, text_encoders
+from ds_trainer.train.families import attention, common, compiled, context, text_encoders
 from ds_trainer.train.observe import metrics, startup, validate
 from ds_trainer.train.observe.sampling import Sampler
 from ds_trainer.train.optim import build, schedule_free
@@ -134,6 +134,8 @@ def setup(run: Run, resume: Resume) -> Started:
     run.trained = adapter.build(cfg, run.family.load_trained(cfg), encoders, where)
     model = run.trained.module
     attention.restrict(model, cfg.train.attention.value)  # train.attention: one SDPA kernel in its attention layers
+    # parallel.context: each sample's sequence split over the ranks of a context group
+    context.split(model, run.mesh, cfg.parallel.attention.value, run.family.context_plan())
     compiled.apply(model, cfg.train.compile.value, list(cfg.model.compile_blocks))  # train.compile, in place
     resume.before_prepare(model, run.backend)
     run.backend.before_prepare(model)

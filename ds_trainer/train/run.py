@@ -15,6 +15,7 @@ from omegaconf import DictConfig
 if TYPE_CHECKING:
     from ds_trainer.train.adapters.adapter import Trained
     from ds_trainer.train.backends import Backend
+    from ds_trainer.train.backends.mesh import Mesh
     from ds_trainer.train.backends.params import Whole
     from ds_trainer.train.families import Family
     from ds_trainer.train.observe.metrics import Tracker
@@ -41,6 +42,13 @@ class Run:
     ema: EMA | None = None
     # What samples, validation and exports run in: schedule-free AdamW's evaluation weights, else nothing.
     eval_weights: Callable[[], contextlib.AbstractContextManager[Any]] = field(default=contextlib.nullcontext)
+
+    @property
+    def mesh(self) -> Mesh:
+        """The ranks as data x context (parallel.context): the data's coordinates of this rank."""
+        from ds_trainer.train.backends.mesh import Mesh
+
+        return Mesh.of(self.cfg, self.accelerator)
 
     @property
     def params(self) -> Whole:

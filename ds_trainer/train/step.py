@@ -49,7 +49,8 @@ class TrainStep:
         self.seed = int(self.cfg.train.seed)
         self.rank = self.accelerator.process_index
         self.world = self.accelerator.num_processes
-        self.images_per_step = int(self.cfg.train.micro_batch_size) * self.accum * self.world
+        self.images_per_step = int(self.cfg.train.micro_batch_size) * self.accum * run.mesh.data_world
+        self.loss_scale = run.mesh.loss_scale  # parallel.context: a group's gradient parts sum, not average
         self.log_every, self.max_steps = int(self.cfg.train.log_every), int(self.cfg.train.max_steps)
         self.clip = float(self.cfg.train.gradient_clipping)
         # Reused every step: the stop and save flags travel with the loss in one all-reduce.
@@ -97,7 +98,7 @@ class TrainStep:
             losses = self.family.training_loss(self.cfg, self.model, self.noise_sched, batch, gens, self.device,
                                                self.dtype)
             loss = losses.mean()
-            self.accelerator.backward(loss)
+            self.accelerator.backward(loss * self.loss_scale if self.loss_scale != 1 else loss)
             if self.accelerator.sync_gradients and (self.clip > 0 or logging):
                 # The backend clips here or inside its optimizer step (DeepSpeed); an infinite limit only measures.
                 limit = self.clip if self.clip > 0 else float("inf")

@@ -17,6 +17,7 @@ from ds_trainer.config.checks import (
     model,
     ops,
     optimizer,
+    parallel,
     paths,
     precision,
     reference,
@@ -35,7 +36,7 @@ def check(cfg: DictConfig, info: hardware.PlatformInfo | None = None) -> Report:
     problems: list[Problem] = [*settings.problems(cfg), *model.problems(cfg), *video.problems(cfg),
                                *buckets.problems(cfg),
                                *precision.problems(cfg, info), *backend.problems(cfg, info),
-                               *optimizer.problems(cfg, info)]
+                               *optimizer.problems(cfg, info), *parallel.problems(cfg)]
     if not problems:  # the swap is sized, and its disk asked, only for a config that otherwise runs
         resolve.size_swap(cfg)
         problems += swap.problems(cfg, info)

@@ -46,6 +46,11 @@ def _text_tokens(cfg: Any) -> int:
     return int(cfg.model.flow.t5_max_length)
 
 
+def _context_lengths(cfg: Any, width: int, height: int, frames: int) -> dict[str, int]:  # noqa: ARG001
+    """The plan splits the image's packed tokens and T5's (their ids with them)."""
+    return {"image tokens": (width // 16) * (height // 16), "T5 tokens": int(cfg.model.flow.t5_max_length)}
+
+
 SPEC = FamilySpec(
     name="flux",
     label="Flux.1",
@@ -73,4 +78,5 @@ SPEC = FamilySpec(
     tags=("flux", "text-to-image"),
     text_tokens=_text_tokens,
     input_layer="x_embedder",
+    context_lengths=_context_lengths,
 )

@@ -30,6 +30,12 @@ def _text_tokens(cfg: Any) -> int:
     return int(cfg.model.flow.text_max_length)
 
 
+def _context_lengths(cfg: Any, width: int, height: int, frames: int) -> dict[str, int]:  # noqa: ARG001
+    """The plan splits the image's packed tokens and the caption's (its mask with them)."""
+    return {"image tokens": (width // 16) * (height // 16),
+            "caption tokens": int(cfg.model.flow.text_max_length)}
+
+
 SPEC = FamilySpec(
     name="qwen_image",
     label="Qwen-Image",
@@ -60,4 +66,5 @@ SPEC = FamilySpec(
     tags=("qwen-image", "text-to-image"),
     text_tokens=_text_tokens,
     input_layer="img_in",
+    context_lengths=_context_lengths,
 )

@@ -27,6 +27,9 @@ class TransformerFile:
         None  # the only width diffusers' loader converts (Flux.1's fused projection)
     )
     width_model: str = ""  # the model option of that width, for the fix
+    # The family whose file's mark this family's file holds too (Chroma's keeps Flux.1's
+    # blocks): a file with both marks is this family's
+    within: str = ""
 
 
 @dataclass(frozen=True)
@@ -78,6 +81,10 @@ class FamilySpec:
     video: bool = False
     # The VAE's compression in time: a clip's frames are k * temporal_factor + 1
     temporal_factor: int = 1
+    # parallel.context: the sequence lengths its transformer's context-parallel plan splits, for a
+    # sample of (width, height, frames) pixels under the composed config ({what: tokens}, each a
+    # multiple of the context size); None: its module has no sequence to split (a UNet)
+    context_lengths: Callable[[Any, int, int, int], dict[str, int]] | None = None
     # The family's own rules before a run (its conditioning against its architecture): the composed
     # config to its problems (config.problems.Problem), asked by config/checks/model.py
     rules: Callable[[Any], list[Any]] = field(default=lambda cfg: [])  # noqa: ARG005 - none

@@ -108,6 +108,13 @@ def _text_tokens(cfg: Any) -> int:
     return int(cfg.model.flow.text_max_length)
 
 
+def _context_lengths(cfg: Any, width: int, height: int, frames: int) -> dict[str, int]:
+    """The plan splits the clip's tokens (latent frames x rows x columns of 1 x 2 x 2 patches; TI2V's
+    timesteps with them); the caption is not split."""
+    side = int(cfg.model.downsample_factor)
+    return {"clip tokens": ((frames - 1) // 4 + 1) * (height // side) * (width // side)}
+
+
 SPEC = FamilySpec(
     name="wan",
     label="Wan",
@@ -139,4 +146,5 @@ SPEC = FamilySpec(
     video=True,
     temporal_factor=4,
     rules=_rules,
+    context_lengths=_context_lengths,
 )

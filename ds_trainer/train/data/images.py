@@ -16,6 +16,7 @@ from PIL import Image, ImageOps
 from ds_trainer.config import buckets as bucket_geometry
 from ds_trainer.config import families, holdout, source_repeats
 from ds_trainer.errors import DataError
+from ds_trainer.train.backends.mesh import data_world
 from ds_trainer.train.data import buckets, clips, scan, sources, video
 
 log = logging.getLogger(__name__)
@@ -193,7 +194,7 @@ class SourceImages:
             cfg, self.items, [s.resolution for s in self.sources], self.windows, checks)
         if part == "validation" or self.scoring:
             return  # scored image by image at its bucket's size: no epochs to plan
-        world = accelerator.num_processes if accelerator else 1
+        world = data_world(cfg, accelerator)  # the data's streams: one per context group
         batch = int(cfg.train.micro_batch_size) * int(cfg.train.gradient_accumulation_steps) * world
         repeat = cfg.data.bucket_remainder.value == "repeat"
         self.plan = buckets.Plan(self.layout, batch, self.seed, repeat)

@@ -37,7 +37,8 @@ class Loader:
         cfg, accelerator = run.cfg, run.accelerator
         self.data, self.cache, self.frozen, self.device = data, cache, run.frozen, accelerator.device
         self.family = run.family
-        self.rank, self.world = accelerator.process_index, accelerator.num_processes
+        # The data's coordinates: a context group's ranks read one stream (parallel.context)
+        self.rank, self.world = run.mesh.data_rank, run.mesh.data_world
         self.micro, self.seed = int(cfg.train.micro_batch_size), int(cfg.train.seed)
         self.plan = data.plan if isinstance(data, SourceImages) else None
         self.policy = policy_of(cfg, data)

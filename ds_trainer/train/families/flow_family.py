@@ -62,6 +62,10 @@ class FlowFamily:
         """Nothing beside the latents (Wan's image to video has more)."""
         return {}
 
+    def context_plan(self) -> dict[str, Any] | None:
+        """diffusers' own plan (the class's `_cp_plan`), where there is one."""
+        return None
+
     def storage_dtype(self, key: str) -> torch.dtype | None:
         return torch.bfloat16 if key == "prompt_embeds" else None
 

@@ -38,6 +38,10 @@ class SDXL:
     def load_frozen(self, cfg: DictConfig, whole: Whole = nullcontext) -> Frozen:
         return load_frozen(cfg, whole)
 
+    def context_plan(self) -> dict[str, Any] | None:
+        """diffusers' own plan (the class's `_cp_plan`), where there is one."""
+        return None
+
     def planner_forward(self, model: Any, shape: Shape) -> Callable[[], Any]:
         x, t, enc, cond = unet_inputs(model.config, shape.batch, shape.height, shape.width,
                                       shape.dtype, shape.device, shape.tokens)

@@ -238,6 +238,7 @@ class Sampler:
             run.family
         self.weights = run.eval_weights  # the weights to sample with (schedule-free AdamW's), collective
         self.tracker, self.progress = run.tracker, progress
+        self.mesh = run.mesh
         self.enabled = bool(cfg.samples.enabled)
         self.ema = run.ema if cfg.samples.ema else None
         self.dir = run.run_dir / "samples"
@@ -297,8 +298,11 @@ class Sampler:
             self.progress.refresh()
 
     def _generate_share(self) -> list[tuple[int, int, Any]]:
-        """This rank's images: units rank, rank + world, ...; every rank makes the same number of calls."""
-        rank, world = self.accelerator.process_index, self.accelerator.num_processes
+        """This rank's images: units rank, rank + world, ...; every rank makes the same number of calls. Under
+        parallel.context a context group makes its units together (its ranks' sequence parts meet in the
+        attention), the group's first rank keeping them."""
+        mesh = self.mesh
+        rank, world = mesh.data_rank, mesh.data_world
         calls = math.ceil(len(self.units) / world)
         device = self.accelerator.device
         with self._sampling_model() as (model, encoders), self._frozen_on(device), plain_linear(), \
@@ -309,7 +313,7 @@ class Sampler:
                 u = k * world + rank
                 index, seed = self.units[u] if u < len(self.units) else self.units[0]  # padding: same work
                 image = generate(pipe, self.prompts[index], seed, self.settings, reference(self.settings, index))
-                if u < len(self.units):
+                if u < len(self.units) and mesh.context_rank == 0:
                     out.append((index, seed, image))
         return out
 

@@ -52,7 +52,9 @@ class ValidationSet:
         self.noise_sched = self.family.schedule(cfg)
         self.timesteps = holdout.timesteps(cfg, self.family.num_train_timesteps(self.noise_sched))
         pairs = [(i, j) for i in range(len(images)) for j in range(len(self.timesteps))]
-        rank, world = accelerator.process_index, accelerator.num_processes
+        # A context group scores its pairs together (each pair's sum and count then come once from each of
+        # its ranks: the mean is the same)
+        rank, world = run.mesh.data_rank, run.mesh.data_world
         self.mine = pairs[rank::world]
         self.total = len(pairs)
         cache = build_cache(images)

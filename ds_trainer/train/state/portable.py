@@ -110,7 +110,7 @@ class Writer:
         self.layout = run.params
         self.start_step, self.start_samples = start
         self.global_batch = (int(cfg.train.micro_batch_size) * int(cfg.train.gradient_accumulation_steps)
-                             * accelerator.num_processes)
+                             * run.mesh.data_world)
         ident = portability.identity(cfg)
         self.meta: dict[str, Any] = {"format": 1, "layout": portability.layout(cfg), "identity": ident}
         self.moments = ident["optimizer"] in portability.MOMENT_OPTIMIZERS

@@ -72,7 +72,7 @@ class Resume:
     def load(self, run: Run) -> tuple[int, int]:
         """Collective, after `prepare`: whatever this run continues from put in place; returns (the step to continue
         after, the samples seen by then)."""
-        accelerator, cfg = run.accelerator, self.cfg
+        cfg = self.cfg
         if self.exact is not None:
             self.exact.after_prepare(run)
             self.exact = None
@@ -86,7 +86,7 @@ class Resume:
                 after_native_load(self.path)
                 self.carry.after_native_load()
         batch = int(cfg.train.micro_batch_size) * int(cfg.train.gradient_accumulation_steps)
-        return self.carry.start(step, batch * accelerator.num_processes)
+        return self.carry.start(step, batch * run.mesh.data_world)
 
     def _native(self, run: Run) -> int:
         """The backend's own load of the checkpoint; returns the step it was saved at (0: a fresh start)."""
