@@ -26,7 +26,8 @@ PAGE = PACKAGE.parent / "docs" / "refusals.md"
 # The rule modules, in the order a check runs them (checks/__init__.py), then the run's own checks.
 MODULES = ("config/checks/settings.py", "config/checks/model.py", "config/families/wan.py",
            "config/checks/video.py", "config/buckets.py", "config/checks/precision.py",
-           "config/checks/backend.py", "config/checks/optimizer.py", "config/checks/parallel.py", "config/checks/swap.py",
+           "config/checks/backend.py", "config/checks/optimizer.py", "config/checks/parallel.py",
+           "config/checks/swap.py",
            "config/checks/paths.py", "config/checks/adapter.py", "config/samples.py", "config/holdout.py",
            "config/checks/ops.py", "config/weights_file.py", "config/portability.py", "train/adapters/adapter.py",
            "train/adapters/lora_file.py")
