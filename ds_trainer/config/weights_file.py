@@ -184,7 +184,9 @@ def transformer_mismatch(header: dict[str, Any], family: str, arch: dict[str, An
     shapes = {k.removeprefix(UNET): v.get("shape", []) for k, v in header.items()}
     keys = set(shapes)
     files = {s.name: s.transformer_file for s in families.SPECS.values() if s.transformer_file is not None}
-    found = next((name for name, file in files.items() if file.mark in keys), None)
+    marked = [name for name, file in files.items() if file.mark in keys]
+    # a file of a family built on another's blocks holds that family's mark too: it is the newer's
+    found = next((n for n in marked if not any(files[o].within == n for o in marked)), None)
     if found is None:
         if any(k.startswith(("transformer_blocks.", "single_transformer_blocks.")) for k in keys):
             return ("a diffusers-format transformer (keys like transformer_blocks.*), not one in its makers' layout: "
