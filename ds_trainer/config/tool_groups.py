@@ -4,6 +4,7 @@ them into the config."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 
 
 @dataclass
@@ -18,6 +19,24 @@ class PlanConfig:
     # Measured cells (written by `python -m ds_trainer.tune`) the planner corrects its activations
     # from.
     calibration: str = "${paths.outputs}/plan_calibration.jsonl"
+
+
+class Objective(str, Enum):
+    speed = "speed"  # the fastest configuration that fits: images/s of short cells
+    quality = "quality"  # the lowest validation loss in a budget: a search with early stopping
+
+
+class Sampler(str, Enum):
+    tpe = "tpe"  # Optuna's tree-structured Parzen estimator (random for its first trials)
+    random = "random"
+    grid = "grid"  # every combination of the axes' choices (no interval), each once
+
+
+class Pruner(str, Enum):
+    halving = "halving"  # successive halving: at each rung the best 1/tune.reduction go on
+    hyperband = "hyperband"  # several halving brackets of different first rungs
+    median = "median"  # stop a trial worse than the median of the others at its rung
+    none = "none"  # every trial to its end (a grid's reference)
 
 
 @dataclass
@@ -61,3 +80,32 @@ class TuneConfig:
     # <paths.outputs>/presets (found by `+experiment=<name>` as is, with the same paths.outputs);
     # another folder needs `hydra.searchpath=[file://<folder>]`.
     preset_dir: str | None = None
+    # speed: the fastest cell that fits (the axes above). quality: the lowest validation loss in
+    # tune.budget, over the axes given as sweeps on the command line ('optimizer.lr=tag(log,
+    # interval(1e-5,1e-3))' adapter.rank=4,8,16 optimizer=adamw,adamw8bit); docs/tuner.md.
+    objective: Objective = Objective.speed
+    # quality: when the search stops: device time (8h, 90m, 600s: each trial's seconds x its ranks)
+    # or optimizer steps of all trials (4000steps); None: tune.trials alone (or the whole grid).
+    budget: str | None = None
+    # quality: at most this many trials (those the checks or the planner refuse not counted).
+    trials: int | None = None
+    # quality: trials run side by side, each through tune.launcher; more workers join a study by
+    # running the same command (its storage on a shared disk).
+    workers: int = 1
+    sampler: Sampler = Sampler.tpe
+    pruner: Pruner = Pruner.halving
+    # quality: rungs at validation.every x this**k steps; at each the best 1/reduction go on.
+    reduction: int = 3
+    # quality: the sampler's seed (each trial's training seeds are train.seed, recorded).
+    seed: int = 0
+    # quality: the study's storage: None: a journal file in tune.dir (Optuna's JournalFileBackend,
+    # safe on NFS); else an Optuna RDB URL (sqlite:///study.db, postgresql://...).
+    storage: str | None = None
+    # quality: seconds per trial, start-up included (None: no limit); a trial still running then
+    # is stopped and fails.
+    trial_limit_s: float | None = None
+    # quality: how often a worker says its trial lives; a trial silent for 4x this (its worker
+    # killed, its node lost) is failed by the other workers and run again once.
+    heartbeat_s: float = 30.0
+    # quality: train the chosen trial once more from scratch, its loss beside the search's.
+    rerun: bool = True
