@@ -148,7 +148,7 @@ def raise_if_stopped() -> None:
         raise SystemExit(128 + _STOPPED[0])
 
 
-def _stop(proc: subprocess.Popen[bytes], launcher: str | None) -> None:
+def stop(proc: subprocess.Popen[bytes], launcher: str | None) -> None:
     """Stop the cell: SIGINT first when a launcher runs it (a launcher's Ctrl-C cancels the jobs it
     submitted, which run outside this process group, on Slurm's nodes), then SIGTERM to the cell's process
     group, then SIGKILL to what is left."""
@@ -169,10 +169,10 @@ def _wait(proc: subprocess.Popen[bytes], launcher: str | None, time_limit: float
         proc.wait(timeout=time_limit)
         return False
     except subprocess.TimeoutExpired:
-        _stop(proc, launcher)
+        stop(proc, launcher)
         return True
     except BaseException:  # the tune is stopped (Ctrl-C, SIGTERM): its cell must not run on alone
-        _stop(proc, launcher)
+        stop(proc, launcher)
         raise
 
 

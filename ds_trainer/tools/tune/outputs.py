@@ -77,6 +77,13 @@ def winning_line(ctx: Context, best: Cell) -> list[str]:
 
 def preset(ctx: Context, best: Cell, line: list[str]) -> str:
     """The winner as an experiment preset: group choices in its defaults list, the rest as values."""
+    speed = best.result.get("images_per_s") or 0
+    head = f"the fastest cell that fit, {best.label}, {speed:.2f} images/s measured on {ctx.info.kind}"
+    return preset_text(ctx.cfg, line, head)
+
+
+def preset_text(cfg: DictConfig, line: list[str], what: str) -> str:
+    """A training line as a preset: group choices in its defaults list, the rest as values."""
     from omegaconf import OmegaConf
 
     from ds_trainer import CONF_DIR
@@ -89,31 +96,40 @@ def preset(ctx: Context, best: Cell, line: list[str]) -> str:
             defaults.append({f"override /{name}" if not key.startswith("+") else f"/{name}": value})
         elif not key.startswith("~"):
             OmegaConf.update(values, name, yaml.safe_load(value), force_add=True)
-    head = (f"# @package _global_\n# Written by python -m ds_trainer.tune: the fastest cell that fit, {best.label}, "
-            f"{best.result.get('images_per_s') or 0:.2f} images/s measured on {ctx.info.kind}.\n"
-            f"# Apply: {apply_line(ctx)}\n")
+    head = (f"# @package _global_\n# Written by python -m ds_trainer.tune: {what}.\n"
+            f"# Apply: {apply_line(cfg)}\n")
     rest = OmegaConf.to_container(values)
     assert isinstance(rest, dict)
     body = {"defaults": defaults, **rest} if defaults else rest
     return head + yaml.safe_dump(body, sort_keys=False)
 
 
-def preset_path(ctx: Context) -> tuple[Path, list[str]]:
+def preset_path(cfg: DictConfig) -> tuple[Path, list[str]]:
     """Where the preset goes and the extra overrides that make Hydra find it there: by default with the outputs
     (`<paths.outputs>/presets`, on conf/config.yaml's search path), never in the source checkout."""
     from ds_trainer.config import rundir
 
-    default = rundir.presets_dir(str(ctx.cfg.paths.outputs), argv=[])
-    root = Path(str(ctx.cfg.tune.preset_dir)).expanduser().absolute() if ctx.cfg.tune.preset_dir else default
-    outputs = str(ctx.cfg.paths.outputs)
+    default = rundir.presets_dir(str(cfg.paths.outputs), argv=[])
+    root = Path(str(cfg.tune.preset_dir)).expanduser().absolute() if cfg.tune.preset_dir else default
+    outputs = str(cfg.paths.outputs)
     extra = [f"hydra.searchpath=[file://{root}]"] if root != default else [] if outputs == "outputs" else \
         [f"paths.outputs={outputs}"]
-    return root / "experiment" / f"{ctx.cfg.tune.name}.yaml", extra
+    return root / "experiment" / f"{cfg.tune.name}.yaml", extra
 
 
-def apply_line(ctx: Context) -> str:
+def write_preset(cfg: DictConfig, text: str, tune_dir: Path) -> Path:
+    """The preset where `+experiment=<tune.name>` finds it, and a copy in the tune folder."""
+    path, _ = preset_path(cfg)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    (tune_dir / f"{cfg.tune.name}.yaml").write_text(text)
+    return path
+
+
+def apply_line(cfg: DictConfig) -> str:
     """The command that trains with the preset."""
-    return f"python -m ds_trainer {' '.join([*preset_path(ctx)[1], f'+experiment={ctx.cfg.tune.name}'])}"
+    extra = preset_path(cfg)[1]
+    return f"python -m ds_trainer {' '.join([*extra, f'+experiment={cfg.tune.name}'])}"
 
 
 def chart(ctx: Context, cells: list[Cell], best: Cell | None, path: Path) -> None:
@@ -186,12 +202,7 @@ def write(ctx: Context, cells: list[Cell], best: Cell | None, final: bool = Fals
     if ds_json.is_file():
         shutil.copyfile(ds_json, d / "ds_config.json")
     if final:
-        path, _ = preset_path(ctx)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        text = preset(ctx, best, line)
-        path.write_text(text)
-        (d / f"{ctx.cfg.tune.name}.yaml").write_text(text)
-        out["preset"] = path
+        out["preset"] = write_preset(ctx.cfg, preset(ctx, best, line), d)
         to_wandb(ctx, cells)
     return out
 
@@ -201,5 +212,5 @@ def announce(ctx: Context, best: Cell, out: dict[str, Path]) -> str:
     return "\n".join([
         f"tune: winner {best.label}: {best.result['images_per_s']:.2f} images/s, {best.result['s_per_it']:.3f} s/it",
         "  python -m ds_trainer " + " ".join(winning_line(ctx, best)),
-        f"  or: {apply_line(ctx)}",
+        f"  or: {apply_line(ctx.cfg)}",
         f"  report: {out['md']} (ds_config.json, tune.csv, tune.png beside it); preset: {out.get('preset')}"])

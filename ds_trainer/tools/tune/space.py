@@ -130,22 +130,41 @@ def measure_overrides(t: DictConfig, logger: str, name: str) -> list[str]:
     return out + ([f"logger.group=tune-{name}"] if logger == "wandb" else [])
 
 
+def vram_budget(t: DictConfig, info: Any) -> float | None:
+    """Bytes per GPU a cell or trial may use: tune.vram_gib, else the detected GPU's memory less
+    tune.margin; None without a GPU (nothing is pruned)."""
+    if t.vram_gib is not None:
+        if float(t.vram_gib) <= 0:
+            raise BadInput([Problem("tune.vram_gib", t.vram_gib, "must be > 0 GiB",
+                                    "tune.vram_gib=24")])
+        return float(t.vram_gib) * GIB
+    if info.gpu_memory_mib:
+        return float(info.gpu_memory_mib * 2**20 * (1 - float(t.margin)))
+    return None
+
+
+def predict(cfg: DictConfig, factor: float) -> Any:
+    """The planner's estimate of a checked config's peak per rank (its `gpu` bytes)."""
+    from ds_trainer.config import ds_config
+    from ds_trainer.tools import plan
+
+    zero = ds_config.zero_option(cfg)
+    offload = "none" if cfg.resolved.optimizer_state_on == "gpu" else (
+        cfg.offload.device.value if zero == "stage3" else "cpu")
+    return plan.estimate(cfg, zero, offload, int(cfg.resolved.world_size), factor)
+
+
 def plan_cells(cells: list[Cell], compose: Any, base: list[str], budget: float | None, info: Any,
                factor: float) -> None:
     """Drop the invalid cells, predict the others' peak per rank, prune those above the budget."""
-    from ds_trainer.config import checks, ds_config
-    from ds_trainer.tools import plan
+    from ds_trainer.config import checks
 
     for cell in cells:
         report = checks.check(compose(base + cell.overrides()), info)
         if not report.ok:
             cell.status, cell.message = "invalid", first_problem(report.render())
             continue
-        cfg = report.cfg
-        zero = ds_config.zero_option(cfg)
-        offload = "none" if cfg.resolved.optimizer_state_on == "gpu" else (
-            cfg.offload.device.value if zero == "stage3" else "cpu")
-        e = plan.estimate(cfg, zero, offload, int(cfg.resolved.world_size), factor)
+        e = predict(report.cfg, factor)
         cell.predicted_gib, cell.predicted_activation = e.gpu / GIB, e.activations
         cell.result["estimate"] = e
         if budget is not None and e.gpu > budget:
