@@ -135,7 +135,8 @@ def setup(run: Run, resume: Resume) -> Started:
     model = run.trained.module
     attention.restrict(model, cfg.train.attention.value)  # train.attention: one SDPA kernel in its attention layers
     # parallel.context: each sample's sequence split over the ranks of a context group
-    context.split(model, run.mesh, cfg.parallel.attention.value, run.family.context_plan())
+    if run.mesh.context > 1:
+        context.split(model, run.mesh, cfg.parallel.attention.value, run.family.context_plan(model))
     compiled.apply(model, cfg.train.compile.value, list(cfg.model.compile_blocks))  # train.compile, in place
     resume.before_prepare(model, run.backend)
     run.backend.before_prepare(model)

@@ -132,14 +132,17 @@ def estimate(cfg: DictConfig, zero: str, offload: str, world_size: int, activati
     activations = disk_cache.cached("activation_bytes", shape + _tokens(cfg), activation_bytes)
     activations = int((activations + lora.encoder_activations(cfg, architecture(cfg), act_bytes))
                       * activation_factor)
+    context = int(cfg.parallel.context)
+    activations //= context  # parallel.context: each rank keeps its part of the sequence's
     z = cfg.zero
-    buffers = 0
+    buffers = context_buffers(cfg, width, height, act_bytes)
     if zero in ("stage1", "stage2"):
-        buffers = 2 * (int(z.reduce_bucket_size) + int(z.allgather_bucket_size))
-        buffers = int(buffers * (4.5 if z.overlap_comm else 1.0))
-        buffers = min(buffers, 2 * (2 * trained))  # never more than the gradients they carry
+        buckets_ = 2 * (int(z.reduce_bucket_size) + int(z.allgather_bucket_size))
+        buckets_ = int(buckets_ * (4.5 if z.overlap_comm else 1.0))
+        buffers += min(buckets_, 2 * (2 * trained))  # never more than the gradients they carry
     elif zero == "stage3":
-        buffers = min(2 * (int(z.stage3_prefetch_bucket_size) + int(z.reduce_bucket_size)), 4 * module.params)
+        prefetch = 2 * (int(z.stage3_prefetch_bucket_size) + int(z.reduce_bucket_size))
+        buffers += min(prefetch, 4 * module.params)
     nvme_bytes, notes = 0, []
     if offload == "nvme" and zero == "stage3":
         # Optimizer state for what trains; a frozen base (a LoRA's) swaps its 16-bit parameters at most.
@@ -153,6 +156,24 @@ def estimate(cfg: DictConfig, zero: str, offload: str, world_size: int, activati
         host += 4 * trained // world_size  # the fp32 shadow on the host, a slice per rank (train/state/ema.py)
     sampling = samples.peak(cfg, params + grads + optimizer + buffers, module.params, architecture(cfg))
     return Estimate(zero, offload, params, grads, optimizer, activations, buffers, host, nvme_bytes, notes, sampling)
+
+def context_buffers(cfg: DictConfig, width: int, height: int, dtype_bytes: int) -> int:
+    """parallel.context: Ulysses' all-to-all buffers of one attention layer (a layer at a time): its
+    query, key, value and output, sent and received, each this rank's part of the split sequences'
+    tokens at the transformer's width."""
+    context = int(cfg.parallel.context)
+    spec = families.of(cfg)
+    if context <= 1 or spec.context_lengths is None:
+        return 0
+    import json
+    from pathlib import Path
+
+    c = json.loads((Path(str(cfg.model.architecture)) / "transformer" / "config.json").read_text())
+    width_ = int(c["num_attention_heads"]) * int(c["attention_head_dim"])
+    frames = max(int(n) for n in cfg.data.video.frames) if spec.video else 1
+    tokens = sum(spec.context_lengths(cfg, width, height, frames).values())
+    return 2 * 4 * int(cfg.train.micro_batch_size) * (tokens // context) * width_ * dtype_bytes
+
 
 def _quantized_base(cfg: DictConfig, zero: str, params_offloaded: bool, params: int, host: int,
                     world_size: int) -> tuple[int, int]:

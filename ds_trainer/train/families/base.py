@@ -118,9 +118,10 @@ class Family(Protocol):
         """Its makers' single file: the denoiser and `parts` ({component: module} for each of the spec's
         `single_file_parts`) under the file's names."""
 
-    def context_plan(self) -> dict[str, Any] | None:
+    def context_plan(self, model: torch.nn.Module) -> dict[str, Any] | None:
         """Where its transformer's sequence is split and gathered under parallel.context, where
-        diffusers' class carries no plan of its own (None: the class's `_cp_plan`)."""
+        diffusers' class carries no plan of its own (None: the class's `_cp_plan`); its attention
+        layers made ready for it."""
 
     def planner_forward(self, model: Any, shape: Shape) -> Callable[[], Any]:
         """A forward of the trained module (on the meta device, for the planner) on random inputs of

@@ -62,7 +62,7 @@ class FlowFamily:
         """Nothing beside the latents (Wan's image to video has more)."""
         return {}
 
-    def context_plan(self) -> dict[str, Any] | None:
+    def context_plan(self, model: torch.nn.Module) -> dict[str, Any] | None:  # noqa: ARG002
         """diffusers' own plan (the class's `_cp_plan`), where there is one."""
         return None
 

@@ -139,7 +139,7 @@ class Flux(FlowFamily):
         pred = model(hidden_states=noisy.to(device, dtype), timestep=sigma.to(device),  # Flux's timestep is sigma
                      guidance=guidance, pooled_projections=batch["pooled"].to(device, dtype),
                      encoder_hidden_states=text.to(device, dtype), txt_ids=torch.zeros(text.shape[1], 3, device=device),
-                     img_ids=ids.to(device)).sample[:, :(height // 2) * (width // 2)]  # the image's own tokens
+                     img_ids=ids.to(device), return_dict=False)[0][:, :(height // 2) * (width // 2)]  # its own
         weight = batch.get("weight_map")  # the mask packed as the latents are: one weight per packed value
         return per_sample_mse(pred, pack(flow.target(latents, noise)),
                               None if weight is None else pack(weight.expand_as(latents)))

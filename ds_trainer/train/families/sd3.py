@@ -20,7 +20,7 @@ from omegaconf import DictConfig
 
 from ds_trainer import console
 from ds_trainer.config.families.sd3 import SPEC
-from ds_trainer.train.families import common, flow
+from ds_trainer.train.families import common, flow, joint_attention
 from ds_trainer.train.families.base import Shape, TextParts, Whole
 from ds_trainer.train.families.common import per_sample_mse
 from ds_trainer.train.families.flow_family import FlowFamily, FrozenParts
@@ -56,6 +56,12 @@ class SD3(FlowFamily):
                   "pooled_projections": torch.randn(b, int(c.pooled_projection_dim), **on),
                   "timestep": torch.rand(b, device=shape.device) * 1000}
         return lambda: model(**inputs)
+
+    def context_plan(self, model: torch.nn.Module) -> dict[str, Any] | None:
+        """diffusers has none for SD3's transformer: its joint attention through the dispatch that
+        runs Ulysses, its image's and caption's tokens split at the first block."""
+        joint_attention.install(model)
+        return joint_attention.plan()
 
     def planner_blocks(self) -> tuple[type, ...]:
         """The MMDiT's joint blocks."""

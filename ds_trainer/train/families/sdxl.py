@@ -38,7 +38,7 @@ class SDXL:
     def load_frozen(self, cfg: DictConfig, whole: Whole = nullcontext) -> Frozen:
         return load_frozen(cfg, whole)
 
-    def context_plan(self) -> dict[str, Any] | None:
+    def context_plan(self, model: torch.nn.Module) -> dict[str, Any] | None:  # noqa: ARG002
         """diffusers' own plan (the class's `_cp_plan`), where there is one."""
         return None
 
