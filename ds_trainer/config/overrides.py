@@ -261,7 +261,7 @@ def explain(exc: BaseException, overrides: list[str], multirun: bool) -> Problem
     if isinstance(exc, AssertionError) and "Unexpected type for root: NoneType" in str(exc):
         return _into_null(exc, overrides)
     if isinstance(exc, MissingConfigException | ConfigCompositionException):
-        text = str(exc).splitlines()[0]
+        text = (str(exc).splitlines() or [type(exc).__name__])[0]  # an exception may say nothing
         added = re.search(r"Could not override '([\w/]+)'\. No match in the defaults list", text)
         if added and _is_group(added.group(1)):  # a group no default selects (lever): added with +
             value = _value_of(added.group(1), overrides)
