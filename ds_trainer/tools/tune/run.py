@@ -16,23 +16,13 @@ from ds_trainer.config.problems import Problem
 from ds_trainer.tools.plan import calibration
 from ds_trainer.tools.tune import cell as tune_cell
 from ds_trainer.tools.tune import outputs as tune_out
-from ds_trainer.tools.tune.space import GIB, MEASURE_KEYS, BadInput, Cell, override_key
+from ds_trainer.tools.tune.space import MEASURE_KEYS, BadInput, Cell, override_key
 
 
 def _compose(overrides: list[str]) -> DictConfig:
     from hydra import compose
 
     return compose(config_name="config", overrides=overrides)
-
-
-def _budget(t: DictConfig, info: Any) -> float | None:
-    if t.vram_gib is not None:
-        if float(t.vram_gib) <= 0:
-            raise BadInput([Problem("tune.vram_gib", t.vram_gib, "must be > 0 GiB", "tune.vram_gib=24")])
-        return float(t.vram_gib) * GIB
-    if info.gpu_memory_mib:
-        return info.gpu_memory_mib * 2**20 * (1 - float(t.margin))
-    return None
 
 
 def _calibration(cfg: DictConfig, info: Any, base: list[str], state: Path) -> calibration.Calibration:
@@ -101,17 +91,30 @@ def _measure(cell: Cell, cfg: DictConfig, cmd: list[str], tune_dir: Path, device
 
 
 def tune(argv: list[str], doc: str | None = None) -> int:
-    """The whole tune; the package docstring says how it goes."""
+    """The whole tune; the package docstring says how it goes (quality.py's, with
+    tune.objective=quality)."""
     from hydra import initialize_config_dir
 
     from ds_trainer import CONF_DIR
     from ds_trainer.config import overrides, rundir, schema
+    from ds_trainer.tools.tune import axes, quality
 
     schema.register()
     rundir.register_resolvers()
+    base, found, refused = axes.split(argv)
     # A mistake in the overrides (Hydra's own included): the one screen, exit 2.
-    overrides.compose_checked(argv, doc)
+    cfg = overrides.compose_checked(base, doc)
+    quality_tune = cfg.tune.objective.value == "quality"
+    if not quality_tune and (found or refused):
+        key, value = (found[0].key, found[0].given) if found else (refused[0].key, refused[0].value)
+        raise BadInput([Problem(key, value, "several values are the quality tune's axes (the speed tune "
+                                "searches tune.zero, tune.offload, tune.micro_batch_size, ...)",
+                                f"tune.objective=quality, or one value: {key}=<value>")])
+    if refused:
+        raise BadInput(refused)
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"), tune_cell.terminate_as_exit():
+        if quality_tune:
+            return quality.tune(argv, base, found)
         return _tune(argv)
 
 
@@ -125,7 +128,7 @@ def _tune(argv: list[str]) -> int:
     cfg = compose(argv)
     t, info = cfg.tune, hardware.detect(cfg.platform.value)
     ranks = resolve.world_size_of(cfg)
-    budget = _budget(t, info)
+    budget = tn.vram_budget(t, info)
     cells = tn.space(t, fixed, ranks, int(cfg.train.gradient_accumulation_steps))
     tune_dir = Path(str(t.dir)).absolute()
     calibrated = _calibration(cfg, info, base, tune_dir / "tune_state.json")

@@ -1,0 +1,199 @@
+"""One trial of a quality tune: a real training run, followed through its `metrics.jsonl`.
+
+The run (`python -m ds_trainer`, or a one-run multirun through `tune.launcher`, as a speed cell)
+validates at every rung; each validation loss is reported to the study at the images the run has
+seen (its step x images a step), so trials compare at the same images, and for one batch at the
+same steps. When the pruner says so the run is stopped cleanly (SIGTERM, or Ctrl-C to a launcher:
+it finishes its step and writes `summary.json`), its checkpoint removed, and the trial is pruned.
+The run dies with its worker (the kernel sends it SIGTERM when the worker's process ends), so a
+killed worker leaves no training behind.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ds_trainer.tools.tune import cell
+
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclass
+class Plan:
+    """What one trial runs: its overrides and its schedule in steps of its own batch."""
+
+    overrides: list[str]
+    images_per_step: int
+    max_steps: int
+    every: int
+    ranks: int
+    seeds: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class Outcome:
+    """How a trial ended: `complete` (its last validation), `pruned` or `failed`, and its curve."""
+
+    state: str
+    value: float | None
+    message: str | None
+    curve: list[list[float]]  # [images seen, seconds since its start, validation loss]
+    steps: int
+    seconds: float
+    run_dir: Path
+
+
+def die_with_parent(sig: int) -> Any:
+    """A preexec_fn: the child gets `sig` when the process that started it ends (Linux)."""
+    def preexec() -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, sig)
+    return preexec if sys.platform.startswith("linux") else None
+
+
+class Unscored:
+    """A run followed outside the study (the chosen trial trained again): nothing reported."""
+
+    intermediate_values: dict[int, float] = {}
+
+    def report(self, value: float, step: int) -> None:
+        """Nothing: the run is not a trial of the study."""
+
+    def should_prune(self) -> bool:
+        return False
+
+    def set_user_attr(self, key: str, value: Any) -> None:
+        """Nothing: the rerun's record is written once it ends."""
+
+
+class Follower:
+    """The validation rows and the last step a run has written so far (whole lines only)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.offset, self.step = path, 0, 0
+        self.rows: list[dict[str, Any]] = []
+
+    def read(self) -> list[dict[str, Any]]:
+        """The validation rows written since the last read."""
+        if not self.path.exists():
+            return []
+        with self.path.open("rb") as f:
+            f.seek(self.offset)
+            data = f.read()
+        complete = data[:data.rfind(b"\n") + 1]
+        self.offset += len(complete)
+        new = []
+        for line in complete.decode().splitlines():
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            self.step = max(self.step, int(row.get("step", 0)))
+            if "val_loss" in row:
+                new.append(row)
+        self.rows += new
+        return new
+
+
+def _env(threads: int | None) -> dict[str, str]:
+    env = dict(os.environ)
+    if threads is not None and "OMP_NUM_THREADS" not in env:
+        env["OMP_NUM_THREADS"] = str(threads)  # local workers share the machine's cores
+    return env
+
+
+class Watch:
+    """The trial's side of the study while its run goes: reports, the heartbeat, what it spent."""
+
+    def __init__(self, trial: Any, plan: Plan, heartbeat_s: float) -> None:
+        self.trial, self.plan, self.heartbeat_s = trial, plan, heartbeat_s
+        self.start = time.time()
+        self.beat = 0.0
+        self.curve: list[list[float]] = []
+
+    def progress(self, follower: Follower, final: bool = False) -> bool:
+        """Report the new validations (and the heartbeat when due); True when the pruner stops
+        the trial (never after its last step, nor once the run has ended)."""
+        new = follower.read()
+        prune = False
+        for row in new:
+            images = int(row["step"]) * self.plan.images_per_step
+            value = float(row["val_loss"])
+            self.curve.append([images, round(time.time() - self.start, 2), value])
+            self.trial.report(value, images)
+            if not final and int(row["step"]) < self.plan.max_steps:
+                prune = prune or self.trial.should_prune()
+        if new or final or time.time() - self.beat >= self.heartbeat_s:
+            self.say(follower)
+        return prune
+
+    def say(self, follower: Follower) -> None:
+        """The heartbeat: alive now, the steps and device seconds spent, the curve so far."""
+        self.beat = time.time()
+        elapsed = self.beat - self.start
+        for key, value in (("alive", self.beat), ("steps", follower.step),
+                           ("device_s", round(elapsed * self.plan.ranks, 2)),
+                           ("curve", self.curve)):
+            self.trial.set_user_attr(key, value)
+
+
+def run(trial: Any, plan: Plan, trial_dir: Path, launcher: str | None, limit_s: float | None,
+        heartbeat_s: float, threads: int | None = None) -> Outcome:
+    """Run the trial to its end, its pruning or its time limit."""
+    cmd, run_dir = cell.command(plan.overrides, trial_dir, launcher)
+    if trial_dir.exists():
+        shutil.rmtree(trial_dir)  # a trial number is used once; a folder left is a lost run's
+    trial_dir.mkdir(parents=True)
+    watch = Watch(trial, plan, heartbeat_s)
+    watch.say(Follower(run_dir / "metrics.jsonl"))
+    follower = Follower(run_dir / "metrics.jsonl")
+    death = signal.SIGINT if launcher is not None else signal.SIGTERM
+    with (trial_dir / "trial.log").open("wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                env=_env(threads), preexec_fn=die_with_parent(death))
+        ended = _follow(proc, watch, follower, launcher, limit_s)
+    watch.progress(follower, final=True)
+    steps, seconds = follower.step, time.time() - watch.start
+    summary_path = run_dir / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    if ended == "pruned":
+        shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # a pruned trial never resumes
+        return Outcome("pruned", None, f"pruned at {watch.curve[-1][0]} images (step {steps})",
+                       watch.curve, steps, seconds, run_dir)
+    if ended == "timeout":
+        return Outcome("failed", None, f"no end within tune.trial_limit_s={limit_s:g} s; stopped",
+                       watch.curve, steps, seconds, run_dir)
+    if summary.get("status") == "ok" and watch.curve and steps >= plan.max_steps:
+        return Outcome("complete", watch.curve[-1][2], None, watch.curve, steps, seconds, run_dir)
+    tail = (trial_dir / "trial.log").read_text(errors="replace").strip().splitlines()[-1:] or [""]
+    why = summary.get("message") or f"exit status {proc.returncode}: {tail[0][:300]}"
+    return Outcome("failed", None, f"{summary.get('status', 'error')}: {why}", watch.curve, steps,
+                   seconds, run_dir)
+
+
+def _follow(proc: subprocess.Popen[bytes], watch: Watch, follower: Follower,
+            launcher: str | None, limit_s: float | None) -> str:
+    """Poll the run until it ends ("ended"), is pruned ("pruned") or runs out of time."""
+    try:
+        while proc.poll() is None:
+            cell.raise_if_stopped()
+            if watch.progress(follower):
+                cell.stop(proc, launcher)
+                return "pruned"
+            if limit_s is not None and time.time() - watch.start > limit_s:
+                cell.stop(proc, launcher)
+                return "timeout"
+            time.sleep(0.5)
+        return "ended"
+    except BaseException:  # the worker is stopped (Ctrl-C, SIGTERM): its run must not go on alone
+        cell.stop(proc, launcher)
+        raise
