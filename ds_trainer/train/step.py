@@ -1,9 +1,9 @@
-"""One optimizer step: its micro-batches (the model family's loss), backward, the optimizer and LR step, EMA, the stop
-signal and the metrics. `TrainStep.__call__` is the body of the recipe's loop.
+"""One optimizer step: its micro-batches (the model family's loss), backward, the optimizer and LR
+step, EMA, the stop signal and the metrics. `TrainStep.__call__` is the body of the recipe's loop.
 
-Noise and timesteps of a sample come from a generator seeded by (seed, the sample's position in the run's
-sample sequence), and the data of a micro-batch is a function of its index, so a resumed run repeats an
-uninterrupted one, also under another world size or micro batch.
+Noise and timesteps of a sample come from a generator seeded by (seed, the sample's position in the
+run's sample sequence), and the data of a micro-batch is a function of its index, so a resumed run
+repeats an uninterrupted one, also under another world size or micro batch.
 """
 
 from __future__ import annotations
@@ -26,15 +26,16 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Outcome:
-    """What the ranks agreed on in the step's all-reduce: stop after it (a signal reached one of them), and save
-    a checkpoint now (rank 0's wall-time interval has passed)."""
+    """What the ranks agreed on in the step's all-reduce: stop after it (a signal reached one of
+    them), and save a checkpoint now (rank 0's wall-time interval has passed)."""
 
     stop: bool
     save: bool
 
 
 class TrainStep:
-    """Everything one step touches. Calling it trains step `step` and returns what the ranks agreed on."""
+    """Everything one step touches. Calling it trains step `step` and returns what the ranks agreed
+    on."""
 
     def __init__(self, run: Run, loader: Loader, stop: StopRequest, progress: Any,
                  save_due: Callable[[], bool] = lambda: False) -> None:
@@ -55,7 +56,8 @@ class TrainStep:
         self.clip = float(self.cfg.train.gradient_clipping)
         # Reused every step: the stop and save flags travel with the loss in one all-reduce.
         self._flags = torch.zeros(2, device=self.device)
-        # So do the sums and counts of the regularisation images' losses and the others' (data.sources).
+        # So do the sums and counts of the regularisation images' losses and the others'
+        # (data.sources).
         self._parts = torch.zeros(4, device=self.device)
         self._norm: Any = None  # measured where the backend clips before its optimizer step
 
@@ -76,8 +78,8 @@ class TrainStep:
             self.scheduler.step()
         if self.ema is not None:
             self.ema.update(self.accelerator.unwrap_model(self.model))
-        # One all-reduce (and one host sync) per step carries the loss, whether any rank must stop, and whether
-        # rank 0 says a checkpoint is due.
+        # One all-reduce (and one host sync) per step carries the loss, whether any rank must stop,
+        # and whether rank 0 says a checkpoint is due.
         assert loss_sum is not None
         self._flags[0] = float(self.stop.requested)
         self._flags[1] = float(self.rank == 0 and self.save_due())
@@ -100,7 +102,8 @@ class TrainStep:
             loss = losses.mean()
             self.accelerator.backward(loss * self.loss_scale if self.loss_scale != 1 else loss)
             if self.accelerator.sync_gradients and (self.clip > 0 or logging):
-                # The backend clips here or inside its optimizer step (DeepSpeed); an infinite limit only measures.
+                # The backend clips here or inside its optimizer step (DeepSpeed); an infinite limit
+                # only measures.
                 limit = self.clip if self.clip > 0 else float("inf")
                 self._norm = self.backend.clip(self.accelerator, self.model, limit)
             self.optimizer.step()
@@ -130,8 +133,8 @@ class TrainStep:
 
 
 def _parts(losses: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """[sum, count] of the regularisation images' losses, then of the others', each before its source's loss_weight
-    (what a sample's loss is, whatever weighs it in training)."""
+    """[sum, count] of the regularisation images' losses, then of the others', each before its
+    source's loss_weight (what a sample's loss is, whatever weighs it in training)."""
     weight = batch["loss_weight"].to(losses.device, losses.dtype)
     raw = torch.where(weight > 0, losses / weight.clamp_min(1e-12), torch.zeros_like(losses))
     reg = batch["regularization"].to(losses.device)

@@ -46,9 +46,11 @@ def _text_tokens(cfg: Any) -> int:
     return int(cfg.model.flow.t5_max_length)
 
 
-def _context_lengths(cfg: Any, width: int, height: int, frames: int) -> dict[str, int]:  # noqa: ARG001
+def _context_lengths(cfg: Any, width: int, height: int,
+                     frames: int) -> dict[str, int]:  # noqa: ARG001 - a still image
     """The plan splits the image's packed tokens and T5's (their ids with them)."""
-    return {"image tokens": (width // 16) * (height // 16), "T5 tokens": int(cfg.model.flow.t5_max_length)}
+    return {"image tokens": (width // 16) * (height // 16),
+            "T5 tokens": int(cfg.model.flow.t5_max_length)}
 
 
 SPEC = FamilySpec(

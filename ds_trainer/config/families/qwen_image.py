@@ -30,7 +30,8 @@ def _text_tokens(cfg: Any) -> int:
     return int(cfg.model.flow.text_max_length)
 
 
-def _context_lengths(cfg: Any, width: int, height: int, frames: int) -> dict[str, int]:  # noqa: ARG001
+def _context_lengths(cfg: Any, width: int, height: int,
+                     frames: int) -> dict[str, int]:  # noqa: ARG001 - a still image
     """The plan splits the image's packed tokens and the caption's (its mask with them)."""
     return {"image tokens": (width // 16) * (height // 16),
             "caption tokens": int(cfg.model.flow.text_max_length)}

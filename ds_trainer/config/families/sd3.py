@@ -54,11 +54,13 @@ def _text_tokens(cfg: Any) -> int:
     return int(cfg.model.flow.t5_max_length) + 77
 
 
-def _context_lengths(cfg: Any, width: int, height: int, frames: int) -> dict[str, int]:  # noqa: ARG001
-    """Its plan (train/families/joint_attention.py) splits the image's patch tokens and the caption's
-    (CLIP's 77, then T5's)."""
+def _context_lengths(cfg: Any, width: int, height: int,
+                     frames: int) -> dict[str, int]:  # noqa: ARG001 - a still image
+    """Its plan (train/families/joint_attention.py) splits the image's patch tokens and the
+    caption's (CLIP's 77, then T5's)."""
     return {"image tokens": (width // 16) * (height // 16),
-            "caption tokens (CLIP's 77 + model.flow.t5_max_length)": 77 + int(cfg.model.flow.t5_max_length)}
+            "caption tokens (CLIP's 77 + model.flow.t5_max_length)":
+                77 + int(cfg.model.flow.t5_max_length)}
 
 
 SPEC = FamilySpec(

@@ -109,8 +109,8 @@ def _text_tokens(cfg: Any) -> int:
 
 
 def _context_lengths(cfg: Any, width: int, height: int, frames: int) -> dict[str, int]:
-    """The plan splits the clip's tokens (latent frames x rows x columns of 1 x 2 x 2 patches; TI2V's
-    timesteps with them); the caption is not split."""
+    """The plan splits the clip's tokens (latent frames x rows x columns of 1 x 2 x 2 patches;
+    TI2V's timesteps with them); the caption is not split."""
     side = int(cfg.model.downsample_factor)
     return {"clip tokens": ((frames - 1) // 4 + 1) * (height // side) * (width // side)}
 

@@ -1,13 +1,13 @@
-"""Context parallelism's memory, measured: what autograd keeps for backward in one training forward of
-the tiny Wan on a long clip, per rank, at context 1 and at context 2 (the sequence split over two ranks),
-and the loss of that forward (which must not change). Each setting runs in processes of its own (torchrun
-for two ranks); ds_trainer's own family, loss and context split do the work.
+"""Context parallelism's memory, measured: what autograd keeps for backward in one training forward
+of the tiny Wan on a long clip, per rank, at context 1 and at context 2 (the sequence split over two
+ranks), and the loss of that forward (which must not change). Each setting runs in processes of its
+own (torchrun for two ranks); ds_trainer's own family, loss and context split do the work.
 
     python -m ds_trainer.tools.bench.context --out benchmarks/cpu-tiny-context
 
-Writes `<out>/context.csv` and `<out>/context.md`. The saved bytes are counted as the planner counts them
-(tools/plan/unet.py's `saved_bytes`: each tensor autograd saves, once, parameters left out), at the
-attention kernel the CPU runs.
+Writes `<out>/context.csv` and `<out>/context.md`. The saved bytes are counted as the planner counts
+them (tools/plan/unet.py's `saved_bytes`: each tensor autograd saves, once, parameters left out), at
+the attention kernel the CPU runs.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import sys
 from pathlib import Path
 
 # The long clip: 33 frames of 256 x 256 pixels: 9 latent frames of 16 x 16 patches, 2,304 tokens
-OVERRIDES = ["model=wan_tiny", "resolution.width=256", "resolution.height=256", "data.video.frames=[33]",
-             "precision=fp32", "logger=none"]
+OVERRIDES = ["model=wan_tiny", "resolution.width=256", "resolution.height=256",
+             "data.video.frames=[33]", "precision=fp32", "logger=none"]
 
 
 def measure(context: int) -> dict[str, float]:
@@ -39,7 +39,8 @@ def measure(context: int) -> dict[str, float]:
     torch.manual_seed(0)
     schema.register()
     rundir.register_resolvers()
-    cfg = overrides.compose_checked([*OVERRIDES, f"parallel.context={context}", f"world_size={context}"])
+    cfg = overrides.compose_checked([*OVERRIDES, f"parallel.context={context}",
+                                     f"world_size={context}"])
     if context > 1:
         dist.init_process_group("gloo")
     rank = dist.get_rank() if context > 1 else 0
@@ -56,19 +57,24 @@ def measure(context: int) -> dict[str, float]:
         return x
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
-        loss = family.losses(model, family.schedule(cfg), batch, noise, t, torch.device("cpu"), torch.float32)
+        loss = family.losses(model, family.schedule(cfg), batch, noise, t, torch.device("cpu"),
+                             torch.float32)
     loss.mean().backward()
-    return {"context": context, "rank": rank, "saved_mib": total[0] / 2**20, "loss": float(loss.mean())}
+    return {"context": context, "rank": rank, "saved_mib": total[0] / 2**20,
+            "loss": float(loss.mean())}
 
 
 def _inputs(cfg: object) -> tuple[dict[str, object], object, object]:
-    """A fixed batch of one clip: its latents (16 x 9 x 32 x 32), a caption's states, noise, a timestep."""
+    """A fixed batch of one clip: its latents (16 x 9 x 32 x 32), a caption's states, noise, a
+    timestep."""
     import torch
 
     g = torch.Generator().manual_seed(1)
     latents = torch.randn(1, 16, 9, 32, 32, generator=g)
-    text = torch.randn(1, int(cfg.model.flow.text_max_length), 32, generator=g)  # type: ignore[attr-defined]
-    return {"latents": latents, "prompt_embeds": text}, torch.randn(latents.shape, generator=g), torch.tensor([500])
+    length = int(cfg.model.flow.text_max_length)  # type: ignore[attr-defined]
+    text = torch.randn(1, length, 32, generator=g)
+    noise = torch.randn(latents.shape, generator=g)
+    return {"latents": latents, "prompt_embeds": text}, noise, torch.tensor([500])
 
 
 def run(out: Path) -> list[dict[str, float]]:
@@ -78,8 +84,8 @@ def run(out: Path) -> list[dict[str, float]]:
         cmd = [sys.executable, "-m", "ds_trainer.tools.bench.context", "--worker", str(context)]
         if context > 1:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(context),
-                   "--master_port", str(_free_port()), "-m", "ds_trainer.tools.bench.context", "--worker",
-                   str(context)]
+                   "--master_port", str(_free_port()), "-m", "ds_trainer.tools.bench.context",
+                   "--worker", str(context)]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
                               env={**os.environ, "OMP_NUM_THREADS": "1"})
         if done.returncode:

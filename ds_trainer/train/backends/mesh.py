@@ -1,14 +1,15 @@
 """The ranks as a data x context mesh (`parallel.context`): context parallelism splits one sample's
-sequence over `context` consecutive ranks, which then see the same data; the data streams are one per
-context group. Everything that divides samples among ranks (the loader, the batch plan, validation's
-pairs, the samples' prompts, the counts of samples seen) asks this record for the data coordinates
-instead of the process rank and count.
+sequence over `context` consecutive ranks, which then see the same data; the data streams are one
+per context group. Everything that divides samples among ranks (the loader, the batch plan,
+validation's pairs, the samples' prompts, the counts of samples seen) asks this record for the data
+coordinates instead of the process rank and count.
 
-The gradient: each rank of a context group back-propagates through its part of the sequence alone, so
-its gradient is a part of the sample's, and the group's parts sum to it. Every backend averages the
-gradients over all ranks (DDP's all-reduce, DeepSpeed's and FSDP2's reduce-scatter), which divides
-that sum by the context size too: the loss is multiplied by it before backward (`loss_scale`), so
-the averaged gradient is the one a run without context parallelism takes, under every backend.
+The gradient: each rank of a context group back-propagates through its part of the sequence alone,
+so its gradient is a part of the sample's, and the group's parts sum to it. Every backend averages
+the gradients over all ranks (DDP's all-reduce, DeepSpeed's and FSDP2's reduce-scatter), which
+divides that sum by the context size too: the loss is multiplied by it before backward
+(`loss_scale`), so the averaged gradient is the one a run without context parallelism takes, under
+every backend.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
-"""`<run>/README.md`: the model card beside the exports, in the model hub's format (YAML front matter, then Markdown):
-the base model and its license, what trained and how, the data, the validation loss, the last samples with their
-prompts, and which file opens where. Written by rank 0 at the end of a run that exports (`export.card`)."""
+"""`<run>/README.md`: the model card beside the exports, in the model hub's format (YAML front
+matter, then Markdown): the base model and its license, what trained and how, the data, the
+validation loss, the last samples with their prompts, and which file opens where. Written by rank 0
+at the end of a run that exports (`export.card`)."""
 
 from __future__ import annotations
 
@@ -143,9 +144,9 @@ def _samples(cfg: DictConfig, run_dir: Path) -> list[str]:
 
 
 def _files(spec: FamilySpec, run_dir: Path, method: str = "lora", scale: float = 1.0) -> list[str]:
-    """Each exported file and what opens it. `scale`: the LoRA's alpha / rank, which the diffusers-layout file keeps in
-    its metadata alone: ComfyUI, which reads a file's alpha tensors and applies 1 without them, is named for it only
-    at 1."""
+    """Each exported file and what opens it. `scale`: the LoRA's alpha / rank, which the
+    diffusers-layout file keeps in its metadata alone: ComfyUI, which reads a file's alpha tensors
+    and applies 1 without them, is named for it only at 1."""
     kohya = spec.kohya_readers
     if method in schema.LYCORIS_METHODS:
         kohya = "ComfyUI (`models/loras`), Forge, kohya's tools with LyCORIS (diffusers does not load LoKr or LoHa)"

@@ -35,18 +35,20 @@ def split(model: torch.nn.Module, mesh: Mesh, attention: str, plan: dict[str, An
     device = torch._C._get_accelerator().type
     ring = mesh.context if attention == "ring" else 1
     ulysses = mesh.context // ring
-    grid = init_device_mesh(device, (mesh.data_world, ring, ulysses), mesh_dim_names=("dp", "ring", "ulysses"))
-    config = ContextParallelConfig(ring_degree=ring, ulysses_degree=ulysses, mesh=grid["ring", "ulysses"])
+    grid = init_device_mesh(device, (mesh.data_world, ring, ulysses),
+                            mesh_dim_names=("dp", "ring", "ulysses"))
+    config = ContextParallelConfig(ring_degree=ring, ulysses_degree=ulysses,
+                                   mesh=grid["ring", "ulysses"])
     with _quiet(), _one_device_on_a_cpu():
         model.enable_parallelism(config=config, cp_plan=plan)  # type: ignore[operator]
-    log.info("parallel.context=%d: each sample's sequence is split over %d ranks (%s attention), %d data "
-             "stream(s)", mesh.context, mesh.context, attention, mesh.data_world)
+    log.info("parallel.context=%d: each sample's sequence is split over %d ranks (%s attention), "
+             "%d data stream(s)", mesh.context, mesh.context, attention, mesh.data_world)
 
 
 @contextlib.contextmanager
 def _one_device_on_a_cpu() -> Iterator[None]:
-    """diffusers places a rank on device `rank % torch.accelerator.device_count()`, which is a division
-    by zero on a machine without an accelerator: there, every rank's device is the CPU."""
+    """diffusers places a rank on device `rank % torch.accelerator.device_count()`, which is a
+    division by zero on a machine without an accelerator: there, every rank's device is the CPU."""
     count = torch.accelerator.device_count
     if count() > 0:
         yield
@@ -60,7 +62,8 @@ def _one_device_on_a_cpu() -> Iterator[None]:
 
 @contextlib.contextmanager
 def _quiet() -> Iterator[None]:
-    """diffusers' warning that the API is experimental, said once in our log rather than the terminal."""
+    """diffusers' warning that the API is experimental, said once in our log rather than the
+    terminal."""
     from diffusers.utils import logging as diffusers_logging
 
     level = diffusers_logging.get_verbosity()

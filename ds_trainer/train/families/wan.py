@@ -149,8 +149,8 @@ class Wan(FlowFamily):
             side = "at or above" if self.expert == "high" else "below"
             log.info("%s trains its %s-noise expert (the pipeline's %s) on the timesteps whose "
                      "sigma is %s %g; the other expert is the source's, frozen, in the samples and "
-                     "the exported pipeline", cfg.model.name, self.expert, self._trained_folder(), side,
-                     self.boundary)
+                     "the exported pipeline", cfg.model.name, self.expert, self._trained_folder(),
+                     side, self.boundary)
         return common.trained_module(  # type: ignore[no-any-return]
             cfg, WanTransformer3DModel, self._trained_folder(), cfg.model.get("transformer")
         )

@@ -1,16 +1,20 @@
-"""The validation loss: one number per evaluation that depends on the weights alone, not on the layout.
+"""The validation loss: one number per evaluation that depends on the weights alone, not on the
+layout.
 
-It is the mean denoising loss over every (image, timestep) pair of the validation set (config/holdout.py says
-which images and timesteps): the noise of a pair comes from a generator seeded by `validation.seed`, the image's
-number and the timestep's, the error is the plain mean squared error against the prediction target (no min-SNR
-weighting, no noise offset, so runs that differ in those still compare), and the sum is taken in float64. The
-pairs are dealt round robin over the ranks and the sums all-reduced: with the same weights the value is the same
-under DDP, ZeRO-0..3 and FSDP on any number of ranks, with any micro batch or accumulation, up to the order
-floating-point sums are taken in. On one layout it is exact: two evaluations of the same weights agree.
+It is the mean denoising loss over every (image, timestep) pair of the validation set
+(config/holdout.py says which images and timesteps): the noise of a pair comes from a generator
+seeded by `validation.seed`, the image's number and the timestep's, the error is the plain mean
+squared error against the prediction target (no min-SNR weighting, no noise offset, so runs that
+differ in those still compare), and the sum is taken in float64. The pairs are dealt round robin
+over the ranks and the sums all-reduced: with the same weights the value is the same under DDP,
+ZeRO-0..3 and FSDP on any number of ranks, with any micro batch or accumulation, up to the order
+floating-point sums are taken in. On one layout it is exact: two evaluations of the same weights
+agree.
 
-Under ZeRO-3 and FSDP every forward gathers the parameters from all ranks, so every rank makes the same number
-of forward calls (a rank with fewer pairs repeats one and drops its result). The evaluation is collective and
-runs at steps that depend on the step alone (`holdout.due`); its time is measured apart from s/it.
+Under ZeRO-3 and FSDP every forward gathers the parameters from all ranks, so every rank makes the
+same number of forward calls (a rank with fewer pairs repeats one and drops its result). The
+evaluation is collective and runs at steps that depend on the step alone (`holdout.due`); its time
+is measured apart from s/it.
 """
 
 from __future__ import annotations
@@ -39,9 +43,10 @@ Item = dict[str, torch.Tensor]
 
 
 class ValidationSet:
-    """This rank's share of the (image, timestep) pairs and the cached tensors of their images, made once at the
-    start (while the frozen encoders are on the device). `build_cache` builds a latent cache collectively (the
-    recipe's, so the validation images are encoded once across runs, like the training ones)."""
+    """This rank's share of the (image, timestep) pairs and the cached tensors of their images, made
+    once at the start (while the frozen encoders are on the device). `build_cache` builds a latent
+    cache collectively (the recipe's, so the validation images are encoded once across runs, like
+    the training ones)."""
 
     def __init__(self, run: Run, build_cache: Callable[[Any], data.LatentCache | None]) -> None:
         cfg, accelerator, frozen = run.cfg, run.accelerator, run.frozen
@@ -52,8 +57,8 @@ class ValidationSet:
         self.noise_sched = self.family.schedule(cfg)
         self.timesteps = holdout.timesteps(cfg, self.family.num_train_timesteps(self.noise_sched))
         pairs = [(i, j) for i in range(len(images)) for j in range(len(self.timesteps))]
-        # A context group scores its pairs together (each pair's sum and count then come once from each of
-        # its ranks: the mean is the same)
+        # A context group scores its pairs together (each pair's sum and count then come once from
+        # each of its ranks: the mean is the same)
         rank, world = run.mesh.data_rank, run.mesh.data_world
         self.mine = pairs[rank::world]
         self.total = len(pairs)
@@ -65,7 +70,8 @@ class ValidationSet:
                 data.encode_batch(images, frozen, [index], accelerator.device, self.family)
             self.items[index] = {key: value[0] for key, value in loaded.items()}
         batch = int(cfg.validation.batch_size) or int(cfg.train.micro_batch_size)
-        # Forwards of one shape (a bucket) each, in a fixed order: the same sums on every evaluation.
+        # Forwards of one shape (a bucket) each, in a fixed order: the same sums on every
+        # evaluation.
         by_shape: dict[tuple[int, ...], list[tuple[int, int]]] = {}
         for i, j in self.mine:
             by_shape.setdefault(tuple(self.items[i]["latents"].shape), []).append((i, j))
@@ -78,7 +84,8 @@ class ValidationSet:
                             "source": _source(cfg), "seed": int(cfg.validation.seed)}
 
     def batch(self, chunk: list[tuple[int, int]]) -> tuple[Item, torch.Tensor, torch.Tensor]:
-        """The stacked tensors of a forward's pairs, their noise (fixed per pair) and their timesteps."""
+        """The stacked tensors of a forward's pairs, their noise (fixed per pair) and their
+        timesteps."""
         seed = int(self.cfg.validation.seed)
         stacked = {key: torch.stack([self.items[i][key] for i, _ in chunk]) for key in self.items[chunk[0][0]]}
         noise = torch.stack([torch.randn(self.items[i]["latents"].shape,
@@ -106,19 +113,21 @@ def _source(cfg: DictConfig) -> str:
 
 
 class Validator:
-    """Scores the weights at the steps `holdout.due` names. Collective: every rank calls `after_step`."""
+    """Scores the weights at the steps `holdout.due` names. Collective: every rank calls
+    `after_step`."""
 
     def __init__(self, run: Run, vset: ValidationSet, dtype: torch.dtype) -> None:
         cfg = run.cfg
         self.cfg, self.accelerator, self.model, self.vset = cfg, run.accelerator, run.model, vset
         self.tracker, self.dtype, self.weights = run.tracker, dtype, run.eval_weights
         self.ema = run.ema if cfg.validation.ema else None
-        # The EMA put into the live module (a LoRA's adapters on its frozen base; the UNet and text encoders trained
-        # together), rather than a float32 UNet built on it.
+        # The EMA put into the live module (a LoRA's adapters on its frozen base; the UNet and text
+        # encoders trained together), rather than a float32 UNet built on it.
         self.in_place = cfg.adapter.method.value != "none" or text_encoders.enabled(cfg)
 
     def after_step(self, step: int, stopping: bool = False) -> None:
-        """Validate if `step` is due (every rank decides the same); not when a stop request cut the run short."""
+        """Validate if `step` is due (every rank decides the same); not when a stop request cut the
+        run short."""
         if not holdout.due(self.cfg, step) or (stopping and step < int(self.cfg.train.max_steps)):
             return
         start = time.perf_counter()
