@@ -1,4 +1,5 @@
-"""`python -m ds_trainer.tune`: the fastest configuration that fits, measured (code in `ds_trainer/tools/tune/`)."""
+"""`python -m ds_trainer.tune`: the fastest configuration that fits, measured, or (tune.objective=quality) the
+settings that reach the lowest validation loss in a budget (code in `ds_trainer/tools/tune/`)."""
 
 import sys
 

@@ -12,9 +12,14 @@
    tune.csv, tune.png, winner.txt, ds_config.json, the experiment preset) are written after every cell;
    running the same command again continues, measuring only cells without a result.
 
-Modules: `space` (the cells, their overrides, the planner's verdict, the winner), `run` (the tune's course),
-`cell` (one cell measured in a process of its own), `outputs` (what a tune leaves in its folder), `cli`
-(`python -m ds_trainer.tune`).
+With `tune.objective=quality` the tune asks another question: which training settings (the
+overrides given as sweeps: learning rate, rank, optimizer, precision, ...) reach the lowest
+validation loss in `tune.budget`; quality.py says how that search goes.
+
+Modules: `space` (the cells, their overrides, the planner's verdict, the winner), `run` (the tune's
+course), `cell` (one cell measured in a process of its own), `outputs` (what a tune leaves in its
+folder), `cli` (`python -m ds_trainer.tune`); for quality, `quality` (its course), `axes`, `study`,
+`trial`, `quality_report`.
 """
 
 from ds_trainer.tools.tune.cli import main
