@@ -90,11 +90,19 @@ def generate(pipe: Any, prompt: str, seed: int, s: Settings, image: Any = None) 
 
 
 def _cast(value: Any, dtype: torch.dtype) -> Any:
+    """Floating tensors to `dtype`, also in dicts and lists (Z-Image's transformer takes lists)."""
     if isinstance(value, torch.Tensor) and value.is_floating_point():
         return value.to(dtype)
     if isinstance(value, dict):
         return {k: _cast(v, dtype) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_cast(v, dtype) for v in value)
     return value
+
+
+def _dtype(value: Any) -> torch.dtype:
+    """The dtype of a tensor, or of a list's first tensor."""
+    return value.dtype if isinstance(value, torch.Tensor) else _dtype(value[0])
 
 
 # The floating inputs of a UNet's or a transformer's forward besides its timestep.
@@ -111,15 +119,17 @@ def model_in_its_dtype(model: Any) -> Iterator[None]:
     seen: list[torch.dtype] = []
 
     def before(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:  # noqa: ARG001 - torch's hook signature
-        seen.append(args[0].dtype if args else kwargs["hidden_states"].dtype)
+        seen.append(_dtype(args[0] if args else kwargs["hidden_states"]))
         kwargs = {k: _cast(v, dtype) if k in _CONDITIONING else v for k, v in kwargs.items()}
-        return ((args[0].to(dtype), *args[1:]) if args else args), kwargs
+        # Positional: the sample and the conditioning after the timestep (diffusers' second
+        # argument, left alone): Z-Image's pipeline passes its caption features third
+        return tuple(a if i == 1 else _cast(a, dtype) for i, a in enumerate(args)), kwargs
 
     def after(module: Any, args: tuple, output: Any) -> Any:  # noqa: ARG001 - torch's hook signature
         back = seen.pop()
         if isinstance(output, tuple):
-            return (output[0].to(back), *output[1:])
-        output.sample = output.sample.to(back)
+            return (_cast(output[0], back), *output[1:])
+        output.sample = _cast(output.sample, back)
         return output
 
     # Before any hook of the module's own (FSDP2 casts the inputs to its compute dtype and gathers the root unit's
