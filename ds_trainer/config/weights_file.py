@@ -202,7 +202,14 @@ def transformer_mismatch(header: dict[str, Any], family: str, arch: dict[str, An
         return (f"a {families.spec(family).label} transformer under a whole checkpoint's {UNET}* names, which "
                 f"diffusers' {families.spec(family).label} loader does not strip: the transformer's own file "
                 "(ComfyUI's models/diffusion_models one)")
-    return file.mismatch(shapes, arch, int(arch["num_attention_heads"]) * int(arch["attention_head_dim"]))
+    return file.mismatch(shapes, arch, width_of(arch))
+
+
+def width_of(arch: dict[str, Any]) -> int:
+    """A transformer's width from its diffusers config: its heads times their size (Z-Image's `dim`)."""
+    if "dim" in arch:
+        return int(arch["dim"])
+    return int(arch["num_attention_heads"]) * int(arch["attention_head_dim"])
 
 
 def transformer_problems(cfg: DictConfig) -> list[Problem]:
@@ -221,7 +228,7 @@ def transformer_problems(cfg: DictConfig) -> list[Problem]:
     if not Path(path).is_file():
         return [Problem("model.transformer", path, "no such file", fix)]
     arch = json.loads((Path(cfg.model.architecture) / "transformer" / "config.json").read_text())
-    width = int(arch["num_attention_heads"]) * int(arch["attention_head_dim"])
+    width = width_of(arch)
     if file.width is not None and width != file.width:
         return [Problem("model.transformer", path, f"model={cfg.model.name}'s transformer is {width} wide; diffusers' "
                         f"{spec.label} single-file loader reads {spec.label}'s width ({file.width}) only",
