@@ -85,9 +85,10 @@ KNOWN = (
     Known("py.warnings", r"peft/tuners/lora/torchao\.py:\d+: UserWarning: TorchaoLoraLinear was instantiated without "
           r"`get_apply_tensor_subclass`", "peft cannot merge a LoRA into a torchao weight without it; ds_trainer never "
           "merges: the LoRA files are written from the adapters, against the unquantized base"),
-    Known("py.warnings", r"diffusers/models/embeddings\.py:\d+: FutureWarning: `FluxPosEmbed` is deprecated",
-          "diffusers' ChromaTransformer2DModel builds its RoPE table with the class's old import path (diffusers "
-          "0.42); the class is the same, nothing for a user to change"),
+    Known("py.warnings",
+          r"diffusers/models/embeddings\.py:\d+: FutureWarning: `FluxPosEmbed` is deprecated",
+          "diffusers' ChromaTransformer2DModel builds its RoPE table with the class's old import "
+          "path (diffusers 0.42); the class is the same, nothing for a user to change"),
     Known("transformers.utils.import_utils", r"^`\w+ImageProcessor` requires torchvision \(not installed\); "
           r"falling back to `\w+ImageProcessorPil`",
           "the pipeline's image processors (for a safety checker SDXL does not have) fall back to PIL; training, "

@@ -8,8 +8,8 @@ from typing import Any
 def cached(kind: str, args: tuple[Any, ...], compute: Any) -> Any:
     """`compute(*args)` remembered on disk (~/.cache/ds_trainer/plan.json): the meta-device forward costs
     seconds at every start of training, and its inputs rarely change. The key holds the UNet's (or transformer's)
-    config text, diffusers' version and the planner's text (cells.py, unet.py, the family's module that builds the
-    forward), so a change of any recomputes."""
+    config text, diffusers' version and the planner's text (cells.py, unet.py, the family's module
+    that builds the forward), so a change of any recomputes."""
     import hashlib
     import importlib.metadata
     import json
@@ -43,8 +43,8 @@ def cached(kind: str, args: tuple[Any, ...], compute: Any) -> Any:
 
 
 def _family_text(config: Any) -> str:
-    """The text of the module of the family whose trained module `config` (its config.json) describes: its
-    `planner_forward` builds the forward measured (train/families/<family>.py)."""
+    """The text of the module of the family whose trained module `config` (its config.json)
+    describes: its `planner_forward` builds the forward measured (train/families/<family>.py)."""
     import json
     from pathlib import Path
 

@@ -131,8 +131,9 @@ def frozen_bytes(architecture: str, kind: str, precision: str = "bf16", vae: boo
 
 def _encoder(architecture: str, name: str) -> Any:
     """A text encoder of the folder on the meta device, by its config: T5 (SD3's third, Flux's second), Qwen2.5-VL
-    (Qwen-Image's, its vision tower too), another by the class its config names (Wan's UMT5, Z-Image's Qwen3) or
-    CLIP, with the projection where its config names that class (SDXL's second, SD3's first two)."""
+    (Qwen-Image's, its vision tower too), another by the class its config names (Wan's UMT5,
+    Z-Image's Qwen3) or CLIP, with the projection where its config names that class (SDXL's second,
+    SD3's first two)."""
     import torch
     import transformers
     from transformers import (
@@ -156,7 +157,8 @@ def _encoder(architecture: str, name: str) -> Any:
         named = (found.get("architectures") or [""])[0]
         if not str(found.get("model_type")).startswith("clip") and hasattr(transformers, named):
             # another encoder by the class its config names (UMT5, Qwen3, Mistral 3), not as CLIP
-            return getattr(transformers, named)(AutoConfig.from_pretrained(architecture, subfolder=name))
+            config = AutoConfig.from_pretrained(architecture, subfolder=name)
+            return getattr(transformers, named)(config)
         projected = "CLIPTextModelWithProjection" in (found.get("architectures") or []) or name == "text_encoder_2"
         cls = CLIPTextModelWithProjection if projected else CLIPTextModel
         return cls(CLIPTextConfig.from_pretrained(architecture, subfolder=name))
