@@ -35,6 +35,9 @@ def test_model_yaml_describes_its_trained_module(model: str) -> None:
     elif cfg.model.family.value == "sd3":  # a transformer: latents cut into patch x patch tokens
         assert cfg.model.downsample_factor == vae_factor * module.config.patch_size
         assert channels == module.config.in_channels
+    elif cfg.model.family.value == "z_image":  # the transformer cuts the latents into its one patch size
+        assert cfg.model.downsample_factor == vae_factor * module.config.all_patch_size[0]
+        assert channels == module.config.in_channels
     else:  # Flux, Qwen-Image: latents packed 2 x 2 into tokens
         assert cfg.model.downsample_factor == vae_factor * 2
         assert 4 * channels == module.config.in_channels
