@@ -50,6 +50,7 @@ import ds_trainer.cli  # noqa: F401 - registers the schemas and the launcher con
 from ds_trainer import CONF_DIR
 from ds_trainer.config import checks, docs_reference, overrides
 from ds_trainer.config.problems import Problem, Report
+from ds_trainer.tools.tune import axes as tune_axes
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -124,13 +125,17 @@ def _split(tokens: list[str]) -> list[tuple[str, list[str], int]]:
     return out
 
 
-def _cells(args: list[str]) -> list[list[str]]:
-    """The composed runs of a command line: one, or every cell of its sweep."""
+def _cells(args: list[str], module: str = "ds_trainer") -> list[list[str]]:
+    """The composed runs of a command line: one, or every cell of its sweep (a quality tune's: its axes' ends)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     given, multirun = overrides.parse(args)
     given = [o for o in given if not (o.startswith("+experiment=") and
                                       not (CONF_DIR / "experiment" / f"{o.split('=', 1)[1]}.yaml").is_file())]
+    if module == "ds_trainer.tune" and len(lines := tune_axes.corners(given)) > 1:
+        refused = tune_axes.split(given)[2]  # the tune reads its sweeps as the axes of a search
+        assert not refused, Report(None, refused).render()  # type: ignore[arg-type]
+        return lines  # each end composes, one passes
     problems = overrides.check_args(given, multirun)
     assert not problems, Report(None, problems).render()  # type: ignore[arg-type]
     axes: list[list[str]] = []
@@ -231,7 +236,7 @@ def test_a_documented_command_composes_and_passes_validation(line: str, inline: 
             # One process stops at its start with "leave world_size unset": ranks come from a launcher.
             assert not any(a.startswith("world_size=") and a != "world_size=1" for a in args), (
                 f"{where}: trains in one process; start the ranks with torchrun --nproc_per_node N")
-        cells = _cells(args)
+        cells = _cells(args, module)
         by_cell = [_problems(cell, world_size) for cell in cells]
         if len(cells) > 1:  # a sweep: every cell composed; a refused cell is an error row of its report, by design
             assert any(not p for p in by_cell), f"{where}: no cell of the sweep passes validation"
