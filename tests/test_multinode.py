@@ -61,19 +61,22 @@ def _unet(cell: Path) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.multiproc
-@pytest.mark.parametrize("model", ["sdxl_tiny", pytest.param("flux_tiny", marks=pytest.mark.long)])
+@pytest.mark.parametrize("model", ["sdxl_tiny", pytest.param("flux_tiny", marks=pytest.mark.long),
+                                   pytest.param("wan_tiny parallel.context=2", marks=pytest.mark.long)])
 def test_zero3_and_fsdp_across_two_nodes_equal_a_single_node_two_rank_run(tmp_path: Path, two_nodes: dict[str, str],
                                                                           model: str) -> None:
     """ZeRO-3 and FSDP2's full shard, each one job across the two nodes (ZeRO-2 crosses them in the tests below); SDXL
-    here, Flux's transformer (its two block kinds as FSDP's units) in `make test-long`."""
+    here, in `make test-long` Flux's transformer (its two block kinds as FSDP's units) and a Wan clip's sequence
+    split over the two nodes (parallel.context=2: Ulysses' all-to-all over TCP)."""
+    model, *more = model.split()
     multi, single = tmp_path / "multi", tmp_path / "single"
     multi.mkdir(), single.mkdir()
     cells = "zero=stage3,fsdp_full_shard"
     # The single-node reference (two ranks on this machine, submitit-local) runs meanwhile.
-    reference = subprocess.Popen([sys.executable, "-m", "ds_trainer", "-m", cells, f"model={model}",
+    reference = subprocess.Popen([sys.executable, "-m", "ds_trainer", "-m", cells, f"model={model}", *more,
                                   "hydra/launcher=local_2proc", *FAST], cwd=single, stdout=subprocess.DEVNULL,
                                  stderr=subprocess.PIPE, text=True)
-    result = run_cli("-m", cells, f"model={model}", TWO_NODES, *FAST, cwd=multi, env=two_nodes, timeout=900)
+    result = run_cli("-m", cells, f"model={model}", *more, TWO_NODES, *FAST, cwd=multi, env=two_nodes, timeout=900)
     _, err = reference.communicate(timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     assert reference.returncode == 0, err[-3000:]
@@ -86,6 +89,8 @@ def test_zero3_and_fsdp_across_two_nodes_equal_a_single_node_two_rank_run(tmp_pa
         assert _steps(cell) == [1, 2, 3]  # one run directory: rank 0 alone wrote the metrics
         log_text = (cell / "ds_trainer.log").read_text()
         assert re.search(r"all 2 ranks met at dsnode1:\d+ on nodes dsnode1, dsnode2", log_text)
+        if more:  # one sample's sequence over both nodes, one data stream
+            assert "split over 2 ranks (ulysses attention), 1 data stream(s)" in log_text
         assert abs(summary["final_loss"] - json.loads((ref / "summary.json").read_text())["final_loss"]) < 1e-4
         ours, theirs = _unet(cell), _unet(ref)
         assert ours.keys() == theirs.keys()
