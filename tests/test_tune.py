@@ -402,3 +402,33 @@ def test_compile_is_a_lever_its_seconds_a_column_apart_from_s_per_it() -> None:
     assert fixed == {"compile": "blocks", "zero": "stage2"} and base == []
     assert {dict(c.levers)["compile"] for c in tune_space.space(cfg.tune, fixed, 1, 1)} == {"blocks"}
     assert "compile_s" not in outputs.columns(tune_space.space(make_cfg("tune.zero=[stage2]").tune, {}, 1, 1))
+
+
+def test_context_is_a_lever_each_cell_planned_with_its_split_and_its_own_accumulation() -> None:
+    """tune.context=[1,2,4] on Wan 2.1 14B at 720p, 81 frames, ZeRO-3 on 8 GPUs: the planner prunes the
+    unsplit cell above an 80 GiB budget and keeps the split ones; a fixed global batch counts the data
+    groups (8 images: accumulation 1, 2, 4); a context the ranks cannot divide is invalid with the reason."""
+    from ds_trainer.tools.tune import outputs
+    from ds_trainer.tools.tune import space as tune_space
+
+    clip = ["model=wan21_t2v_14b", "resolution.width=1280", "resolution.height=720", "data.video.frames=[81]",
+            "train.gradient_checkpointing=true", "world_size=8"]
+    cfg = make_cfg(*clip, "tune.zero=[stage3]", "tune.offload=[none]", "tune.micro_batch_size=[1]",
+                   "tune.gradient_checkpointing=[true]", "tune.context=[1,2,4]", "tune.global_batch=8")
+    cells = tune_space.space(cfg.tune, {}, 8, 1)
+    assert sorted((dict(c.levers)["context"], c.accum) for c in cells) == [("1", 1), ("2", 2), ("4", 4)]
+    tune_space.plan_cells(cells, lambda overrides: make_cfg(*overrides), clip, 80 * 2**30, None, 1.0)
+    by = {dict(c.levers)["context"]: c for c in cells}
+    assert by["1"].status == "pruned" and by["2"].status == by["4"].status == "planned"
+    assert round(by["1"].predicted_gib or 0, 1) == 93.4 and round(by["2"].predicted_gib or 0, 1) == 65.1
+    assert {"parallel.context=2", "train.gradient_accumulation_steps=2"} <= set(by["2"].overrides())
+    assert "context" in outputs.columns(cells) and outputs.row(by["4"])["context"] == "4"
+    # The user's parallel.context=... holds the axis; on 6 ranks a context of 4 is refused with the divisors
+    base, fixed = tune_space.split_overrides(["parallel.context=4", "world_size=6"])
+    assert fixed == {"context": "4"} and base == ["world_size=6"]
+    odd = tune_space.space(make_cfg("model=wan_tiny", "tune.zero=[stage2]", "tune.offload=[none]",
+                                    "tune.micro_batch_size=[1]", "tune.gradient_checkpointing=[false]").tune,
+                           fixed, 6, 1)
+    tune_space.plan_cells(odd, lambda overrides: make_cfg(*overrides), ["model=wan_tiny", *base], None, None, 1.0)
+    assert [c.status for c in odd] == ["invalid"] and "does not divide them" in (odd[0].message or "")
+    assert "context" not in outputs.columns(tune_space.space(make_cfg("tune.zero=[stage2]").tune, {}, 1, 1))

@@ -65,6 +65,10 @@ class TuneConfig:
     # train.compile to search too (e.g. [none,blocks]): a cell's s/it leaves its compile time out
     # (measured apart, the compile_s column), and the winner says whether compiling pays.
     compile: list[str] = field(default_factory=list)
+    # parallel.context to search too (e.g. [1,2,4]): a sequence split over more ranks keeps less of
+    # its activations on each, so a larger micro batch or no checkpointing may fit; the global
+    # batch counts the data groups (world size / context).
+    context: list[int] = field(default_factory=list)
     warmup_steps: int = 2
     timed_steps: int = 5
     # Seconds per cell, start-up included: a cell still running then is stopped and counts as a

@@ -15,10 +15,10 @@ from omegaconf import DictConfig
 from ds_trainer.tools.plan.calibration import Calibration
 from ds_trainer.tools.tune.space import GIB, LEVERS, Cell, override_key
 
-COLUMNS = ("cell", "zero", "offload", "micro_batch_size", "gradient_accumulation_steps", "gradient_checkpointing",
-           "optimizer", "adapter", "quantize", "compile", "status", "predicted_peak_gib", "measured_peak_gib",
-           "measure", "s_per_it", "images_per_s", "compile_s", "val_loss", "load_before", "load_after", "others",
-           "message")
+COLUMNS = ("cell", "zero", "offload", "micro_batch_size", "gradient_accumulation_steps",
+           "gradient_checkpointing", "optimizer", "adapter", "quantize", "compile", "context", "status",
+           "predicted_peak_gib", "measured_peak_gib", "measure", "s_per_it", "images_per_s", "compile_s",
+           "val_loss", "load_before", "load_after", "others", "message")
 
 
 def columns(cells: list[Cell]) -> tuple[str, ...]:

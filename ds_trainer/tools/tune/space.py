@@ -14,10 +14,11 @@ from ds_trainer.config.problems import Problem, first_problem
 GIB = 2**30
 AXES = {"zero": "zero", "offload": "offload", "train.micro_batch_size": "micro_batch_size",
         "train.gradient_checkpointing": "gradient_checkpointing", "optimizer": "optimizer", "adapter": "adapter",
-        "quantize": "quantize", "train.compile": "compile"}
-# Levers searched beside the axes (tune.adapter, tune.quantize, tune.compile), each with the override key it sets: a
-# cell's choice of each, when the tune searches it.
-LEVERS = {"adapter": "adapter", "quantize": "quantize", "compile": "train.compile"}
+        "quantize": "quantize", "train.compile": "compile", "parallel.context": "context"}
+# Levers searched beside the axes (tune.adapter, tune.quantize, tune.compile, tune.context), each with
+# the override key it sets: a cell's choice of each, when the tune searches it.
+LEVERS = {"adapter": "adapter", "quantize": "quantize", "compile": "train.compile",
+          "context": "parallel.context"}
 # Set for measuring only; the winning line leaves them out.
 MEASURE_KEYS = ("train.max_steps", "train.export", "train.final_checkpoint", "train.checkpoint_every",
                 "train.log_every", "resume", "dry_run", "hydra.")
@@ -95,25 +96,23 @@ def space(t: DictConfig, fixed: dict[str, str], ranks: int, accumulation: int) -
     if t.global_batch is not None and int(t.global_batch) < 1:
         raise BadInput([Problem("tune.global_batch", t.global_batch, "must be at least 1 image per optimizer step",
                                 "tune.global_batch=16, or tune.global_batch=null (free)")])
-    pairs: list[tuple[int, int]] = []
-    for m in micros:
-        if t.global_batch is None:
-            pairs.append((m, accumulation))
-        elif int(t.global_batch) % (m * ranks) == 0:
-            pairs.append((m, int(t.global_batch) // (m * ranks)))
-    if not pairs:
+    levers: list[tuple[tuple[str, str], ...]] = [()]
+    for group in LEVERS:
+        options = [fixed[group]] if group in fixed else [str(o) for o in t[group]]
+        levers = [(*chosen, (group, option)) for chosen in levers for option in options] if options else levers
+    cells = []
+    for lev in levers:
+        # A cell's data groups: the ranks over its context size (each group one sample stream)
+        data = max(1, ranks // max(1, int(dict(lev).get("context", 1))))
+        cells += [Cell(z, o, m, a, c, opt, lev) for z in zeros for o in offloads
+                  for m, a in _pairs(t, micros, data, accumulation) for c in ckpts for opt in optimizers]
+    if not cells:
         makeable = sorted({m * ranks * a for m in micros for a in (1, 2, 4, 8)})
         nearest = min(makeable, key=lambda g: abs(g - int(t.global_batch)))
         raise BadInput([Problem("tune.global_batch", t.global_batch,
                                 f"no micro batch of {micros} x accumulation x {ranks} rank(s) makes it (each "
                                 f"micro batch x {ranks} must divide it)",
                                 f"tune.global_batch={nearest} (or one of {makeable}), or tune.global_batch=null")])
-    levers: list[tuple[tuple[str, str], ...]] = [()]
-    for group in LEVERS:
-        options = [fixed[group]] if group in fixed else [str(o) for o in t[group]]
-        levers = [(*chosen, (group, option)) for chosen in levers for option in options] if options else levers
-    cells = [Cell(z, o, m, a, c, opt, lev) for z in zeros for o in offloads for m, a in pairs for c in ckpts
-             for opt in optimizers for lev in levers]
     from ds_trainer.tools.plan import CELLS, FSDP_CELLS
 
     order = CELLS + FSDP_CELLS  # fastest first; FSDP's cells after DeepSpeed's
@@ -121,6 +120,15 @@ def space(t: DictConfig, fixed: dict[str, str], ranks: int, accumulation: int) -
     def rung(c: Cell) -> int:
         return order.index((c.zero, c.offload)) if (c.zero, c.offload) in order else len(order)
     return sorted(cells, key=lambda c: (c.ckpt, rung(c), -c.micro))
+
+
+def _pairs(t: DictConfig, micros: list[int], data: int, accumulation: int) -> list[tuple[int, int]]:
+    """(micro batch, accumulation) of each micro batch that makes tune.global_batch on `data`
+    data groups (every micro batch, at the training's accumulation, when it is free)."""
+    if t.global_batch is None:
+        return [(m, accumulation) for m in micros]
+    images = int(t.global_batch)
+    return [(m, images // (m * data)) for m in micros if images % (m * data) == 0]
 
 
 def measure_overrides(t: DictConfig, logger: str, name: str) -> list[str]:
