@@ -393,3 +393,24 @@ def test_the_search_finds_the_grid_s_best_in_a_third_of_its_steps_on_one_or_two_
     (_, one, _), (_, two, _) = search[1], search[2]
     assert one["adapter.rank"] == two["adapter.rank"]
     assert abs(math.log10(one["optimizer.lr"]) - math.log10(two["optimizer.lr"])) < 1
+
+
+def test_a_grid_ends_when_its_last_cell_is_told(tmp_path: Path) -> None:
+    """Optuna's grid sampler calls study.stop once its grid is done, which raises outside study.optimize: the tune's
+    tell takes that as the grid's end (the last cell of a grid tune crashed the tune before)."""
+    import optuna
+    from omegaconf import OmegaConf
+
+    from ds_trainer.tools.tune import study as shared
+    from ds_trainer.tools.tune.axes import Axis
+
+    t = OmegaConf.merge(make_cfg().tune, {"sampler": "grid", "pruner": "none", "name": "g"})
+    axis = Axis("adapter.rank", "1,4", optuna.distributions.CategoricalDistribution([1, 4]))
+    study = shared.open_study(t, tmp_path, {"a": 1}, [axis], 1, 9)
+    for _ in range(2):
+        trial = study.ask({"adapter.rank": axis.distribution})
+        trial.set_user_attr("worker", shared.me())
+        shared.tell(study, trial, 1.0)
+    assert [t.state.name for t in study.get_trials()] == ["COMPLETE", "COMPLETE"]
+    assert shared.over(study, shared.Budget(None, None, None)) == "every cell of the grid has run"
+    assert sorted(t.params["adapter.rank"] for t in study.get_trials()) == [1, 4]

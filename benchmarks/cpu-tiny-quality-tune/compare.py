@@ -18,7 +18,6 @@ import csv
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -29,19 +28,22 @@ TARGETS = {"sdxl_tiny": "[to_q,to_k,to_v,to_out.0,proj_in,proj_out,ff.net.0.proj
            "flux_tiny": "[to_q,to_k,to_v,to_out.0,proj_out,proj_mlp,ff.net.0.proj,ff.net.2]"}
 
 
-def tune(training: list[str], name: str, work: Path, *extra: str) -> tuple[float, Path]:
+def tune(training: list[str], name: str, work: Path, *extra: str) -> Path:
     cmd = [sys.executable, "-m", "ds_trainer.tune", *training, "tune.objective=quality",
            f"tune.name={name}", f"paths.outputs={work}", *extra]
-    start = time.time()
     run = subprocess.run(cmd, cwd=work, capture_output=True, text=True)
     (work / f"{name}.log").write_text(run.stderr)
     if run.returncode != 0:
         raise SystemExit(f"{name} failed:\n{run.stderr[-3000:]}")
-    return time.time() - start, work / "tune" / name
+    return work / "tune" / name
 
 
 def rows(tune_dir: Path) -> list[dict[str, str]]:
     return list(csv.DictReader((tune_dir / "quality.csv").open()))
+
+
+def device_h(table: list[dict[str, str]]) -> float:
+    return sum(float(r["device_h"] or 0) for r in table)
 
 
 def keep(tune_dir: Path, into: Path) -> None:
@@ -64,14 +66,14 @@ def main() -> None:
                 f"train.max_steps={steps}", f"validation.every={steps // 9}"]
     work = args.work / args.model
     work.mkdir(parents=True, exist_ok=True)
-    grid_s, grid_dir = tune(training, "grid", work, "tune.sampler=grid", "tune.pruner=none", "tune.rerun=false",
+    grid_dir = tune(training, "grid", work, "tune.sampler=grid", "tune.pruner=none", "tune.rerun=false",
                             f"optimizer.lr={','.join(lrs)}", f"adapter.rank={','.join(ranks)}")
     grid = [r for r in rows(grid_dir) if r["state"] == "complete"]
     grid_steps = sum(int(r["steps"]) for r in rows(grid_dir))
     best = min(grid, key=lambda r: float(r["val_loss"]))
     # a trial started before the budget is spent runs on: a third of the grid less one trial's steps
     budget = grid_steps // 3 - steps
-    search_s, search_dir = tune(training, "search", work, f"tune.budget={budget}steps",
+    search_dir = tune(training, "search", work, f"tune.budget={budget}steps",
                                 f"tune.workers={args.workers}", f"optimizer.lr=tag(log,interval({lrs[0]},{lrs[-1]}))",
                                 f"adapter.rank={','.join(ranks)}")
     search = rows(search_dir)
@@ -81,12 +83,13 @@ def main() -> None:
     keep(search_dir, HERE / f"{args.model}-search")
     rerun = [line for line in (search_dir / "quality.md").read_text().splitlines() if "from scratch |" in line]
     lines = [f"# {args.model}: the quality tune against the full grid", "",
-             "| | cells / trials | steps | wall-clock (s) | best validation loss | its settings |",
+             "| | cells / trials | steps | device-hours | best validation loss | its settings |",
              "|---|---|---|---|---|---|",
-             f"| full grid | {len(grid)} | {grid_steps} | {grid_s:.0f} | {float(best['val_loss']):.6f} | "
+             f"| full grid | {len(grid)} | {grid_steps} | {device_h(rows(grid_dir)):.3f} | "
+             f"{float(best['val_loss']):.6f} | "
              f"lr {best['optimizer.lr']}, rank {best['adapter.rank']} |",
              f"| search (budget {budget} steps) | {len(search)} ({sum(r['state'] == 'pruned' for r in search)}"
-             f" pruned) | {search_steps} | {search_s:.0f} | {float(chosen['val_loss']):.6f} | "
+             f" pruned) | {search_steps} | {device_h(search):.3f} | {float(chosen['val_loss']):.6f} | "
              f"lr {float(chosen['optimizer.lr']):.4g}, rank {chosen['adapter.rank']} |", "",
              f"The search spent {search_steps / grid_steps:.0%} of the grid's steps; its chosen trial's loss is "
              f"{(float(chosen['val_loss']) - float(best['val_loss'])) / float(best['val_loss']):+.2%} from the "

@@ -206,7 +206,7 @@ def _repeat(study: Any, trial: Any) -> bool:
             for images, value in sorted(earlier.intermediate_values.items()):
                 trial.report(value, images)
             complete = earlier.state == TrialState.COMPLETE
-            study.tell(trial, earlier.value if complete else None, state=earlier.state)
+            shared.tell(study, trial, earlier.value if complete else None, state=earlier.state)
             return True
     return False
 
@@ -241,9 +241,10 @@ def _run(study: Any, trial: Any, job: trials.Plan, setup: Setup, label: str) -> 
     if out.message:
         trial.set_user_attr("message", out.message)
     if out.state == "complete":
-        study.tell(trial, out.value)
+        shared.tell(study, trial, out.value)
     else:
-        study.tell(trial, state=TrialState.PRUNED if out.state == "pruned" else TrialState.FAIL)
+        ended = TrialState.PRUNED if out.state == "pruned" else TrialState.FAIL
+        shared.tell(study, trial, state=ended)
     value = f" {out.value:.6f}" if out.value is not None else ""
     _say(f"{label}: trial {trial.number}: {out.state}{value}"
          + (f" ({out.message})" if out.message else ""))
@@ -271,7 +272,7 @@ def work(study: Any, setup: Setup, label: str) -> None:
         job = plan(setup, trial.params)
         if isinstance(job, str):
             trial.set_user_attr("refused", job)
-            study.tell(trial, state=TrialState.FAIL)
+            shared.tell(study, trial, state=TrialState.FAIL)
             _say(f"{label}: trial {trial.number}: refused, not run: {job}")
             idle += 1
             continue
@@ -320,6 +321,7 @@ def tune(argv: list[str], base: list[str], found: list[Axis]) -> int:
             proc.wait()
     finally:
         _stop_all(others)
+    shared.sweep_checkpoints(study)
     again = rerun(study, setup) if t.rerun else None
     return quality_report.finish(study, setup, again)
 

@@ -157,6 +157,18 @@ def _lost(trial: Any, now: float, heartbeat_s: float) -> str | None:
     return None
 
 
+def sweep_checkpoints(study: Any) -> None:
+    """Remove what pruned runs saved on their way out (a launcher's run may write it after its
+    trial was told): a pruned trial never resumes."""
+    import shutil
+
+    from optuna.trial import TrialState
+
+    for trial in study.get_trials(deepcopy=False, states=(TrialState.PRUNED,)):
+        if "run_dir" in trial.user_attrs:
+            shutil.rmtree(Path(trial.user_attrs["run_dir"]) / "checkpoints", ignore_errors=True)
+
+
 def abandon(study: Any, trial: Any, why: str) -> None:
     """Fail a trial that will not end by itself, and run its parameters once more (a retry is
     not retried)."""
@@ -165,9 +177,19 @@ def abandon(study: Any, trial: Any, why: str) -> None:
     if f"lost_{trial.number}" in study.user_attrs:
         return  # another worker got there first
     study.set_user_attr(f"lost_{trial.number}", why)
-    study.tell(trial.number, state=TrialState.FAIL, skip_if_finished=True)
+    tell(study, trial.number, state=TrialState.FAIL, skip_if_finished=True)
     if "retry_of" not in trial.user_attrs:
         study.enqueue_trial(dict(trial.params), user_attrs={"retry_of": trial.number})
+
+
+def tell(study: Any, trial: Any, value: float | None = None, **kwargs: Any) -> None:
+    """`study.tell`, where the grid sampler's end of the grid is no error: it calls `study.stop`,
+    which raises outside `study.optimize` (the trial is stored all the same, before)."""
+    try:
+        study.tell(trial, value, **kwargs)
+    except RuntimeError as exc:
+        if "Study.stop" not in str(exc):
+            raise
 
 
 def fail_lost(study: Any, heartbeat_s: float) -> list[str]:
