@@ -1,6 +1,7 @@
 """The README's table of full-size models: per GPU, DeepSpeed's own estimator of the model states beside the
 planner's model states and its whole training peak (activations at 1024 px, micro batch 1, bf16, gradient
-checkpointing on; DeepSpeed's buffers), for each cell a user weighs before renting GPUs.
+checkpointing on; DeepSpeed's buffers), for each cell a user weighs before renting GPUs; and the context
+size (parallel.context) at which ZeRO-3 on eight 80 GiB GPUs holds the row's sample.
 
     python -m ds_trainer.tools.plan.table      # prints the markdown table (tests/test_plan.py checks the README's)
 
@@ -34,6 +35,9 @@ CELLS = [("ZeRO-2, 8 GPUs", "stage2", "none", False, 8), ("ZeRO-2 + CPU offload,
          ("ZeRO-3, 8 GPUs", "stage3", "none", False, 8),
          ("ZeRO-3 + optimizer offload, 8 GPUs", "stage3", "cpu", False, 8),
          ("ZeRO-3 + optimizer and parameter offload, 1 GPU", "stage3", "cpu", True, 1)]
+# The last column: the smallest parallel.context at which ZeRO-3 on 8 GPUs of this many GiB fits
+CONTEXT_GPU_GIB, CONTEXTS = 80, (1, 2, 4, 8)
+Row = tuple[str, list[tuple[float, float, float]], tuple[int, float] | None]
 
 
 def _deepspeed(zero: str, offload: str, params_offload: bool, gpus: int, params: int, layer: int) -> int:
@@ -58,9 +62,27 @@ def _size(cfg: object) -> str:
     return f"{int(r.width)}x{int(r.height)}, {max(cfg.data.video.frames)} frames"  # type: ignore[attr-defined]
 
 
-def rows() -> list[tuple[str, list[tuple[float, float, float]]]]:
-    """Per model and size: its label, and per cell (DeepSpeed's model states, the planner's, the
-    planner's training peak) in GiB."""
+def _context(size: list[str]) -> tuple[int, float] | None:
+    """The smallest context size at which ZeRO-3 on 8 GPUs fits CONTEXT_GPU_GIB (and its peak), among
+    the sizes the run's checks pass (heads, tokens); None: none does."""
+    from ds_trainer.config import checks
+    from ds_trainer.tools import plan
+
+    for context in CONTEXTS:
+        cfg = overrides.compose_checked([*size, "zero=stage3", "offload=none", "world_size=8",
+                                         f"parallel.context={context}"])
+        report = checks.check(cfg)
+        if any(p.key.startswith("parallel.") for p in report.problems):
+            continue
+        peak = plan.estimate(report.cfg, "stage3", "none", 8).gpu / GIB
+        if peak <= CONTEXT_GPU_GIB:
+            return context, peak
+    return None
+
+
+def rows() -> list[Row]:
+    """Per model and size: its label, per cell (DeepSpeed's model states, the planner's, the
+    planner's training peak) in GiB, and the context that fits ZeRO-3 on 8 GPUs (`_context`)."""
     from ds_trainer.tools import plan
 
     schema.register()
@@ -77,17 +99,25 @@ def rows() -> list[tuple[str, list[tuple[float, float, float]]]]:
             e = plan.estimate(cfg, zero, offload, gpus)
             ds = _deepspeed(zero, offload, params_offload, gpus, stats.params, stats.largest_layer)
             cells.append((ds / GIB, (e.params + e.grads + e.optimizer) / GIB, e.gpu / GIB))
-        out.append((f"{label} ({stats.params / 1e9:.2f} B), {_size(cfg)}", cells))
+        fits = _context([f"model={model}", *size, "train.micro_batch_size=1",
+                         "train.gradient_checkpointing=true"])
+        out.append((f"{label} ({stats.params / 1e9:.2f} B), {_size(cfg)}", cells, fits))
     return out
 
 
-def markdown(found: list[tuple[str, list[tuple[float, float, float]]]] | None = None) -> str:
+def markdown(found: list[Row] | None = None) -> str:
     """The README's table, in markdown: per cell the model states (DeepSpeed's estimator's and the
-    planner's, which agree: tests/test_plan.py) / the planner's training peak."""
-    head = ["model (trained parameters), size", *(cell[0] for cell in CELLS)]
+    planner's, which agree: tests/test_plan.py) / the planner's training peak; then the context size
+    that fits ZeRO-3 on 8 GPUs of CONTEXT_GPU_GIB (its peak where it splits the sample)."""
+    head = ["model (trained parameters), size", *(cell[0] for cell in CELLS),
+            f"parallel.context for ZeRO-3 on 8 x {CONTEXT_GPU_GIB} GiB"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for label, cells in found if found is not None else rows():
-        lines.append("| " + " | ".join([label, *(f"{states:.1f} / {peak:.1f}" for _, states, peak in cells)]) + " |")
+    for label, cells, fits in found if found is not None else rows():
+        context = "none fits" if fits is None else str(fits[0])
+        if fits is not None and fits[0] > 1:
+            context += f" ({fits[1]:.1f})"
+        lines.append("| " + " | ".join([label, *(f"{states:.1f} / {peak:.1f}" for _, states, peak in cells),
+                                        context]) + " |")
     return "\n".join(lines)
 
 
