@@ -9,22 +9,18 @@ what cannot split is refused before the first step with its reason. Slow tests s
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from helpers import numerics
 from helpers.cfg import make_cfg
-from helpers.cli import run_cli, run_dirs
-from helpers.ranks import torchrun
+from helpers.ranks import train
 
 from ds_trainer.config import checks
 
 torch = pytest.importorskip("torch")
 
-ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 COMMON = ["logger=none", "train.max_steps=4", "data.num_samples=4", "resolution.width=64", "resolution.height=64",
           "scheduler=constant", "optimizer.lr=1e-3", "precision=fp32", "train.micro_batch_size=1",
           "data.video.frames=[5]"]
@@ -37,15 +33,7 @@ CELLS = {"wan_z3": ("model=wan_tiny", "stage3", "none"), "wan_fsdp_lora": ("mode
 
 
 def _train(cwd: Path, ranks: int, *overrides: str) -> Path:
-    cwd.mkdir(parents=True, exist_ok=True)
-    if ranks == 1:
-        result = run_cli(*COMMON, *overrides, cwd=cwd, env=ONE_THREAD, timeout=900)
-    else:
-        result = subprocess.run([*torchrun(ranks), "-m", "ds_trainer", *COMMON, *overrides], cwd=cwd,
-                                env={**os.environ, **ONE_THREAD}, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stderr[-3000:]
-    (run_dir,) = run_dirs(cwd)
-    return run_dir
+    return train(cwd, ranks, *COMMON, *overrides)
 
 
 @pytest.fixture(scope="module")

@@ -31,7 +31,7 @@ from helpers.cfg import make_cfg
 from helpers.cli import run_cli, run_dirs
 from helpers.deps import require
 from helpers.procs import kill_9_at
-from helpers.ranks import torchrun
+from helpers.ranks import train
 from PIL import Image
 
 from ds_trainer.config import nvme
@@ -52,15 +52,7 @@ RESUMED = ("ddp", "fsdp_x2")
 
 
 def _train(cwd: Path, ranks: int, *overrides: str) -> Path:
-    cwd.mkdir(parents=True, exist_ok=True)
-    if ranks == 1:
-        result = run_cli(*COMMON, *overrides, cwd=cwd, env=ONE_THREAD, timeout=900)
-    else:
-        result = subprocess.run([*torchrun(ranks), "-m", "ds_trainer", *COMMON, *overrides], cwd=cwd,
-                                env={**os.environ, **ONE_THREAD}, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stderr[-3000:]
-    (run_dir,) = run_dirs(cwd)
-    return run_dir
+    return train(cwd, ranks, *COMMON, *overrides)
 
 
 @pytest.fixture(scope="module")

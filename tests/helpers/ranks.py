@@ -6,6 +6,7 @@ import contextlib
 import os
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 
 def torchrun(ranks: int) -> list[str]:
@@ -43,3 +44,23 @@ def one_rank_process_group(port: int) -> Iterator[None]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def train(cwd: Path, ranks: int, *args: str) -> Path:
+    """One run of `ds_trainer` with `args` on `ranks` ranks from `cwd` (torchrun for more than one,
+    one thread each); it must succeed; its run folder."""
+    import subprocess
+
+    from helpers.cli import run_cli, run_dirs
+
+    one_thread = {"OMP_NUM_THREADS": "1"}
+    cwd.mkdir(parents=True, exist_ok=True)
+    if ranks == 1:
+        result = run_cli(*args, cwd=cwd, env=one_thread, timeout=900)
+    else:
+        result = subprocess.run([*torchrun(ranks), "-m", "ds_trainer", *args], cwd=cwd,
+                                env={**os.environ, **one_thread}, capture_output=True, text=True,
+                                timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (run_dir,) = run_dirs(cwd)
+    return run_dir
