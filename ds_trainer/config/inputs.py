@@ -140,6 +140,10 @@ class ModelConfig:
     # control_path or
     # control_column), samples take samples.images.
     reference_images: bool = False
+    # The most reference images a sample may have (Qwen-Image-Edit-2509/2511: 3, numbered
+    # <name>_0, <name>_1, ... in the control folder, or a table cell's list); more than 1 selects
+    # its family's several-reference layout (QwenImageEditPlusPipeline's).
+    references: int = 1
     # A video model's own settings (frame rate, what conditions it, its experts): VideoModelConfig.
     video: VideoModelConfig | None = None
     about: ModelAbout = field(default_factory=ModelAbout)

@@ -22,7 +22,7 @@ def problems(cfg: DictConfig) -> list[Problem]:
                 + _samples(cfg, "starts each sample clip from an image"))
     if not cfg.model.get("reference_images"):
         return _unread(cfg)
-    out: list[Problem] = []
+    out: list[Problem] = _count(cfg)
     family = cfg.model.family.value
     if family not in EDITING:
         out.append(Problem("model.reference_images", True, f"model.family={family} has no reference-image input; "
@@ -99,6 +99,16 @@ def starts_from_image(cfg: DictConfig) -> bool:
     return families.of(cfg).video and video is not None and video.condition.value != "none"
 
 
+def _count(cfg: DictConfig) -> list[Problem]:
+    """model.references: from 1 to the most the family's editing pipeline takes."""
+    count, spec = int(cfg.model.get("references") or 1), families.of(cfg)
+    if 1 <= count <= spec.references:
+        return []
+    return [Problem("model.references", count, f"{spec.label}'s editing pipeline takes 1 to "
+                    f"{spec.references} reference image(s) a sample",
+                    f"model.references={min(max(count, 1), spec.references)}")]
+
+
 def _samples(cfg: DictConfig, what: str = "edits a reference image") -> list[Problem]:
     """Each sample prompt's reference image (an image to video model's first frame)."""
     s = cfg.samples
@@ -110,8 +120,13 @@ def _samples(cfg: DictConfig, what: str = "edits a reference image") -> list[Pro
                         f"model={cfg.model.name} {what}: each sample prompt needs one",
                         "samples.images=[/path/to/reference.png] (one for every prompt, or one "
                         "each)")]
+    # several references of one prompt are joined by "+" (a.png+b.png)
     out = [Problem("samples.images", image, "no such image file", "samples.images=[/path/to/reference.png]")
-           for image in images if not Path(str(image)).is_file()]
+           for entry in images for image in str(entry).split("+") if not Path(image).is_file()]
+    most = int(cfg.model.get("references") or 1)
+    out += [Problem("samples.images", entry, f"{len(str(entry).split('+'))} reference images "
+                    f"for one prompt; model.references={most}", f"at most {most} joined by '+'")
+            for entry in images if len(str(entry).split("+")) > most]
     prompts = s.prompts if not isinstance(s.prompts, str) else None
     if prompts is not None and len(images) not in (1, len(prompts)):
         out.append(Problem("samples.images", f"[{len(images)} images]", f"pairs with samples.prompts' {len(prompts)} "
@@ -132,6 +147,10 @@ def _unread(cfg: DictConfig, samples_too: bool = True) -> list[Problem]:
             if entry.get(key):
                 out.append(Problem(f"data.sources[{index}].{key}", entry[key], f"model={cfg.model.name} reads no "
                                    "reference images (model.reference_images=false)", fix))
+    if int(cfg.model.get("references") or 1) != 1:
+        out.append(Problem("model.references", cfg.model.references,
+                           f"model={cfg.model.name} reads no reference images "
+                           "(model.reference_images=false)", "model.references=1"))
     if samples_too and cfg.samples.enabled and cfg.samples.get("images"):
         out.append(Problem("samples.images", list(cfg.samples.images), f"model={cfg.model.name} samples from its "
                            "prompts alone (model.reference_images=false)", "samples.images=[]"))

@@ -54,6 +54,10 @@ class FamilySpec:
     # An editing model's caption is encoded with its reference picture (once, into the cache: never
     # dropped or varied)
     caption_sees_reference: bool = False
+    # The most reference images its editing pipelines take per sample (model.references), and the
+    # pixels its several-reference pipeline gives each to the caption's encoder at (0: the image's)
+    references: int = 1
+    reference_area: int = 0
     caption_limit: int | None = (
         None  # the pipeline's most caption tokens (model.flow.text_max_length), if bounded
     )

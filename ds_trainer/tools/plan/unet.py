@@ -8,6 +8,7 @@ module's and the trained text encoders' activations (lora.py)."""
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import cache
@@ -40,7 +41,12 @@ def text_tokens(cfg: Any) -> int:
     spec = families.of(cfg)
     tokens = spec.text_tokens(cfg)
     if spec.caption_sees_reference and cfg.model.get("reference_images"):
-        tokens += vision_tokens(str(cfg.model.architecture), int(cfg.resolution.height), int(cfg.resolution.width)) + 2
+        count = int(cfg.model.get("references") or 1)
+        height, width = int(cfg.resolution.height), int(cfg.resolution.width)
+        if count > 1 and spec.reference_area:  # several references: each encoded at about this area
+            side = math.sqrt(spec.reference_area * width / height)
+            width, height = round(side / 32) * 32, round(side * height / width / 32) * 32
+        tokens += count * (vision_tokens(str(cfg.model.architecture), height, width) + 2)
     return tokens
 
 
@@ -60,10 +66,12 @@ def vision_tokens(architecture: str, height: int, width: int) -> int:
 
 
 def token_height(cfg: Any, height: int) -> int:
-    """The height of an image of as many tokens as the trained module sees for one of `height` pixels: an editing
-    model's reference image (Kontext's, Qwen-Image-Edit's latents) follows the image's tokens, as an image twice as
-    tall."""
-    return height * 2 if cfg.model.get("reference_images") else height
+    """The height of an image of as many tokens as the trained module sees for one of `height`
+    pixels: an editing model's reference images (Kontext's, Qwen-Image-Edit's latents) follow the
+    image's tokens, as an image as many times taller."""
+    if not cfg.model.get("reference_images"):
+        return height
+    return height * (1 + int(cfg.model.get("references") or 1))
 
 
 def is_transformer(architecture: str) -> bool:

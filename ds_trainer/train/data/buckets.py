@@ -82,18 +82,22 @@ class Layout:
     of: list[int]
     sizes: list[tuple[int, int]]
     frames: list[int] | None = None
+    # each sample's count of reference images, where a model takes several (model.references)
+    references: list[int] | None = None
 
     def bucket(self, index: int) -> Bucket:
         return self.buckets[self.of[index]]
 
-    def key(self, index: int) -> tuple[int, int]:
-        """What a global batch shares: the bucket, and the frame count."""
-        return self.of[index], self.frames[index] if self.frames else 1
+    def key(self, index: int) -> tuple[int, int, int]:
+        """What a global batch shares: the bucket, the frame count and the reference count."""
+        return (self.of[index], self.frames[index] if self.frames else 1,
+                self.references[index] if self.references else 1)
 
-    def label(self, key: tuple[int, int]) -> str:
-        """`1216x832`, or a clip's `832x480x81`."""
+    def label(self, key: tuple[int, int, int]) -> str:
+        """`1216x832`, a clip's `832x480x81`, with references `1024x1024, 2 references`."""
         size = geometry.name(self.buckets[key[0]])
-        return size if self.frames is None else f"{size}x{key[1]}"
+        size = size if self.frames is None else f"{size}x{key[1]}"
+        return size if self.references is None else f"{size}, {key[2]} references"
 
     def counts(self) -> dict[str, int]:
         """{WIDTHxHEIGHT[xFRAMES]: samples} of the buckets that hold samples."""
@@ -109,18 +113,20 @@ Windows = list[Any]
 
 def layout(cfg: DictConfig, items: list[Item], sides: list[int | None] | None = None,
            windows: Windows | None = None,
-           checks: dict[str, list[Any]] | None = None) -> tuple[Layout, list[Item], Windows]:
+           checks: dict[str, list[Any]] | None = None,
+           references: bool = False) -> tuple[Layout, list[Item], Windows]:
     """Assign every image to its bucket (a repeated image's header is read once), among the buckets of its source's
     resolution (`sides[item.source]`, None: the run's); images more elongated than the max aspect ratio fit none and
     are left out (with their sizes in the log); no image left is a DataError naming the sizes.
     A video model's samples (`windows`, their sizes from the clips' `checks`) also keep their
     frame counts; without data.buckets they all train at the run's resolution, in batches of one
-    frame count."""
+    frame count. `references`: a model of several references batches samples of one count."""
     windows = windows if windows is not None else [None] * len(items)
     if not geometry.enabled(cfg):  # a video model's run at one size: buckets of frames alone
         size = (int(cfg.resolution.width), int(cfg.resolution.height))
         sizes = [_size(item, checks) for item in items]
-        return Layout([size], [0] * len(items), sizes, _frames(windows)), items, windows
+        counts = _references(items, references)
+        return Layout([size], [0] * len(items), sizes, _frames(windows), counts), items, windows
     s = geometry.spec(cfg)
     found = geometry.generate_all(cfg)
     sides = sides or [None]
@@ -148,8 +154,9 @@ def layout(cfg: DictConfig, items: list[Item], sides: list[int | None] | None = 
     for (item, _), size in zip(kept, sizes, strict=True):
         choices = own[sides[item.source]]
         of.append(choices[nearest(size, [found[k] for k in choices])])
-    left = [window for _, window in kept]
-    return Layout(found, of, sizes, _frames(left)), [item for item, _ in kept], left
+    left, kept_items = [window for _, window in kept], [item for item, _ in kept]
+    counts = _references(kept_items, references)
+    return Layout(found, of, sizes, _frames(left), counts), kept_items, left
 
 
 def _size(item: Item, checks: dict[str, list[Any]] | None) -> tuple[int, int]:
@@ -167,11 +174,18 @@ def _frames(windows: Windows) -> list[int] | None:
     return [1 if window is None else int(window.count) for window in windows]
 
 
-def cache_name(bucket: Bucket, identity: str, crop: Crop, frames: int | None = None) -> str:
-    """The cache file of one sample: its bucket's folder (a video model's: and its frames), a hash of
-    the image, caption and crop."""
+def _references(items: list[Item], several: bool) -> list[int] | None:
+    """Each sample's reference count where the model takes several, else None."""
+    return [1 + len(item.more_controls) for item in items] if several else None
+
+
+def cache_name(bucket: Bucket, identity: str, crop: Crop, frames: int | None = None,
+               references: int | None = None) -> str:
+    """The cache file of one sample: its bucket's folder (a video model's: and its frames; a model's
+    of several references: and their count), a hash of the image, caption and crop."""
     text = f"{identity}|{crop.width}x{crop.height}|{crop.top},{crop.left},{int(crop.flipped)}"
     folder = geometry.name(bucket) if frames is None else f"{geometry.name(bucket)}x{frames}"
+    folder = folder if references is None else f"{folder}r{references}"
     return f"{folder}/{hashlib.sha256(text.encode()).hexdigest()[:24]}"
 
 

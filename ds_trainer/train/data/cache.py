@@ -136,8 +136,8 @@ class LatentCache:
                         "time_ids": chunk[j].time_ids.clone(), **_mask(chunk[j], latents[j]),
                         **{key: on_cpu(value[j], family.storage_dtype(key))
                            for key, value in conditioning.items()},
-                        **({"control_latents": references[j].to("cpu", torch.float32).clone()}
-                           if references is not None else {})})
+                        **{key: value[j].to("cpu", torch.float32).clone()
+                           for key, value in references.items()}})
                     if pack.full:
                         pack.write()
         pack.write()
@@ -171,7 +171,7 @@ class LatentCache:
     def load(self, indices: list[int], drop: list[bool] | None = None, text: bool = True) -> dict[str, torch.Tensor]:
         """The samples' tensors; those `drop` marks with the empty prompt's text tensors; without the text tensors
         where `text` is false (captions encoded now replace them)."""
-        wanted = None if text else ("latents", "time_ids", "mask", "control_latents", *IMAGE_KEYS)
+        wanted = None if text else ("latents", "time_ids", "mask", *common.reference_keys(8), *IMAGE_KEYS)
         with self._lock:
             index = self._scan()
             items = [self._read(self.names[i], index, wanted) for i in indices]
@@ -375,19 +375,27 @@ def encode_batch(data: SyntheticImages | SourceImages, frozen: Any, indices: lis
             **{key: on_cpu(value, family.storage_dtype(key))
                for key, value in conditioning.items()},
             **({"mask": torch.stack([m["mask"] for m in masks])} if masks[0] else {}),
-            **({"control_latents": references.to("cpu", torch.float32)} if references is not None else {})}
+            **{key: value.to("cpu", torch.float32) for key, value in references.items()}}
 
 
-def _references(family: Family, frozen: Any, examples: list[Any]) -> torch.Tensor | None:
-    """The reference images' latents (model.reference_images), encoded as the images are; None without them."""
+def _references(family: Family, frozen: Any, examples: list[Any]) -> dict[str, torch.Tensor]:
+    """The reference images' latents (model.reference_images), encoded as the images are, by key (a
+    model of several references: one key each; a batch's examples have as many); {} without them."""
     if examples[0].control is None:
-        return None
-    return family.encode_images(frozen, torch.stack([e.control for e in examples]))
+        return {}
+    keys = common.reference_keys(1 + len(examples[0].more))
+    stacked = [torch.stack([(e.control, *e.more)[n] for e in examples]) for n in range(len(keys))]
+    return {key: family.encode_images(frozen, refs) for key, refs in zip(keys, stacked, strict=True)}
 
 
 def _seen(family: Family, examples: list[Any]) -> torch.Tensor | None:
-    """The reference images a family encodes with their captions (Qwen-Image-Edit), else None."""
-    return torch.stack([e.control for e in examples]) if family.text_sees_reference else None
+    """The reference images a family encodes with their captions (Qwen-Image-Edit), else None:
+    (B, 3, H, W), or (B, R, 3, H, W) for R references each."""
+    if not family.text_sees_reference:
+        return None
+    if not examples[0].more:
+        return torch.stack([e.control for e in examples])
+    return torch.stack([torch.stack([e.control, *e.more]) for e in examples])
 
 
 def _mask(example: Any, latents: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -17,7 +17,7 @@ from ds_trainer.config import buckets as bucket_geometry
 from ds_trainer.config import families, holdout, source_repeats
 from ds_trainer.errors import DataError
 from ds_trainer.train.backends.mesh import data_world
-from ds_trainer.train.data import buckets, clips, scan, sources, video
+from ds_trainer.train.data import buckets, clips, references, scan, sources, video
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +35,7 @@ class Example:
     time_ids: torch.Tensor  # original (h, w), crop top-left (y, x), target (h, w)
     mask: torch.Tensor | None = None  # 1 x H x W in [0, 1] (data.masked_loss): where the loss counts
     control: torch.Tensor | None = None  # 3 x H x W in [-1, 1]: the reference image (model.reference_images)
+    more: tuple[torch.Tensor, ...] = ()  # the further references of a model that takes several
 
 
 def _to_rgb(image: Image.Image) -> Image.Image:
@@ -77,7 +78,9 @@ class SyntheticImages:
         self.first = first
         self.width, self.height = int(cfg.resolution.width), int(cfg.resolution.height)
         # An editing model's pairs: the same picture with the shape in another colour is the reference
+        # (a model of several references: model.references of them, each in a colour of its own)
         self.reference = bool(cfg.model.get("reference_images"))
+        self.references = int(cfg.model.get("references") or 1) if self.reference else 0
         # A video model's: clips of the most frames data.video.frames names, the shape moving
         self.frames = max(int(n) for n in cfg.data.video.frames) if families.of(cfg).video else None
 
@@ -87,6 +90,7 @@ class SyntheticImages:
     def identity(self) -> dict[str, Any]:
         return {"source": "synthetic", "n": self.n, "seed": self.seed, **({"first": self.first} if self.first else {}),
                 **({"reference": True} if self.reference else {}),
+                **({"references": self.references} if self.references > 1 else {}),
                 **({"frames": self.frames} if self.frames else {})}
 
     def names(self) -> list[str]:
@@ -113,9 +117,9 @@ class SyntheticImages:
         caption = f"a {fg} {shape} on a {bg} background"
         if control is None:
             return Example(pixels, caption, time_ids)
-        before = rng.choice(sorted(set(_COLORS) - {fg, bg}))  # the reference: the shape in another colour
-        control.paste(_COLORS[before], (x, y, x + w, y + h))
-        return Example(pixels, caption, time_ids, control=_pixels(control))
+        pool = {c: rgb for c, rgb in _COLORS.items() if c not in (fg, bg)}  # the shape in another colour
+        refs = references.synthetic(control, (x, y, x + w, y + h), rng, pool, self.references, _pixels)
+        return Example(pixels, caption, time_ids, control=refs[0], more=tuple(refs[1:]))
 
 
 class SourceImages:
@@ -124,8 +128,7 @@ class SourceImages:
     `repeats` times an epoch.
 
     Unreadable images are skipped with a count per source and reason in the log; a source with nothing usable is a
-    DataError naming it.
-    """
+    DataError naming it."""
 
     def __init__(self, cfg: DictConfig, accelerator: Any = None, part: str = "all", root: str | None = None,
                  decode: bool = True, early: bool = False) -> None:
@@ -138,6 +141,7 @@ class SourceImages:
         self.center, self.flip, self.seed = bool(cfg.data.center_crop), bool(cfg.data.random_flip), int(cfg.train.seed)
         self.masked = bool(cfg.data.masked_loss) and part != "validation" and not self.scoring  # validation: unmasked
         self.reference = bool(cfg.model.get("reference_images"))  # each image read with its reference
+        self.references = int(cfg.model.get("references") or 1)  # the most (model.references)
         found, checks, checked_now = scan.listed_and_checked(cfg, self.sources, accelerator, decode)
         usable = [found[key] for key, entry in sorted(checks.items())
                   if not isinstance(entry[-1], str)]
@@ -183,7 +187,7 @@ class SourceImages:
                         "scoring" if self.scoring else "training")
         self.layout: buckets.Layout | None = None
         self.plan: buckets.Plan | None = None
-        if bucket_geometry.enabled(cfg) or self.clip_windows is not None:
+        if bucket_geometry.enabled(cfg) or self.clip_windows is not None or self.references > 1:
             self._arrange(cfg, checks, part, accelerator)
 
     def _arrange(self, cfg: DictConfig, checks: dict[str, list[Any]], part: str,
@@ -191,7 +195,8 @@ class SourceImages:
         """The samples in their buckets (of size, and of frames for a video model's clips) and, for
         training, the plan of global batches, each of one bucket."""
         self.layout, self.items, self.windows = buckets.layout(
-            cfg, self.items, [s.resolution for s in self.sources], self.windows, checks)
+            cfg, self.items, [s.resolution for s in self.sources], self.windows, checks,
+            self.reference and self.references > 1)
         if part == "validation" or self.scoring:
             return  # scored image by image at its bucket's size: no epochs to plan
         world = data_world(cfg, accelerator)  # the data's streams: one per context group
@@ -212,12 +217,7 @@ class SourceImages:
                 self.damaged.add(problem)
         if not self.reference:
             return usable
-        for item in usable:
-            if item.control is None:
-                source = self.sources[item.source]
-                where = source.control_path or source.control_column
-                self._skip(item, f"no reference image (in {where})")
-        return [item for item in usable if item.control is not None]
+        return references.paired(usable, self.sources, self.references, self._skip)
 
     def _nothing_usable(self, usable: list[sources.Item]) -> None:
         """A source none of whose files can train stops the run, named."""
@@ -331,8 +331,11 @@ class SourceImages:
                 identity += f"|mask {item.mask_stat}"
             if self.reference:  # so is the reference image's latents
                 identity += f"|control {item.control_stat}"
+                identity += "".join(f"|control {stat}" for _, stat in item.more_controls)
             frames = self.layout.frames if self.layout is not None else None
-            names.append(buckets.cache_name(target, identity, crop, frames[index] if frames else None))
+            counts = self.layout.references if self.layout is not None else None
+            group = (frames[index] if frames else None, counts[index] if counts else None)
+            names.append(buckets.cache_name(target, identity, crop, *group))
         return names
 
     def __getitem__(self, index: int) -> Example:
@@ -355,22 +358,24 @@ class SourceImages:
             image = _to_rgb(upright)
         (width, height), rng = self._target(index)
         image, time_ids = _fit(image, width, height, self.center, self.flip, rng)
-        control = self._control(item, width, height, index) if self.reference else None
+        size = (width, height)
+        control = self._control(item.control, item, size, index) if self.reference else None
+        more = tuple(self._control(read, item, size, index) for read, _ in item.more_controls)
+        times = torch.tensor(time_ids)
         if mask is None:
-            return Example(_pixels(image), item.caption, torch.tensor(time_ids), control=control)
+            return Example(_pixels(image), item.caption, times, control=control, more=more)
         mask, _ = _fit(mask, width, height, self.center, self.flip, self._target(index)[1])  # the image's crop
         weights = torch.frombuffer(bytearray(mask.tobytes()), dtype=torch.uint8).view(1, height, width)
-        return Example(_pixels(image), item.caption, torch.tensor(time_ids), weights.float() / 255.0, control)
+        return Example(_pixels(image), item.caption, times, weights / 255.0, control, more)
 
-    def _control(self, item: sources.Item, width: int, height: int, index: int) -> torch.Tensor:
-        """The reference image at the image's size, cut as the image is (its own size resized to cover the image's
-        first: a reference of another size or shape is fitted the same way)."""
-        if item.control is None:
+    def _control(self, read: Any, item: sources.Item, size: tuple[int, int], index: int) -> torch.Tensor:
+        """A reference image (`read` opens it) at the image's `size`, cut as the image is (its own
+        size resized to cover the image's first: a reference of another size is fitted alike)."""
+        if read is None:
             raise DataError(f"{item.key}: no reference image (model.reference_images)")
-        with item.control() as f, Image.open(f) as raw:
-            control = _to_rgb(raw)
-        control, _ = _fit(control, width, height, self.center, self.flip, self._target(index)[1])
-        return _pixels(control)
+        rng = self._target(index)[1]
+        fit = lambda picture: _fit(picture, *size, self.center, self.flip, rng)[0]  # noqa: E731
+        return _pixels(references.read(read, _to_rgb, fit))
 
 
 def _mask_of(image: Image.Image, item: sources.Item) -> Image.Image:

@@ -44,7 +44,17 @@ def problem(item: sources.Item, limit: int, decode: bool = True,
         reader = getattr(item, part)
         if why is None and reader is not None and (found := _decodes(reader, limit, decode)):
             why = f"its {PARTS[part]}: {found}"
+    if why is None and "control" in parts:  # a model's further references, decoded as its first
+        return _further(item, limit, decode)
     return why
+
+
+def _further(item: sources.Item, limit: int, decode: bool) -> str | None:
+    """Why one of an item's further references (after its first) does not decode, or None."""
+    for n, (reader, _) in enumerate(item.more_controls, start=2):
+        if found := _decodes(reader, limit, decode):
+            return f"its reference image {n}: {found}"
+    return None
 
 
 NOT_AN_IMAGE = "not an image (unrecognized format)"
@@ -104,6 +114,8 @@ def _stat(item: sources.Item, parts: tuple[str, ...]) -> list[int]:
     for part in parts:
         stat = getattr(item, f"{part}_stat")
         out += list(stat) if stat is not None else []
+    if "control" in parts:
+        out += [n for _, stat in item.more_controls for n in stat]
     return out
 
 

@@ -13,6 +13,7 @@ import logging
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -49,6 +50,10 @@ class Item:
     # Its reference (control) image, for a model that edits one (model.reference_images): paired by name
     control: Callable[[], BinaryIO] | None = field(default=None, compare=False, repr=False)
     control_stat: tuple[int, int] | None = None
+    # Its further references, after `control`, for a model that takes several (model.references):
+    # (open, stat) of <name>_1, <name>_2, ... or of a table cell's list
+    more_controls: tuple[tuple[Callable[[], BinaryIO], tuple[int, int]], ...] = field(
+        default=(), compare=False, repr=False)
     # Why this entry cannot train, found while listing it (a table's damaged row): skipped and
     # counted as an image that does not decode is
     damaged: str | None = None
@@ -76,6 +81,7 @@ class Source:
     resolution: int | None = None  # its buckets' side (None: the run's resolution)
     control_path: str | None = None  # folder: its reference images' folder (model.reference_images)
     control_column: str | None = None  # table: the column of its reference images' paths
+    references: int = 1  # the most references an image may have (model.references)
     clips: bool = False  # a video model's source: its video files are read beside its images
 
     @property
@@ -89,11 +95,12 @@ class Source:
 
 def of(cfg: DictConfig) -> list[Source]:
     """The run's sources: `data.sources`, or for `data=folder` the one folder of data.path."""
-    clips = families.of(cfg).video
+    clips, references = families.of(cfg).video, int(cfg.model.get("references") or 1)
     if cfg.data.source.value == "folder":
         return [Source(0, Path(str(cfg.data.path)).name or str(cfg.data.path), str(cfg.data.path), "folder", 1,
                        policy(cfg.data, {}), str(cfg.data.caption_ext), key="data.path", keyed=False,
-                       control_path=cfg.data.get("control_path"), clips=clips)]
+                       control_path=cfg.data.get("control_path"), clips=clips,
+                       references=references)]
     out, names = [], [_name_of(str(entry.path)) for entry in cfg.data.sources]
     for index, entry in enumerate(cfg.data.sources):
         spec: dict[str, Any] = OmegaConf.to_container(entry, resolve=True)  # type: ignore[assignment]
@@ -106,7 +113,8 @@ def of(cfg: DictConfig) -> list[Source]:
                           f"data.sources[{index}]", regularization=bool(spec.get("regularization")),
                           loss_weight=float(spec.get("loss_weight", 1.0)), resolution=spec.get("resolution"),
                           control_path=spec.get("control_path"),
-                          control_column=spec.get("control_column"), clips=clips))
+                          control_column=spec.get("control_column"), clips=clips,
+                          references=references))
     return out
 
 
@@ -175,12 +183,13 @@ def folder(source: Source) -> list[Item]:
             st = path.stat()
             mask = path.with_name(path.stem + MASK_SUFFIX)
             found = mask.is_file()
-            control = _control_file(controls, Path(rel)) if controls is not None else None
+            control = control_files(controls, Path(rel), source.references) if controls else []
             caption = _folder_caption(path, rel, source.caption_ext, metadata, seen)
             out.append(Item(source.index, prefix + rel, caption,
                             (st.st_size, st.st_mtime_ns), file_reader(path), file_reader(mask) if found else None,
                             (mask.stat().st_size, mask.stat().st_mtime_ns) if found else None,
-                            *control_reader(control)))
+                            *control_reader(control[0] if control else None),
+                            more_controls=more_readers(control[1:])))
     text.report(f"{source.label}={source.path}", seen)
     return out
 
@@ -193,6 +202,29 @@ def _control_file(controls: Path, rel: Path) -> Path | None:
         if candidate.is_file():
             return candidate
     return None
+
+
+def control_files(controls: Path, rel: Path, references: int = 1) -> list[Path]:
+    """The reference images of the image at `rel`: its own name under `controls`, or for a model
+    that takes several the numbered ones, `<name>_0`, `<name>_1`, ... (or `<name>_0000`, ...: the
+    layout of musubi-tuner's control folders), in order, as many as there are."""
+    own = _control_file(controls, rel)
+    if own is not None or references == 1:
+        return [own] if own is not None else []
+    out: list[Path] = []
+    for index in range(100):
+        names = (rel.with_name(f"{rel.stem}_{n}{rel.suffix}") for n in (str(index), f"{index:04d}"))
+        found = next(filter(None, map(partial(_control_file, controls), names)), None)
+        if found is None:
+            break
+        out.append(found)
+    return out
+
+
+def more_readers(paths: list[Path]) -> tuple[tuple[Callable[[], BinaryIO], tuple[int, int]], ...]:
+    """An Item's `more_controls` for reference image files after its first."""
+    readers = (control_reader(path) for path in paths)
+    return tuple((read, stat) for read, stat in readers if read is not None and stat is not None)
 
 
 def control_reader(path: Path | None) -> tuple[Callable[[], BinaryIO] | None, tuple[int, int] | None]:

@@ -52,14 +52,18 @@ def read(source: sources.Source) -> list[sources.Item]:
     for n, row in rows(image_col, caption_col, [control_col] if control_col else []):
         reference = row.get(control_col) if control_col else None
         control: tuple[Any, Any] = (None, None)
-        if reference:
-            control = sources.control_reader(sources.beside(path, reference))
+        # One path, or a list of them for a model that takes several references
+        listed_refs = [str(r) for r in reference] if isinstance(reference, list | tuple) else []
+        more = sources.more_readers([sources.beside(path, r) for r in listed_refs[1:]])
+        if listed_refs or reference:
+            first = listed_refs[0] if listed_refs else reference
+            control = sources.control_reader(sources.beside(path, first))
         value = row.get(image_col)
         caption = "" if row.get(caption_col) is None else str(row[caption_col]).strip()
         if isinstance(value, dict) and "read" in value:  # a parquet image's bytes, read when used
             out.append(Item(source.index, f"{source.name}/{n:08d}", caption,
                             (value["size"], st.st_mtime_ns), value["read"], control=control[0],
-                            control_stat=control[1]))
+                            control_stat=control[1], more_controls=more))
             continue
         rel = value.get("path") if isinstance(value, dict) else value
         if not rel:  # skipped and counted like a damaged row
@@ -70,7 +74,8 @@ def read(source: sources.Source) -> list[sources.Item]:
         image = sources.beside(path, rel)
         size = image.stat().st_size if image.exists() else 0
         out.append(Item(source.index, f"{source.name}/{rel}", caption, (size, st.st_mtime_ns),
-                        sources.file_reader(image), control=control[0], control_stat=control[1]))
+                        sources.file_reader(image), control=control[0], control_stat=control[1],
+                        more_controls=more))
     return out
 
 

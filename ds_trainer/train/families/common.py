@@ -87,6 +87,12 @@ def per_sample_mse(pred: torch.Tensor, target: torch.Tensor, weight: torch.Tenso
     return error.mean(dim=list(range(1, error.ndim)))
 
 
+def reference_keys(count: int) -> list[str]:
+    """A batch's keys of an editing model's `count` references' latents: `control_latents`, then
+    `control_latents_1`, ... (the data's cache writes them, the families' losses read them)."""
+    return ["control_latents", *(f"control_latents_{n}" for n in range(1, count))]
+
+
 def source_weights(batch: dict[str, torch.Tensor], losses: torch.Tensor) -> torch.Tensor:
     """`losses` (one per sample) times each sample's source's loss_weight (data.sources), where the batch has them."""
     weights = batch.get("loss_weight")

@@ -65,13 +65,17 @@ def settings(cfg: DictConfig, family: families.Family) -> Settings:
 
 
 def reference(s: Settings, index: int) -> Any:
-    """The reference image (PIL, RGB) of prompt `index` for an editing model, or None."""
+    """The reference image (PIL, RGB) of prompt `index` for an editing model, or None; a list of
+    them where its samples.images entry joins several with "+" (a.png+b.png)."""
     if not s.images:
         return None
     from PIL import Image
 
-    with Image.open(s.images[index if len(s.images) > 1 else 0]) as image:
-        return image.convert("RGB")
+    pictures = []
+    for path in s.images[index if len(s.images) > 1 else 0].split("+"):
+        with Image.open(path) as image:
+            pictures.append(image.convert("RGB"))
+    return pictures if len(pictures) > 1 else pictures[0]
 
 
 def generate(pipe: Any, prompt: str, seed: int, s: Settings, image: Any = None) -> Any:
