@@ -69,7 +69,7 @@ def main() -> None:
     grid_dir = tune(training, "grid", work, "tune.sampler=grid", "tune.pruner=none", "tune.rerun=false",
                             f"optimizer.lr={','.join(lrs)}", f"adapter.rank={','.join(ranks)}")
     grid = [r for r in rows(grid_dir) if r["state"] == "complete"]
-    grid_steps = sum(int(r["steps"]) for r in rows(grid_dir))
+    grid_steps = sum(int(r["steps"]) for r in grid)  # the cells' (a cell cut short by a restart ran again)
     best = min(grid, key=lambda r: float(r["val_loss"]))
     # a trial started before the budget is spent runs on: a third of the grid less one trial's steps
     budget = grid_steps // 3 - steps
@@ -85,7 +85,7 @@ def main() -> None:
     lines = [f"# {args.model}: the quality tune against the full grid", "",
              "| | cells / trials | steps | device-hours | best validation loss | its settings |",
              "|---|---|---|---|---|---|",
-             f"| full grid | {len(grid)} | {grid_steps} | {device_h(rows(grid_dir)):.3f} | "
+             f"| full grid | {len(grid)} | {grid_steps} | {device_h(grid):.3f} | "
              f"{float(best['val_loss']):.6f} | "
              f"lr {best['optimizer.lr']}, rank {best['adapter.rank']} |",
              f"| search (budget {budget} steps) | {len(search)} ({sum(r['state'] == 'pruned' for r in search)}"
