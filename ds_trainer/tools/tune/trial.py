@@ -119,6 +119,7 @@ class Watch:
         self.start = time.time()
         self.beat = 0.0
         self.curve: list[list[float]] = []
+        self.pruned_at: int | None = None  # the rung (images) the pruner stopped it at
 
     def progress(self, follower: Follower, final: bool = False) -> bool:
         """Report the new validations (and the heartbeat when due); True when the pruner stops
@@ -129,9 +130,12 @@ class Watch:
             images = int(row["step"]) * self.plan.images_per_step
             value = float(row["val_loss"])
             self.curve.append([images, round(time.time() - self.start, 2), value])
+            if self.pruned_at is not None:  # validated on its way out: drawn, not reported
+                continue
             self.trial.report(value, images)
-            if not final and int(row["step"]) < self.plan.max_steps:
-                prune = prune or self.trial.should_prune()
+            if not final and not prune and int(row["step"]) < self.plan.max_steps:
+                prune = self.trial.should_prune()
+                self.pruned_at = images if prune else None
         if new or final or time.time() - self.beat >= self.heartbeat_s:
             self.say(follower)
         return prune
@@ -167,8 +171,8 @@ def run(trial: Any, plan: Plan, trial_dir: Path, launcher: str | None, limit_s: 
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
     if ended == "pruned":
         shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # a pruned trial never resumes
-        return Outcome("pruned", None, f"pruned at {watch.curve[-1][0]} images (step {steps})",
-                       watch.curve, steps, seconds, run_dir)
+        why = f"pruned at the rung of {watch.pruned_at} images (stopped after step {steps})"
+        return Outcome("pruned", None, why, watch.curve, steps, seconds, run_dir)
     if ended == "timeout":
         return Outcome("failed", None, f"no end within tune.trial_limit_s={limit_s:g} s; stopped",
                        watch.curve, steps, seconds, run_dir)
