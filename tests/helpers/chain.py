@@ -54,9 +54,9 @@ def train(cwd: Path, ranks: int, *overrides: str) -> Path:
     return run_dir
 
 
-def runs(root: Path, model: str, *extra: str) -> Callable[[str], Path]:
+def runs(root: Path, model: str, *extra: str, per_run: dict[str, list[str]] | None = None) -> Callable[[str], Path]:
     """The chain's runs of `model` by name (RUNS), each trained the first time a test asks for it; `extra`
-    overrides go to every run (an editing model's samples.images)."""
+    overrides go to every run (an editing model's samples.images), `per_run`'s to the run it names (last)."""
     done: dict[str, Path] = {}
 
     def get(name: str) -> Path:
@@ -64,7 +64,8 @@ def runs(root: Path, model: str, *extra: str) -> Callable[[str], Path]:
             ranks, overrides = RUNS[name]
             if name in RESUMED:
                 overrides = [*overrides, f"resume={get('zero3_x2') / 'checkpoints' / 'step_00000004'}"]
-            done[name] = train(root / name, ranks, f"model={model}", *extra, *overrides)
+            more = (per_run or {}).get(name, [])
+            done[name] = train(root / name, ranks, f"model={model}", *extra, *overrides, *more)
         return done[name]
     return get
 

@@ -52,6 +52,8 @@ SPEC = FamilySpec(
     ),
     caption_limit=1024,
     caption_sees_reference=True,
+    references=3,  # Qwen-Image-Edit-2509/2511's QwenImageEditPlusPipeline: Picture 1 to 3
+    reference_area=384 * 384,  # its CONDITION_IMAGE_SIZE
     pipeline="QwenImagePipeline",
     transformer_file=TransformerFile(
         mark="txt_norm.weight",

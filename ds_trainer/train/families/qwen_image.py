@@ -32,7 +32,7 @@ from omegaconf import DictConfig
 
 from ds_trainer import console
 from ds_trainer.config.families.qwen_image import SPEC
-from ds_trainer.train.families import common, flow
+from ds_trainer.train.families import common, flow, qwen_edit_plus
 from ds_trainer.train.families.base import Shape, TextParts, Whole
 from ds_trainer.train.families.common import per_sample_mse
 from ds_trainer.train.families.flow_family import FlowFamily, FrozenParts
@@ -90,6 +90,9 @@ class QwenImage(FlowFamily):
         # Qwen-Image-Edit: the reference's latents after the image's, its picture in the caption's encoding
         self.reference = bool(cfg.model.get("reference_images")) if cfg is not None else False
         self.text_sees_reference = self.reference
+        # Qwen-Image-Edit-2509/2511 (model.references > 1): QwenImageEditPlusPipeline's references
+        references = int(cfg.model.get("references") or 1) if cfg is not None else 1
+        self.plus = self.reference and references > 1
 
     def load_frozen(self, cfg: DictConfig, whole: Whole = nullcontext) -> Frozen:
         from diffusers import AutoencoderKLQwenImage
@@ -158,11 +161,8 @@ class QwenImage(FlowFamily):
         the caption's own tokens."""
         if self.reference:
             if references is None:
-                raise ValueError("Qwen-Image-Edit encodes each caption with its reference image; none was given")
-            inputs = frozen.processor(text=[EDIT_TEMPLATE.format(p) for p in prompts], images=_pictures(references),
-                                      padding=True, return_tensors="pt").to(device)
-            length = int(inputs.image_grid_thw[0].prod()) // int(frozen.processor.image_processor.merge_size) ** 2
-            length, drop = length + 2 + self._text_length, EDIT_DROP
+                raise ValueError("Qwen-Image-Edit encodes each caption with its references; none given")
+            inputs, length, drop = self._edit_inputs(frozen, prompts, references, device)
         else:
             inputs = frozen.tokenizer([TEMPLATE.format(p) for p in prompts], max_length=self._text_length + DROP,
                                       padding=True, truncation=True, return_tensors="pt").to(device)
@@ -177,6 +177,19 @@ class QwenImage(FlowFamily):
             own = states[keep][drop:drop + length]
             embeds[i, :len(own)], mask[i, :len(own)] = own, 1
         return {"prompt_embeds": embeds, "prompt_mask": mask}
+
+    def _edit_inputs(self, frozen: Frozen, prompts: list[str], references: torch.Tensor,
+                     device: torch.device) -> tuple[Any, int, int]:
+        """An editing model's encoder inputs, the tokens each caption's states are kept to and the
+        prefix dropped: Qwen-Image-Edit's one reference, or 2509/2511's several."""
+        if self.plus:
+            inputs, length = qwen_edit_plus.inputs(frozen.processor, prompts, references,
+                                                   self._text_length, device)
+            return inputs, length, qwen_edit_plus.DROP
+        inputs = frozen.processor(text=[EDIT_TEMPLATE.format(p) for p in prompts], images=_pictures(references),
+                                  padding=True, return_tensors="pt").to(device)
+        length = int(inputs.image_grid_thw[0].prod()) // int(frozen.processor.image_processor.merge_size) ** 2
+        return inputs, length + 2 + self._text_length, EDIT_DROP
 
     def text_parts(self, frozen: Frozen) -> TextParts:  # noqa: ARG002 - the Family protocol's signature
         """Qwen2.5-VL makes the whole sequence (its mask says which tokens are the caption's)."""
@@ -201,10 +214,9 @@ class QwenImage(FlowFamily):
         latents = batch["latents"]
         sigma = schedule.sigma(t, self.image_tokens(latents))  # the edit pipeline's shift: the image's tokens alone
         noisy = pack(flow.noisy(latents, noise, sigma))
-        shown = [latents]
-        if "control_latents" in batch:  # Qwen-Image-Edit: the reference's tokens after the image's
-            shown.append(batch["control_latents"])
-            noisy = torch.cat([noisy, pack(shown[1].to(noisy.dtype))], dim=1)
+        # Qwen-Image-Edit: the references' tokens after the image's, in order
+        shown = [latents, *(batch[key] for key in common.reference_keys(8) if key in batch)]
+        noisy = torch.cat([noisy, *(pack(r.to(noisy.dtype)) for r in shown[1:])], dim=1)
         pred = model(hidden_states=noisy.to(device, dtype), timestep=sigma.to(device),  # sigma, as sampled
                      encoder_hidden_states=batch["prompt_embeds"].to(device, dtype),
                      encoder_hidden_states_mask=batch["prompt_mask"].to(device),
@@ -263,6 +275,8 @@ class QwenImage(FlowFamily):
     def lora_pipeline(self) -> Any:
         """QwenImagePipeline, or QwenImageEditPipeline for a model that edits a reference image (the same LoRA
         keys)."""
-        from diffusers import QwenImageEditPipeline, QwenImagePipeline
+        from diffusers import QwenImageEditPipeline, QwenImageEditPlusPipeline, QwenImagePipeline
 
+        if self.plus:
+            return QwenImageEditPlusPipeline
         return QwenImageEditPipeline if self.reference else QwenImagePipeline
