@@ -212,3 +212,46 @@ def test_the_header_of_a_quantized_plan_says_which_cells_it_left_out(capsys: pyt
         assert (("stage3", "cpu") in rows and ("fsdp_full_shard", "none") in rows) == listed, (kind, rows)
         header = next(line for line in out.splitlines() if line.startswith(f"quantize={kind}"))
         assert ("left out" in header) != listed, header
+
+
+def _saved_by_a_real_forward(cfg: object) -> int:
+    """Bytes autograd keeps in one forward of the run's trained module, built for real on the CPU with
+    the run's attention kernel (each tensor once, parameters left out: as the planner counts)."""
+    import torch
+
+    from ds_trainer.tools.plan.unet import forward_of
+    from ds_trainer.train import families
+    from ds_trainer.train.families import attention
+
+    model = families.of(cfg).load_trained(cfg).to(torch.bfloat16)
+    attention.restrict(model, cfg.train.attention.value)  # type: ignore[attr-defined]
+    params, seen, total = {id(p) for p in model.parameters()}, set[int](), [0]
+    keep: list[torch.Tensor] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        base = t if t._base is None else t._base
+        if id(base) not in seen and id(base) not in params:
+            seen.add(id(base))
+            keep.append(base)
+            total[0] += base.numel() * base.element_size()
+        return t
+
+    forward = forward_of(model, 1, 256, 256, torch.bfloat16, "cpu")
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        forward()
+    return total[0]
+
+
+def test_the_planner_counts_the_attention_probabilities_the_math_kernel_saves() -> None:
+    """train.attention=math (allowed on CUDA too) saves each attention's softmax (B x heads x S x S, in fp32
+    for bf16 inputs) for backward: the planner's activations are what a real forward under it saves,
+    as they are under torch's own choice (the CPU's flash kernel, which keeps what a fused one keeps)."""
+    overrides = ("model=sdxl_tiny", "precision=bf16", "resolution=px256", "train.gradient_checkpointing=false")
+    planned, real = {}, {}
+    for kernel in ("math", "sdpa"):
+        cfg = make_cfg(*overrides, f"train.attention={kernel}")
+        planned[kernel] = plan.estimate(cfg, "ddp", "none", 1).activations
+        real[kernel] = _saved_by_a_real_forward(cfg)
+    assert planned["math"] == pytest.approx(real["math"], rel=0.01)
+    assert planned["sdpa"] == pytest.approx(real["sdpa"], rel=0.06)
+    assert planned["math"] > 1.4 * planned["sdpa"]

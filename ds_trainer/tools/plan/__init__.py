@@ -16,8 +16,9 @@ Method, per part (bytes; P = UNet parameters, N = ranks, L = largest layer's par
 - activations: counted, not guessed: the UNet runs forward on the meta device (no memory, no
   download) under autograd's saved-tensor hooks, which see every tensor kept for backward. Attention
   is counted as memory-efficient kernels store it (q, k, v, output, log-sum-exp), not as the full
-  attention matrix. With gradient checkpointing: what is saved across checkpointed blocks plus the
-  largest block's own activations, recomputed one at a time in backward.
+  attention matrix, unless `train.attention=math`, whose kernel saves it. With gradient
+  checkpointing: what is saved across checkpointed blocks plus the largest block's own activations,
+  recomputed one at a time in backward.
 - DeepSpeed buffers: stage 1-2 reduce + allgather buckets (x4.5 with overlap_comm, DeepSpeed's rule of
   thumb), stage 3 prefetch + reduce buckets, in 16-bit elements.
 - host RAM: offloaded optimizer state (DeepSpeed's estimate, x1.5 buffer factor) and pinned NVMe swap

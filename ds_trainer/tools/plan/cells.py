@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import cache
+from functools import cache, partial
 
 from omegaconf import DictConfig
 
@@ -58,9 +58,10 @@ class Estimate:
 def activation_bytes(  # noqa: PLR0913 - the disk cache's key, one argument each
         architecture: str, batch: int, width: int, height: int, dtype_bytes: int,
         checkpointing: bool, cross_dim_tokens: int = 77, frames: int = 1,
-        downsample: int = 8) -> int:
+        downsample: int = 8, math_attention: bool = False) -> int:
     """Bytes autograd keeps for backward in one forward of the trained module, a UNet or a transformer (see the module
-    docstring); `cross_dim_tokens`: the text tokens it attends to."""
+    docstring); `cross_dim_tokens`: the text tokens it attends to; `math_attention`:
+    train.attention=math, whose kernel saves each attention's probabilities (unet.saved_bytes)."""
     import torch
     from diffusers.utils import logging as diffusers_logging
 
@@ -76,7 +77,7 @@ def activation_bytes(  # noqa: PLR0913 - the disk cache's key, one argument each
     forward = forward_of(unet, batch, height, width, dtype, "meta", cross_dim_tokens, frames,
                          downsample)
     return saved_bytes(unet, blocks_of(unet), forward, checkpointing,
-                       block_inputs=is_transformer(architecture))
+                       block_inputs=is_transformer(architecture), math_attention=math_attention)
 
 
 def _tokens(cfg: DictConfig) -> tuple[int, ...]:
@@ -88,6 +89,15 @@ def _tokens(cfg: DictConfig) -> tuple[int, ...]:
         return (text_tokens(cfg),)
     frames = max(int(n) for n in cfg.data.video.frames)
     return text_tokens(cfg), frames, int(cfg.model.downsample_factor)
+
+
+def _activations(cfg: DictConfig, shape: tuple[object, ...]) -> int:
+    """activation_bytes of `shape` (remembered on disk) at the run's attention kernel: torch's math
+    kernel (train.attention=math) keeps each attention's probabilities, the others do not."""
+    if cfg.train.attention.value != "math":
+        return int(disk_cache.cached("activation_bytes", shape, activation_bytes))
+    measure = partial(activation_bytes, math_attention=True)
+    return int(disk_cache.cached("activation_bytes/math", shape, measure))
 
 
 def quantized_layers(architecture: str) -> list[tuple[int, int]]:
@@ -129,7 +139,7 @@ def estimate(cfg: DictConfig, zero: str, offload: str, world_size: int, activati
     height = token_height(cfg, height)
     shape = (architecture(cfg), int(cfg.train.micro_batch_size), width, height, act_bytes,
              bool(cfg.train.gradient_checkpointing))
-    activations = disk_cache.cached("activation_bytes", shape + _tokens(cfg), activation_bytes)
+    activations = _activations(cfg, shape + _tokens(cfg))
     activations = int((activations + lora.encoder_activations(cfg, architecture(cfg), act_bytes))
                       * activation_factor)
     context = int(cfg.parallel.context)

@@ -128,11 +128,14 @@ def unet_inputs(config: Any, batch: int, height: int, width: int, dtype: Any = N
     return inputs(config, batch, height, width, dtype, device, tokens)  # type: ignore[no-any-return]
 
 
-def saved_bytes(module: Any, blocks: tuple[Any, ...], forward: Callable[[], Any], checkpointing: bool,
-                block_inputs: bool = False) -> int:
-    """Bytes autograd keeps for backward in `forward()` of `module` (built on the meta device), with checkpointing of
-    its `blocks` or without. `block_inputs`: with checkpointing, count what each block is given (a transformer's
-    blocks follow one another directly, and checkpointing keeps every block's inputs for its recomputation)."""
+def saved_bytes(module: Any, blocks: tuple[Any, ...], forward: Callable[[], Any],  # noqa: PLR0913
+                checkpointing: bool, block_inputs: bool = False,
+                math_attention: bool = False) -> int:
+    """Bytes autograd keeps for backward in `forward()` of `module` (built on the meta device), with
+    checkpointing of its `blocks` or without. `block_inputs`: with checkpointing, count each block's
+    inputs (a transformer's blocks follow one another, each kept for its recomputation).
+    `math_attention` (train.attention=math): torch's math kernel runs as it is, saving each
+    attention's probabilities (B x heads x S x S); else as fused kernels keep it."""
     import torch
 
     total, segments = [0], list[int]()
@@ -169,8 +172,12 @@ def saved_bytes(module: Any, blocks: tuple[Any, ...], forward: Callable[[], Any]
     handles = [h for m in module.modules() if isinstance(m, blocks)
                for h in (m.register_forward_pre_hook(before, with_kwargs=True), m.register_forward_hook(after))]
     try:
-        with torch.device("meta"), efficient_attention_counted(total), \
-                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        # On meta, SDPA takes the math path: as train.attention=math runs on any device.
+        attention = efficient_attention_counted(total)
+        if math_attention:
+            attention = contextlib.nullcontext()
+        saving = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+        with torch.device("meta"), attention, saving:
             forward()
     finally:
         for h in handles:
