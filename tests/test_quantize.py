@@ -345,3 +345,30 @@ def test_the_adapters_on_a_quantized_base_train_in_fp32(kind: str) -> None:
     dtypes = {p.dtype for p in trained.module.parameters() if p.requires_grad}
     assert dtypes == {torch.float32}, dtypes
     assert sum(p.numel() for p in trained.module.parameters() if p.requires_grad) > 0
+
+def test_an_int8_text_encoder_moved_off_its_device_takes_its_int8_weights_along() -> None:
+    """Review 3's P1: the run moves its frozen text encoders to the CPU after the cache build and back
+    for samples (Module.to), which never calls bitsandbytes' Linear8bitLt.to: each layer's int8 weights
+    (its LLM.int8 state, set at its first forward) stayed where they were, so a move off the GPU freed
+    nothing there and added a host copy. A clone of every tensor stands in for the move (Module.to's
+    own path, each tensor in a new storage, as on another device); the moves follow it."""
+    import weakref
+
+    from ds_trainer.train import families
+    from ds_trainer.train.adapters import quantize
+
+    cfg = make_cfg("quantize=int8")
+    encoder = families.of(cfg).load_frozen(cfg).text_encoder
+    quantize.apply(encoder, "int8", torch.float32, torch.device("cpu"))
+    tokens = torch.arange(77).unsqueeze(0) % 100
+    encoded = encoder(tokens).last_hidden_state  # the cache build's forward
+    layers = [m for m in encoder.modules() if getattr(m, "state", None) is not None and hasattr(m.weight, "SCB")]
+    held = [weakref.ref(layer.state.CB) for layer in layers]
+    assert len(layers) > 10
+    encoder._apply(lambda t: t.clone())
+    assert all(ref() is not None for ref in held)  # the int8 weights left behind, beside their copy
+    quantize.follow_weights(encoder)
+    assert sum(ref() is not None for ref in held) == 0  # nothing holds them now
+    assert all(layer.state.CB.data_ptr() == layer.weight.data_ptr() for layer in layers)  # one copy
+    assert torch.equal(encoder(tokens).last_hidden_state, encoded)
+

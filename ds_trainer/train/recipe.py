@@ -127,7 +127,7 @@ def setup(run: Run, resume: Resume) -> Started:
         varies = source_repeats.tags_vary(cfg)  # unless captions whose tags vary are encoded batch by batch
         for part in run.frozen.modules():
             if not (varies and any(part is encoder for encoder in run.frozen.encoders())):
-                part.to("cpu")
+                quantize.move(part, "cpu")  # an int8 encoder's LLM.int8 state with it
         torch.cuda.empty_cache()
     # --- what trains (adapter=lora: injected, the base frozen and cast), its optimizer, the backend's prepare
     where = (accelerator.device, run.params)

@@ -108,6 +108,29 @@ def apply(module: torch.nn.Module, kind: str, compute_dtype: torch.dtype, device
     return Quantized(len(layers), before, after)
 
 
+def move(module: torch.nn.Module, device: torch.device | str) -> None:
+    """`module.to(device)`, with what bitsandbytes' int8 layers keep beside their weights."""
+    module.to(device)
+    follow_weights(module)
+
+
+def follow_weights(module: torch.nn.Module) -> None:
+    """Point each LLM.int8 layer's int8 weights and row scales (`Linear8bitLt.state`, or its
+    weight's own CB/SCB before its first forward) at where its weight now is. Module.to moves each
+    parameter but never calls Linear8bitLt.to, the only code that moves them (review 3's P1): an
+    int8 text encoder moved to the CPU after the cache build kept its int8 weights on the GPU, and
+    the move added a host copy."""
+    for layer in module.modules():
+        weight = getattr(layer, "weight", None)
+        if not hasattr(weight, "SCB"):  # not bitsandbytes' Int8Params
+            continue
+        for holder in (weight, getattr(layer, "state", None)):
+            if getattr(holder, "CB", None) is not None:
+                holder.CB = weight.data  # type: ignore[union-attr]  # the same int8 values
+            if getattr(holder, "SCB", None) is not None:
+                holder.SCB = holder.SCB.to(weight.device)  # type: ignore[union-attr]
+
+
 def _float8(module: torch.nn.Module, compute_dtype: torch.dtype, device: torch.device) -> Quantized:
     """`quantize=fp8`: each linear layer's weight as torchao's Float8Tensor, on `device`; the layer keeps its class
     (peft wraps it in its torchao LoRA layer) and computes in `compute_dtype`."""

@@ -32,6 +32,7 @@ from omegaconf import DictConfig
 from ds_trainer.config import samples
 from ds_trainer.errors import TrainingError
 from ds_trainer.train import families
+from ds_trainer.train.adapters import quantize
 from ds_trainer.train.backends import accelerator as accel
 from ds_trainer.train.backends import sharded
 from ds_trainer.train.data import video
@@ -366,12 +367,12 @@ class Sampler:
         parts = self.frozen.modules()
         before = [next(p.parameters()).device for p in parts]
         for part in parts:
-            part.to(device)
+            quantize.move(part, device)  # an int8 encoder's LLM.int8 state with it
         try:
             yield
         finally:
             for part, where in zip(parts, before, strict=True):
-                part.to(where)
+                quantize.move(part, where)
             if device.type == "cuda" and any(where != device for where in before):
                 torch.cuda.empty_cache()
 
