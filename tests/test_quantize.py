@@ -346,6 +346,7 @@ def test_the_adapters_on_a_quantized_base_train_in_fp32(kind: str) -> None:
     assert dtypes == {torch.float32}, dtypes
     assert sum(p.numel() for p in trained.module.parameters() if p.requires_grad) > 0
 
+
 def test_an_int8_text_encoder_moved_off_its_device_takes_its_int8_weights_along() -> None:
     """Review 3's P1: the run moves its frozen text encoders to the CPU after the cache build and back
     for samples (Module.to), which never calls bitsandbytes' Linear8bitLt.to: each layer's int8 weights
@@ -372,3 +373,51 @@ def test_an_int8_text_encoder_moved_off_its_device_takes_its_int8_weights_along(
     assert all(layer.state.CB.data_ptr() == layer.weight.data_ptr() for layer in layers)  # one copy
     assert torch.equal(encoder(tokens).last_hidden_state, encoded)
 
+
+def _saved_by_a_lora_forward(kind: str) -> int:
+    """Bytes autograd keeps for backward in one forward of the tiny UNet's LoRA on a `kind` base (each
+    tensor once; the module's parameters and buffers, held anyway, left out)."""
+    from ds_trainer.tools.plan.unet import forward_of
+    from ds_trainer.train import families
+    from ds_trainer.train.adapters import adapter
+    from ds_trainer.train.backends.params import Whole
+
+    cfg = make_cfg("adapter=lora", f"quantize={kind}", "zero=ddp", "precision=bf16")
+    model = adapter.build(cfg, families.of(cfg).load_trained(cfg), None, (torch.device("cpu"), Whole())).module
+    held, seen, total = {id(t) for t in [*model.parameters(), *model.buffers()]}, set[int](), [0]
+    keep: list[Any] = []
+
+    def pack(t: Any) -> Any:
+        base = t if t._base is None else t._base
+        if id(base) not in seen and id(base) not in held:
+            seen.add(id(base))
+            keep.append(base)
+            total[0] += base.numel() * base.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        forward_of(model, 1, 128, 128, torch.bfloat16, "cpu")()
+    return total[0]
+
+
+def test_an_fp8_base_keeps_no_16_bit_copy_of_its_weights_for_backward() -> None:
+    """Review 3's A3: torchao's F.linear for its float8 weight is `matmul(x, W.dequantize())` above
+    autograd, which kept each layer's bf16 copy until backward (3 bytes a weight at the backward peak
+    where the planner counts 1). The fp8 layer dequantizes again in backward: a LoRA forward keeps
+    what it keeps on a bf16 base, and the gradients are the dequantized weight's."""
+    from ds_trainer.train.adapters import quantize
+
+    assert _saved_by_a_lora_forward("fp8") == _saved_by_a_lora_forward("none")
+    torch.manual_seed(0)
+    layer = torch.nn.Sequential(torch.nn.Linear(64, 48)).to(torch.bfloat16)
+    quantize.apply(layer, "fp8", torch.bfloat16, torch.device("cpu"))
+    layer[0].bias.requires_grad_(True)  # a trained bias gets its gradient too
+    x = torch.randn(2, 5, 64, dtype=torch.bfloat16, requires_grad=True)
+    reference = x.detach().clone().requires_grad_(True)
+    bias = layer[0].bias.detach().clone().requires_grad_(True)
+    weight = layer[0].weight.dequantize()
+    out, expected = layer(x), torch.matmul(reference, weight.t()) + bias
+    assert torch.equal(out, expected)
+    (out * torch.arange(48)).sum().backward()
+    (expected * torch.arange(48)).sum().backward()
+    assert torch.equal(x.grad, reference.grad) and torch.equal(layer[0].bias.grad, bias.grad)

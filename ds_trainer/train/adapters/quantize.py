@@ -2,8 +2,9 @@
 
 Every `nn.Linear` of the module (the UNet or transformer before its adapters are added, a frozen text encoder) is
 replaced by bitsandbytes' `Linear8bitLt` (LLM.int8: int8 weights, a scale per row) or `Linear4bit` (NF4 in blocks of
-64, the blocks' scales quantized again), quantized where it is moved to the run's device, or keeps its class with
-torchao's float8 weight (`fp8`: e4m3 values and an fp32 scale per row, dequantized for each matmul). Under ZeRO-3
+64, the blocks' scales quantized again), quantized where it is moved to the run's device, or becomes a
+`Float8Linear` holding torchao's float8 weight (`fp8`: e4m3 values and an fp32 scale per row,
+dequantized for each matmul and again in backward, not kept). Under ZeRO-3
 the 4-bit weights are packed into tensors of the compute dtype (bitsandbytes' `quant_storage`, as PEFT documents for
 ZeRO-3), so that DeepSpeed flattens, partitions and gathers them with the module's other 16-bit parameters; their
 scales stay on the parameter object, whole on every rank. peft adds its LoRA layers around them as it does around
@@ -154,9 +155,42 @@ def _float8(module: torch.nn.Module, compute_dtype: torch.dtype, device: torch.d
         del linear.weight
         linear.register_buffer("weight", weight.detach(), persistent=False)
         linear.requires_grad_(False)
+        # Still an nn.Linear (peft's torchao dispatch, the LoRA names), computed by Float8Linear's
+        # forward: a class swap, as torch's parametrize makes its own.
+        linear.__class__ = Float8Linear
         linear.register_forward_hook(_as_autocast)
         after += weight_bytes(linear.weight)
     return Quantized(len(layers), before, after)
+
+
+class Float8Linear(torch.nn.Linear):
+    """quantize=fp8's layer: an nn.Linear whose weight is torchao's float8 tensor (a frozen
+    buffer)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Float8Matmul.apply(x, self.weight, self.bias)  # type: ignore[no-any-return]
+
+
+class _Float8Matmul(torch.autograd.Function):
+    """`input @ W.T + bias` for a frozen float8 W, dequantized again in backward (as bitsandbytes'
+    MatMul4Bit does): torchao's F.linear for its Float8Tensor is `matmul(input, W.dequantize())`
+    above autograd, so every layer outside a recomputed block kept a 16-bit copy of its weight until
+    backward, 2 bytes a weight the planner does not count (review 3's A3). Only the input's gradient
+    (and a trained bias's) flows: the weight is a frozen buffer."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor,
+                bias: torch.Tensor | None) -> torch.Tensor:
+        ctx.weight = weight  # held by its layer anyway: a reference, not a saved copy
+        out = torch.matmul(x, weight.dequantize().t())  # as torchao's own F.linear computes it
+        return out if bias is None else out + bias
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, None, Any]:
+        weight = ctx.weight.dequantize()
+        grad_input = grad @ weight.to(grad.dtype) if ctx.needs_input_grad[0] else None
+        grad_bias = grad.flatten(0, -2).sum(0) if ctx.needs_input_grad[2] else None
+        return grad_input, None, grad_bias
 
 
 def _as_autocast(_module: torch.nn.Module, _args: object, output: torch.Tensor) -> torch.Tensor:
