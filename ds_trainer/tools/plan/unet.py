@@ -173,7 +173,7 @@ def saved_bytes(module: Any, blocks: tuple[Any, ...], forward: Callable[[], Any]
                for h in (m.register_forward_pre_hook(before, with_kwargs=True), m.register_forward_hook(after))]
     try:
         # On meta, SDPA takes the math path: as train.attention=math runs on any device.
-        attention = efficient_attention_counted(total)
+        attention: contextlib.AbstractContextManager[None] = efficient_attention_counted(total)
         if math_attention:
             attention = contextlib.nullcontext()
         saving = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
