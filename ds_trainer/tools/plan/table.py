@@ -1,7 +1,8 @@
-"""The README's table of full-size models: per GPU, DeepSpeed's own estimator of the model states beside the
-planner's model states and its whole training peak (activations at 1024 px, micro batch 1, bf16, gradient
-checkpointing on; DeepSpeed's buffers), for each cell a user weighs before renting GPUs; and the context
-size (parallel.context) at which ZeRO-3 on eight 80 GiB GPUs holds the row's sample.
+"""The README's table of full-size models: per GPU, DeepSpeed's own estimator of the model states
+beside the planner's model states and its whole training peak (activations at 1024 px, micro batch
+1, bf16, gradient checkpointing on; DeepSpeed's buffers), for each cell a user weighs before renting
+GPUs; and the context size (parallel.context) at which ZeRO-3 on eight 80 GiB GPUs holds the row's
+sample.
 
     python -m ds_trainer.tools.plan.table      # prints the markdown table (tests/test_plan.py checks the README's)
 
@@ -64,8 +65,8 @@ def _size(cfg: object) -> str:
 
 
 def _context(size: list[str]) -> tuple[int, float] | None:
-    """The smallest context size at which ZeRO-3 on 8 GPUs fits CONTEXT_GPU_GIB (and its peak), among
-    the sizes the run's checks pass (heads, tokens); None: none does."""
+    """The smallest context size at which ZeRO-3 on 8 GPUs fits CONTEXT_GPU_GIB (and its peak),
+    among the sizes the run's checks pass (heads, tokens); None: none does."""
     from ds_trainer.config import checks
     from ds_trainer.tools import plan
 
@@ -117,8 +118,8 @@ def markdown(found: list[Row] | None = None) -> str:
         context = "none fits" if fits is None else str(fits[0])
         if fits is not None and fits[0] > 1:
             context += f" ({fits[1]:.1f})"
-        lines.append("| " + " | ".join([label, *(f"{states:.1f} / {peak:.1f}" for _, states, peak in cells),
-                                        context]) + " |")
+        figures = [f"{states:.1f} / {peak:.1f}" for _, states, peak in cells]
+        lines.append("| " + " | ".join([label, *figures, context]) + " |")
     return "\n".join(lines)
 
 
