@@ -270,6 +270,9 @@ def test_a_trial_the_checks_or_the_planner_refuse_is_never_started(tmp_path: Pat
     assert "validation.every=2" in job.overrides and "train.final_checkpoint=false" in job.overrides
     assert isinstance(refused, str) and "adamw8bit's state has no bf16 form" in refused
     assert isinstance(over, str) and over.startswith("planner:") and "> budget 0.01 GiB" in over
+    # a step's images count the data groups: four ranks in context pairs are two groups of micro batches
+    assert quality.images_per_step(make_cfg("train.micro_batch_size=2", "parallel.context=2"), 4) == 4
+    assert quality.images_per_step(make_cfg("train.micro_batch_size=2"), 4) == 8
 
 
 def test_a_running_trial_whose_worker_is_gone_is_failed_and_run_again_once(tmp_path: Path) -> None:

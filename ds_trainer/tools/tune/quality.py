@@ -72,8 +72,11 @@ def _compose(overrides: list[str]) -> DictConfig:
     return compose(config_name="config", overrides=overrides)
 
 
-def _images_per_step(cfg: DictConfig, ranks: int) -> int:
-    return int(cfg.train.micro_batch_size) * int(cfg.train.gradient_accumulation_steps) * ranks
+def images_per_step(cfg: DictConfig, ranks: int) -> int:
+    """Images one optimizer step sees: micro x accumulation x the data groups (the ranks form a
+    data x context mesh: a context group's ranks share their images)."""
+    groups = ranks // int(cfg.parallel.context)
+    return int(cfg.train.micro_batch_size) * int(cfg.train.gradient_accumulation_steps) * groups
 
 
 def _problems(cfg: DictConfig, found: list[Axis], limit: shared.Budget) -> list[Problem]:
@@ -123,7 +126,7 @@ def _axis_problems(base: list[str], found: list[Axis], rung: int, ranks: int) ->
                 problem = overrides.explain(exc, line, False)
                 out.append(problem or Problem(a.key, value, str(exc).splitlines()[0], a.given))
                 break
-            images = _images_per_step(cfg, ranks)
+            images = images_per_step(cfg, ranks)
             if rung % images:
                 out.append(Problem(a.key, value, f"{images} images a step do not divide the "
                                    f"first rung's {rung} images (validation.every x the "
@@ -147,7 +150,7 @@ def prepare(base: list[str], found: list[Axis]) -> Setup:
     cfg = _compose([*given, *kept])
     limit, problems = shared.budget(cfg.tune)
     ranks, info = resolve.world_size_of(cfg), hardware.detect(cfg.platform.value)
-    per_step = _images_per_step(cfg, ranks)
+    per_step = images_per_step(cfg, ranks)
     rung, last = int(cfg.validation.every) * per_step, int(cfg.train.max_steps) * per_step
     problems += _problems(cfg, found, limit)
     if not problems:
@@ -171,7 +174,7 @@ def plan(setup: Setup, params: dict[str, Any]) -> trials.Plan | str:
     except Exception as exc:
         problem = overrides.explain(exc, [*setup.base, *chosen], False)
         return problem.render().strip() if problem else str(exc).splitlines()[0]
-    per_step = _images_per_step(cfg, setup.ranks)
+    per_step = images_per_step(cfg, setup.ranks)
     if setup.rung % per_step or setup.last % per_step:
         return f"{per_step} images a step do not divide the rung's {setup.rung} images"
     steps, every = setup.last // per_step, setup.rung // per_step
