@@ -50,7 +50,10 @@ def main() -> None:
         # so does this copy.
         for p in model.parameters():
             p.data = p.data.to(torch.bfloat16)
-        context = sampling.model_in_its_dtype(model)
+        context = contextlib.ExitStack()
+        context.enter_context(sampling.model_in_its_dtype(model))
+        # FLUX.2's pipelines hand the VAE the transformer's dtype: the sampler casts to the VAE's
+        context.enter_context(sampling._vae_decode_in_its_dtype(pipe.vae))  # noqa: SLF001
     if args.lora:
         pipe.load_lora_weights(args.lora)
     with context:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from ds_trainer.config.families import chroma, flux, qwen_image, sd3, sdxl, wan, z_image
+from ds_trainer.config.families import chroma, flux, flux2, qwen_image, sd3, sdxl, wan, z_image
 from ds_trainer.config.families.spec import FamilySpec, TransformerFile
 
 __all__ = [
@@ -31,7 +31,8 @@ __all__ = [
 # The registry: a family is found here by name (model.family) or by its trained module's class.
 SPECS: dict[str, FamilySpec] = {
     s.name: s
-    for s in (sdxl.SPEC, sd3.SPEC, flux.SPEC, qwen_image.SPEC, wan.SPEC, chroma.SPEC, z_image.SPEC)
+    for s in (sdxl.SPEC, sd3.SPEC, flux.SPEC, qwen_image.SPEC, wan.SPEC, chroma.SPEC, z_image.SPEC,
+              flux2.SPEC)
 }
 NAMES: tuple[str, ...] = tuple(SPECS)
 

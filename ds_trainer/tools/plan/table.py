@@ -23,7 +23,9 @@ MODELS = [("sdxl_base", "SDXL UNet", PX1024), ("sd35_medium", "SD3.5 Medium", PX
           ("flux_kontext_dev", "FLUX.1 Kontext-dev", PX1024), ("qwen_image", "Qwen-Image", PX1024),
           ("qwen_image_edit", "Qwen-Image-Edit", PX1024), ("chroma", "Chroma1-HD", PX1024),
           ("z_image", "Z-Image, Z-Image-Turbo", PX1024),
-          ("qwen_image_edit_2511", "Qwen-Image-Edit-2509/2511, 3 references", PX1024)]
+          ("qwen_image_edit_2511", "Qwen-Image-Edit-2509/2511, 3 references", PX1024),
+          ("flux2_dev", "FLUX.2 [dev]", PX1024), ("flux2_klein_4b", "FLUX.2 [klein] 4B", PX1024),
+          ("flux2_klein_9b", "FLUX.2 [klein] 9B", PX1024)]
 # The video models at 480p and 720p, 81 frames (Wan 2.2 TI2V-5B at its 16x VAE's multiples of 32)
 P480 = ("resolution.width=832", "resolution.height=480", "data.video.frames=[81]")
 P720 = ("resolution.width=1280", "resolution.height=720", "data.video.frames=[81]")
