@@ -405,12 +405,14 @@ def test_varying_captions_are_encoded_per_batch_and_an_encoders_part_is_zeroed(s
     import types
 
     from ds_trainer.train import data
+    from ds_trainer.train.backends.mesh import Mesh
 
     cfg, dataset, family, cache = _cache(sourced, "data.text_encoder_dropout.clip_g=0.5")
     frozen = family.load_frozen(cfg, contextlib.nullcontext)
     device = torch.device("cpu")
     ranks = types.SimpleNamespace(process_index=0, num_processes=1, device=device, is_main_process=True)
-    run = types.SimpleNamespace(cfg=cfg, accelerator=ranks, frozen=frozen, family=family)
+    run = types.SimpleNamespace(cfg=cfg, accelerator=ranks, frozen=frozen, family=family,
+                                mesh=Mesh.of(cfg, ranks))
     loader = data.Loader(run, dataset, cache)  # type: ignore[arg-type]
     width = frozen.text_encoder.config.hidden_size
     shuffled = zeroed = 0
