@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -46,7 +47,7 @@ KLEIN_4B = {"num_layers": 5, "num_single_layers": 20, "num_attention_heads": 24,
 KLEIN_9B = {"num_layers": 8, "num_single_layers": 24, "num_attention_heads": 32, "joint_attention_dim": 12288,
             "guidance_embeds": False}
 # name: (transformer, VAE, text encoder: ("mistral", text, vision) or ("qwen3", config))
-MODELS = {
+MODELS: dict[str, tuple[Any, ...]] = {
     "flux2_tiny": (TRANSFORMER_TINY, VAE_TINY, ("mistral", MISTRAL_TINY, PIXTRAL_TINY)),
     "flux2_klein_tiny": ({**TRANSFORMER_TINY, "guidance_embeds": False}, VAE_TINY, ("qwen3", QWEN3_TINY)),
     "flux2_dev": ({}, {}, ("mistral", MISTRAL_SMALL, PIXTRAL)),
@@ -97,6 +98,7 @@ def write(name: str) -> None:
     with torch.device("meta"):
         Flux2Transformer2DModel.from_config(transformer).save_config(folder / "transformer")
         AutoencoderKLFlux2.from_config(vae).save_config(folder / "vae")
+    config: Any
     if text[0] == "mistral":
         config = Mistral3Config(text_config=MistralConfig(**text[1]).to_dict(),
                                 vision_config=PixtralVisionConfig(**text[2]).to_dict(), image_token_index=10)
@@ -109,7 +111,7 @@ def write(name: str) -> None:
     config.save_pretrained(folder / "text_encoder")
     FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True,
                                     base_shift=0.5, max_shift=1.15, base_image_seq_len=256,
-                                    max_image_seq_len=4096).save_config(folder / "scheduler")
+                                    max_image_seq_len=4096).save_config(folder / "scheduler")  # type: ignore[attr-defined]
     json.loads((folder / "transformer" / "config.json").read_text())  # written
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -56,7 +57,7 @@ CLIP_TINY = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2,
              "patch_size": 14, "image_size": 28, "hidden_act": "gelu", "projection_dim": 16}
 
 # name: (transformer, transformer_2 or None, VAE, text encoder, image encoder or None, image size, flow shift)
-MODELS = {
+MODELS: dict[str, tuple[Any, ...]] = {
     "wan_tiny": (TINY, None, VAE_TINY, UMT5_TINY, None, None, 3.0),
     "wan21_i2v_tiny": ({**TINY, "in_channels": 36, "image_dim": 16, "added_kv_proj_dim": 24}, None, VAE_TINY,
                        UMT5_TINY, CLIP_TINY, 28, 3.0),
@@ -101,7 +102,7 @@ def write(name: str) -> None:
          "unk_token": "<unk>", "extra_ids": 0, "additional_special_tokens": []}, indent=2) + "\n")
     scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
                                         num_train_timesteps=1000, flow_shift=shift)
-    scheduler.save_config(folder / "scheduler")
+    scheduler.save_config(folder / "scheduler")  # type: ignore[attr-defined]
     if image is not None:
         vision = CLIPVisionConfig(**image)
         vision.architectures = ["CLIPVisionModel"]

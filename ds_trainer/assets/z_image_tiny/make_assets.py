@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -35,7 +36,8 @@ CHAT_TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}
                  "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}"
                  "{% endif %}")
 # name: (transformer config, text encoder config, the Flux folder whose VAE it takes)
-MODELS = {"z_image_tiny": (TINY, QWEN3_TINY, "flux_tiny"), "z_image": ({}, QWEN3_4B, "flux_dev")}
+MODELS: dict[str, tuple[Any, ...]] = {"z_image_tiny": (TINY, QWEN3_TINY, "flux_tiny"),
+                                      "z_image": ({}, QWEN3_4B, "flux_dev")}
 
 
 def write(name: str) -> None:
@@ -60,7 +62,7 @@ def write(name: str) -> None:
     tokenizer.update(model_max_length=40960, chat_template=CHAT_TEMPLATE)
     (folder / "tokenizer" / "tokenizer_config.json").write_text(json.dumps(tokenizer, indent=2) + "\n")
     FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0,
-                                    use_dynamic_shifting=False).save_config(folder / "scheduler")
+                                    use_dynamic_shifting=False).save_config(folder / "scheduler")  # type: ignore[attr-defined]
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 # The long clip: 33 frames of 256 x 256 pixels: 9 latent frames of 16 x 16 patches, 2,304 tokens
 OVERRIDES = ["model=wan_tiny", "resolution.width=256", "resolution.height=256",
@@ -64,14 +65,14 @@ def measure(context: int) -> dict[str, float]:
             "loss": float(loss.mean())}
 
 
-def _inputs(cfg: object) -> tuple[dict[str, object], object, object]:
+def _inputs(cfg: Any) -> tuple[dict[str, Any], Any, Any]:
     """A fixed batch of one clip: its latents (16 x 9 x 32 x 32), a caption's states, noise, a
     timestep."""
     import torch
 
     g = torch.Generator().manual_seed(1)
     latents = torch.randn(1, 16, 9, 32, 32, generator=g)
-    length = int(cfg.model.flow.text_max_length)  # type: ignore[attr-defined]
+    length = int(cfg.model.flow.text_max_length)
     text = torch.randn(1, length, 32, generator=g)
     noise = torch.randn(latents.shape, generator=g)
     return {"latents": latents, "prompt_embeds": text}, noise, torch.tensor([500])

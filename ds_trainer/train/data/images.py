@@ -173,7 +173,8 @@ class SourceImages:
         # Fractional repeats: the epoch is the passes that see every source a whole number of times.
         self.passes = 1 if part == "validation" else source_repeats.epoch_passes([s.repeats for s in self.sources])
         windows = self.clip_windows or {}
-        pairs = [(item, window) for item in usable for window in windows.get(item.key) or [None]
+        still: list[video.Window | None] = [None]  # an image, or a clip of no windows
+        pairs = [(item, window) for item in usable for window in windows.get(item.key) or still
                  for _ in range(1 if part == "validation" else self._repeats(item))]
         self.items = [item for item, _ in pairs]
         self.windows: list[video.Window | None] = [window for _, window in pairs]
@@ -325,8 +326,8 @@ class SourceImages:
                 size = sizes[item.key] = sizes.get(item.key) or buckets.source_size(item.read)
             crop = buckets.crop_of(size, target, self.center, self.flip, rng)
             identity = f"{item.key}|{item.stat}|{size}|{item.caption}"
-            if self.windows[index] is not None:  # a clip's window (its frames at the model's rate)
-                identity += f"|window {self.windows[index].name()}"
+            if (window := self.windows[index]) is not None:  # a clip's window (its frames at its rate)
+                identity += f"|window {window.name()}"
             if self.masked:  # the mask is cached with the latents: its own cache file
                 identity += f"|mask {item.mask_stat}"
             if self.reference:  # so is the reference image's latents

@@ -38,8 +38,8 @@ def problem(item: sources.Item, limit: int, decode: bool = True,
         return video.check(item.read, limit, decode)
     why = _decodes(item.read, limit, decode)
     if clips and why == NOT_AN_IMAGE:
-        found = video.check(item.read, limit, decode)
-        return found if isinstance(found, dict) else why
+        clip = video.check(item.read, limit, decode)
+        return clip if isinstance(clip, dict) else why
     for part in parts:
         reader = getattr(item, part)
         if why is None and reader is not None and (found := _decodes(reader, limit, decode)):

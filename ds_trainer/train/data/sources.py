@@ -175,8 +175,8 @@ def folder(source: Source) -> list[Item]:
     out = []
     for path in sorted(root.rglob("*")):
         media = IMAGE_EXTENSIONS + (video.VIDEO_EXTENSIONS if source.clips else ())
-        mask = path.name.lower().endswith(MASK_SUFFIX)
-        if path.suffix.lower() in media and path.is_file() and not mask:
+        is_mask = path.name.lower().endswith(MASK_SUFFIX)
+        if path.suffix.lower() in media and path.is_file() and not is_mask:
             if controls is not None and path.resolve().is_relative_to(controls):
                 continue  # a reference image inside the images' folder is no training image
             rel = str(path.relative_to(root))

@@ -59,7 +59,7 @@ def check(read: Callable[[], BinaryIO], limit: int, decode: bool = True) -> str 
     if not data:
         return "empty file"
     try:
-        container = av.open(io.BytesIO(data))
+        container = av.open(io.BytesIO(data), mode="r")
     except Exception:  # noqa: BLE001 - FFmpeg raises many types for what it cannot open
         return "not a video (unrecognized format)"
     with container:
@@ -143,7 +143,7 @@ def frames(read: Callable[[], BinaryIO], window: Window) -> list[Any]:
     out: list[Any] = [None] * len(wanted)
     with read() as f:
         data = f.read()
-    with av.open(io.BytesIO(data)) as container:
+    with av.open(io.BytesIO(data), mode="r") as container:
         for n, frame in enumerate(container.decode(video=0)):
             for k in positions.get(n, ()):
                 out[k] = frame.to_image().convert("RGB")
@@ -164,7 +164,7 @@ def write(path: Any, pictures: list[Any], fps: float, codec: str = "libx264") ->
     width, height = pictures[0].size
     width, height = width - width % 2, height - height % 2
     with av.open(str(path), mode="w") as container:
-        stream = container.add_stream(codec, rate=_rate(fps))
+        stream: Any = container.add_stream(codec, rate=_rate(fps))  # a video stream
         stream.width, stream.height = width, height
         stream.pix_fmt = "yuv420p"
         for picture in pictures:

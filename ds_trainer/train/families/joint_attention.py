@@ -81,5 +81,5 @@ def install(model: torch.nn.Module) -> int:
     layers = [m for m in model.modules()
               if isinstance(getattr(m, "processor", None), JointAttnProcessor2_0)]
     for layer in layers:
-        layer.set_processor(JointAttention())
+        layer.set_processor(JointAttention())  # type: ignore[operator]
     return len(layers)
