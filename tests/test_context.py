@@ -1,6 +1,6 @@
 """Context parallelism (`parallel.context`): one sample's sequence split over two ranks (gloo's all-to-all on
-the CPU) gives the one-rank run's training: for each transformer family (Flux, Qwen-Image and Wan through diffusers'
-plans, SD3 through ds_trainer's joint attention) at tiny size, under FSDP2 and under ZeRO-3, LoRA and full, the loss
+the CPU) gives the one-rank run's training: for each transformer family (Flux.1, FLUX.2, Qwen-Image and Wan through
+diffusers' plans, SD3 through ds_trainer's joint attention) at tiny size, under FSDP2 and under ZeRO-3, LoRA and full, the loss
 and the gradient's norm at every step and the weights at the end agree with a one-rank run of the same data to float
 noise (fp32: 1e-5 here); a ZeRO-2 run at context 2 resumes into a context-1 DDP run and continues as it would have;
 what cannot split is refused before the first step with its reason. Slow tests share the runs (the module's
@@ -29,7 +29,8 @@ COMMON = ["logger=none", "train.max_steps=4", "data.num_samples=4", "resolution.
 SD3 = "model=sd3_tiny model.flow.t5_max_length=33"
 CELLS = {"wan_z3": ("model=wan_tiny", "stage3", "none"), "wan_fsdp_lora": ("model=wan_tiny", "fsdp_full_shard", "lora"),
          "flux_fsdp": ("model=flux_tiny", "fsdp_full_shard", "none"),
-         "qwen_z3_lora": ("model=qwen_image_tiny", "stage3", "lora"), "sd3_fsdp": (SD3, "fsdp_full_shard", "none")}
+         "qwen_z3_lora": ("model=qwen_image_tiny", "stage3", "lora"), "sd3_fsdp": (SD3, "fsdp_full_shard", "none"),
+         "flux2_z3_lora": ("model=flux2_tiny", "stage3", "lora")}
 
 
 def _train(cwd: Path, ranks: int, *overrides: str) -> Path:
@@ -103,7 +104,9 @@ def test_a_context_two_checkpoint_resumes_into_a_context_one_run(runs: Callable[
 
 
 @pytest.mark.parametrize(("overrides", "says", "fix"), [
-    (["model=sdxl_tiny"], "has no sequence to split: a UNet's convolutions", "parallel.context=1"),
+    (["model=sdxl_tiny"], "UNet has no sequence to split: its convolutions", "parallel.context=1"),
+    (["model=chroma_tiny"], "(ChromaTransformer2DModel) has no context-parallel plan", "parallel.context=1"),
+    (["model=z_image_tiny"], "(ZImageTransformer2DModel) has no context-parallel plan", "parallel.context=1"),
     (["model=wan_tiny", "world_size=3", "parallel.context=3"], "share of model=wan_tiny's 2 attention heads",
      "parallel.context=2"),
     (["model=flux_tiny", "world_size=3", "parallel.context=2"], "splits the 3 ranks into groups of 2",

@@ -33,12 +33,23 @@ def problems(cfg: DictConfig) -> list[Problem]:
                         f"{sizes[-1] if sizes else 1} (a divisor of the world size: {listed})")]
     spec = families.of(cfg)
     if spec.context_lengths is None:
-        return [Problem("parallel.context", context, f"model.family={spec.name}'s "
-                        f"{spec.module_label} has no sequence to split: a UNet's convolutions "
-                        "mix each pixel with its neighbours at every level, so its activations "
-                        "cannot be cut along tokens", "parallel.context=1 (ZeRO-3 or FSDP2 shard "
-                        "the weights; gradient checkpointing cuts the activations)")]
+        return [_cannot_split(spec, context)]
     return _heads(cfg, context) + _lengths(cfg, context) + _levers(cfg, context)
+
+
+def _cannot_split(spec: families.FamilySpec, context: int) -> Problem:
+    """A UNet has no sequence; a transformer without a plan (diffusers' class carries none and
+    ds_trainer writes none) cannot split its own."""
+    fix = ("parallel.context=1 (ZeRO-3 or FSDP2 shard the weights; gradient checkpointing cuts "
+           "the activations)")
+    if spec.component == "unet":
+        return Problem("parallel.context", context, f"model.family={spec.name}'s UNet has no "
+                       "sequence to split: its convolutions mix each pixel with its neighbours at "
+                       "every level, so its activations cannot be cut along tokens", fix)
+    return Problem("parallel.context", context, f"model.family={spec.name}'s transformer "
+                   f"({spec.module_classes[0]}) has no context-parallel plan: diffusers carries "
+                   "none for it and ds_trainer has not written one, so nothing says where its "
+                   "tokens (and their masks or positions) are split and gathered", fix)
 
 
 def _heads(cfg: DictConfig, context: int) -> list[Problem]:

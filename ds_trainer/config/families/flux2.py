@@ -42,6 +42,13 @@ def _text_tokens(cfg: Any) -> int:
     return int(cfg.model.flow.text_max_length)
 
 
+def _context_lengths(cfg: Any, width: int, height: int,
+                     frames: int) -> dict[str, int]:  # noqa: ARG001 - a still image
+    """diffusers' plan splits the image's packed tokens and the caption's (their ids with them)."""
+    return {"image tokens": (width // 16) * (height // 16),
+            "caption tokens (model.flow.text_max_length)": int(cfg.model.flow.text_max_length)}
+
+
 def _guided(cfg: Any) -> bool | None:
     """Whether the architecture's transformer has a guidance input (None: its config unread)."""
     config = Path(str(cfg.model.architecture)) / "transformer" / "config.json"
@@ -100,6 +107,7 @@ SPEC = FamilySpec(
     diffusers_lora_in_comfyui=False,
     tags=("flux2", "text-to-image"),
     text_tokens=_text_tokens,
+    context_lengths=_context_lengths,
     input_layer="x_embedder",
     rules=_rules,
 )

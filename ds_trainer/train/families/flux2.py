@@ -199,8 +199,10 @@ class Flux2(FlowFamily):
                      encoder_hidden_states=text.to(device, dtype),
                      # sigma, as the pipelines give it (timestep / 1000)
                      timestep=as_sampled(sigma.to(device), device),
-                     img_ids=image_ids(*latents.shape[-2:]).to(device),
-                     txt_ids=text_ids(text.shape[1]).to(device), guidance=guidance,
+                     # ids with a batch axis (the transformer reads the first): diffusers' context
+                     # plan splits them along their tokens with the states
+                     img_ids=image_ids(*latents.shape[-2:])[None].to(device),
+                     txt_ids=text_ids(text.shape[1])[None].to(device), guidance=guidance,
                      return_dict=False)[0]
         weight = batch.get("weight_map")  # the mask at the patches' resolution, packed
         return per_sample_mse(pred, pack(flow.target(latents, noise)),
