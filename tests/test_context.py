@@ -1,10 +1,11 @@
-"""Context parallelism (`parallel.context`): one sample's sequence split over two ranks (gloo's all-to-all on
-the CPU) gives the one-rank run's training: for each transformer family (Flux.1, FLUX.2, Qwen-Image and Wan through
-diffusers' plans, SD3 through ds_trainer's joint attention) at tiny size, under FSDP2 and under ZeRO-3, LoRA and full, the loss
-and the gradient's norm at every step and the weights at the end agree with a one-rank run of the same data to float
-noise (fp32: 1e-5 here); a ZeRO-2 run at context 2 resumes into a context-1 DDP run and continues as it would have;
-what cannot split is refused before the first step with its reason. Slow tests share the runs (the module's
-`runs`)."""
+"""Context parallelism (`parallel.context`): one sample's sequence split over two ranks (gloo's
+all-to-all on the CPU) gives the one-rank run's training: for each transformer family (Flux.1,
+FLUX.2, Qwen-Image and Wan through diffusers' plans, SD3 through ds_trainer's joint attention) at
+tiny size, under FSDP2 and under ZeRO-3, LoRA and full, the loss and the gradient's norm at every
+step and the weights at the end agree with a one-rank run of the same data to float noise (fp32:
+1e-5 here); a ZeRO-2 run at context 2 resumes into a context-1 DDP run and continues as it would
+have; what cannot split is refused before the first step with its reason. Slow tests share the runs
+(the module's `runs`)."""
 
 from __future__ import annotations
 
@@ -24,8 +25,8 @@ torch = pytest.importorskip("torch")
 COMMON = ["logger=none", "train.max_steps=4", "data.num_samples=4", "resolution.width=64", "resolution.height=64",
           "scheduler=constant", "optimizer.lr=1e-3", "precision=fp32", "train.micro_batch_size=1",
           "data.video.frames=[5]"]
-# (model, the context-2 run's backend and adapter); each against a one-rank DDP run of the same adapter. SD3's
-# caption is CLIP's 77 tokens and T5's: 33 of T5's make 110, which two ranks split.
+# (model, the context-2 run's backend and adapter); each against a one-rank DDP run of the same
+# adapter. SD3's caption is CLIP's 77 tokens and T5's: 33 of T5's make 110, which two ranks split.
 SD3 = "model=sd3_tiny model.flow.t5_max_length=33"
 CELLS = {"wan_z3": ("model=wan_tiny", "stage3", "none"), "wan_fsdp_lora": ("model=wan_tiny", "fsdp_full_shard", "lora"),
          "flux_fsdp": ("model=flux_tiny", "fsdp_full_shard", "none"),
@@ -94,8 +95,8 @@ def test_a_sequence_split_over_two_ranks_trains_as_one_rank_does(runs: Callable[
 @pytest.mark.slow
 @pytest.mark.multiproc
 def test_a_context_two_checkpoint_resumes_into_a_context_one_run(runs: Callable[[str], Path]) -> None:
-    """The portable state knows no context size: the data continues where the context-2 run's was (its one
-    stream), the steps 3 and 4 as it trained them."""
+    """The portable state knows no context size: the data continues where the context-2 run's was
+    (its one stream), the steps 3 and 4 as it trained them."""
     split, resumed = runs("split_z2"), runs("resumed_ddp")
     got, expected = _metrics(resumed, "loss"), _metrics(split, "loss")
     assert sorted(got) == [3, 4]
@@ -123,8 +124,8 @@ def test_what_cannot_split_is_refused_with_the_fix(overrides: list[str], says: s
 
 
 def test_a_split_sequence_that_two_does_not_divide_is_refused_naming_the_size() -> None:
-    """Flux at 80 x 48 px: 5 x 3 = 15 image tokens; Wan at 48 x 48 px: 3 x 3 = 9 tokens a latent frame, an image
-    (one frame) 9."""
+    """Flux at 80 x 48 px: 5 x 3 = 15 image tokens; Wan at 48 x 48 px: 3 x 3 = 9 tokens a latent
+    frame, an image (one frame) 9."""
     report = checks.check(make_cfg("model=flux_tiny", "parallel.context=2", "world_size=2",
                                    "resolution.width=80", "resolution.height=48"))
     assert "at 80x48 there are 15, which 2 does not divide" in report.render()
@@ -134,8 +135,8 @@ def test_a_split_sequence_that_two_does_not_divide_is_refused_naming_the_size() 
 
 
 def test_the_planner_splits_a_long_clips_activations_and_counts_the_all_to_all() -> None:
-    """Wan 2.1 14B at 720p, 81 frames, ZeRO-3 on 8 GPUs: the activations per rank halve at context 2 and quarter at
-    4, the all-to-all's buffers are added, and the README says the peaks."""
+    """Wan 2.1 14B at 720p, 81 frames, ZeRO-3 on 8 GPUs: the activations per rank halve at context 2
+    and quarter at 4, the all-to-all's buffers are added, and the README says the peaks."""
     from ds_trainer.tools import plan
 
     peaks, activations, buffers = [], [], []
