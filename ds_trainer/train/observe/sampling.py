@@ -1,18 +1,20 @@
-"""Sample images during training, under every ZeRO stage: `Sampler.after_step` is called by the recipe
-after each optimizer step, on every rank.
+"""Sample images during training, under every ZeRO stage: `Sampler.after_step` is called by the
+recipe after each optimizer step, on every rank.
 
-Under ZeRO-3 each UNet forward gathers the parameters from all ranks, so every rank must run the same
-forwards: the (prompt, seed) pairs are dealt round robin and padded to a multiple of the world size
-(a padding image is generated and dropped), every rank runs the same pipeline calls, and the images
-are gathered to rank 0, which writes them and logs them to W&B (trackers live on rank 0 only). Whether
-to sample depends on the step only (`config.samples.due`); ranks check once at the start that they
-agree on everything that decides their forwards, and fail with a message rather than hang.
+Under ZeRO-3 each UNet forward gathers the parameters from all ranks, so every rank must run the
+same forwards: the (prompt, seed) pairs are dealt round robin and padded to a multiple of the world
+size (a padding image is generated and dropped), every rank runs the same pipeline calls, and the
+images are gathered to rank 0, which writes them and logs them to W&B (trackers live on rank 0
+only). Whether to sample depends on the step only (`config.samples.due`); ranks check once at the
+start that they agree on everything that decides their forwards, and fail with a message rather than
+hang.
 
-Sampling leaves training untouched: the noise comes from private generators, torch's global RNG state
-is restored, the UNet's train/eval mode is restored, nothing records gradients. The pipeline is
-the model family's (diffusers' StableDiffusionXLPipeline, StableDiffusion3Pipeline) around the training UNet or
-transformer (or one built on the EMA shadow) with the frozen VAE and text encoders and the exported
-scheduler, so the exported pipeline reproduces an image with `generate` (see docs/samples.md).
+Sampling leaves training untouched: the noise comes from private generators, torch's global RNG
+state is restored, the UNet's train/eval mode is restored, nothing records gradients. The pipeline
+is the model family's (diffusers' StableDiffusionXLPipeline, StableDiffusion3Pipeline) around the
+training UNet or transformer (or one built on the EMA shadow) with the frozen VAE and text encoders
+and the exported scheduler, so the exported pipeline reproduces an image with `generate` (see
+docs/samples.md).
 """
 
 from __future__ import annotations
@@ -80,10 +82,11 @@ def reference(s: Settings, index: int) -> Any:
 
 
 def generate(pipe: Any, prompt: str, seed: int, s: Settings, image: Any = None) -> Any:
-    """One image (PIL) from the family's pipeline: the call the sampler makes, and the one that reproduces its
-    images from the exported pipeline. The latents come from a CPU generator, so the device does not
-    change them; an empty negative prompt means SDXL's zeroed unconditional embedding (SD3's pipeline encodes
-    an empty one); the family says which arguments carry the guidance scale and the negative prompt."""
+    """One image (PIL) from the family's pipeline: the call the sampler makes, and the one that
+    reproduces its images from the exported pipeline. The latents come from a CPU generator, so the
+    device does not change them; an empty negative prompt means SDXL's zeroed unconditional
+    embedding (SD3's pipeline encodes an empty one); the family says which arguments carry the
+    guidance scale and the negative prompt."""
     model = pipe.unet if hasattr(pipe, "unet") else pipe.transformer or pipe.transformer_2
     guidance = families.of_module(model).guidance_kwargs(s.guidance_scale, s.negative_prompt)
     out = pipe(prompt=prompt, num_inference_steps=s.steps, width=s.width, height=s.height,
@@ -116,9 +119,10 @@ _CONDITIONING = ("hidden_states", "encoder_hidden_states", "added_cond_kwargs", 
 
 @contextlib.contextmanager
 def model_in_its_dtype(model: Any) -> Iterator[None]:
-    """Run a 16-bit UNet or transformer (as DeepSpeed trains it) inside a float32 pipeline: its latents, text
-    embeddings and added conditions are cast to the model's dtype, its prediction back to the latents' dtype; the
-    timestep is left alone (Euler's float timesteps would round in bf16). Training casts the same way."""
+    """Run a 16-bit UNet or transformer (as DeepSpeed trains it) inside a float32 pipeline: its
+    latents, text embeddings and added conditions are cast to the model's dtype, its prediction back
+    to the latents' dtype; the timestep is left alone (Euler's float timesteps would round in bf16).
+    Training casts the same way."""
     # The dtype of its family's first layer
     dtype = _compute_dtype(model.get_submodule(families.spec_of(model).input_layer))
     seen: list[torch.dtype] = []
@@ -137,8 +141,9 @@ def model_in_its_dtype(model: Any) -> Iterator[None]:
         output.sample = _cast(output.sample, back)
         return output
 
-    # Before any hook of the module's own (FSDP2 casts the inputs to its compute dtype and gathers the root unit's
-    # weights in it): a cast after FSDP's would hand its root layers inputs in the sharded masters' dtype.
+    # Before any hook of the module's own (FSDP2 casts the inputs to its compute dtype and gathers
+    # the root unit's weights in it): a cast after FSDP's would hand its root layers inputs in the
+    # sharded masters' dtype.
     handles = [model.register_forward_pre_hook(before, with_kwargs=True, prepend=True),
                model.register_forward_hook(after)]
     try:
@@ -150,7 +155,8 @@ def model_in_its_dtype(model: Any) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _vae_decode_in_its_dtype(vae: Any) -> Iterator[None]:
-    """Latents in the text encoders' dtype decoded by a VAE in another (the pipeline casts only on MPS)."""
+    """Latents in the text encoders' dtype decoded by a VAE in another (the pipeline casts only on
+    MPS)."""
     dtype = vae.decoder.conv_in.weight.dtype
     parts = [m for m in (getattr(vae, "post_quant_conv", None), vae.decoder) if m is not None]
     handles = [m.register_forward_pre_hook(lambda m, args: (args[0].to(dtype), *args[1:])) for m in parts]  # noqa: ARG005
@@ -193,13 +199,15 @@ def _grid(images: list[Any], columns: int) -> Any:
 
 
 def ema_model(accelerator: Any, model: Any, ema: EMA, key: str) -> Any:
-    """A UNet or transformer on the EMA shadow (its tensors, not a copy, when the shadow is on the device): the same
-    weights the export writes to `unet_ema` (`transformer_ema`) and the exported pipeline uses. Collective (the
-    shadow is gathered from its shards on every rank); `key` names the setting that asked for it in the error."""
+    """A UNet or transformer on the EMA shadow (its tensors, not a copy, when the shadow is on the
+    device): the same weights the export writes to `unet_ema` (`transformer_ema`) and the exported
+    pipeline uses. Collective (the shadow is gathered from its shards on every rank); `key` names
+    the setting that asked for it in the error."""
     module = accelerator.unwrap_model(model)
     with torch.device("meta"):
         built = type(module).from_config(module.config)
-    # What never trains by design (Qwen-Image's last text-stream layers: families' `unused`) is the live module's
+    # What never trains by design (Qwen-Image's last text-stream layers: families' `unused`) is the
+    # live module's
     live_params = dict(module.named_parameters())
     fixed = {name: live_params[name] for name in sorted(set(live_params) - set(ema.names))
              if name.startswith(tuple(f"{u}." for u in families.of_module(module).unused(module)))}
@@ -207,8 +215,8 @@ def ema_model(accelerator: Any, model: Any, ema: EMA, key: str) -> Any:
     if missing:
         raise TrainingError(f"{key}=true: the EMA holds only the trained parameters, not {len(missing)} "
                             f"others of the {families.label_of(module)}; use {key}=false")
-    # Persistent buffers (SD3's position embedding) are no parameters: whole on every rank under every layout, the
-    # live module's.
+    # Persistent buffers (SD3's position embedding) are no parameters: whole on every rank under
+    # every layout, the live module's.
     live = dict(module.named_buffers())
     buffers = {name: _as_built(live[name]) for name in set(built.state_dict()) - set(ema.names) if name in live}
     built.load_state_dict({**buffers, **ema.layout.whole_copies(fixed), **ema.full()}, assign=True)
@@ -217,8 +225,8 @@ def ema_model(accelerator: Any, model: Any, ema: EMA, key: str) -> Any:
 
 
 def _compute_dtype(layer: Any) -> torch.dtype:
-    """The dtype a layer computes in: its weight's, or for a quantized base's layer (quantize=: bitsandbytes'
-    integer weights) the compute dtype it was given, else its bias's."""
+    """The dtype a layer computes in: its weight's, or for a quantized base's layer (quantize=:
+    bitsandbytes' integer weights) the compute dtype it was given, else its bias's."""
     weight = layer.weight
     if weight.is_floating_point():
         return weight.dtype  # type: ignore[no-any-return]
@@ -240,12 +248,14 @@ def _plain_tensors(built: torch.nn.Module, live: torch.nn.Module) -> None:
 
 
 def _as_built(buffer: torch.Tensor) -> torch.Tensor:
-    """A copy of a live buffer for the float32 model `ema_model` builds (integer buffers keep their type)."""
+    """A copy of a live buffer for the float32 model `ema_model` builds (integer buffers keep their
+    type)."""
     return buffer.detach().to(torch.float32 if buffer.is_floating_point() else buffer.dtype, copy=True)
 
 
 class Sampler:
-    """Samples at the steps `config.samples.due` names. Collective: every rank calls `after_step`."""
+    """Samples at the steps `config.samples.due` names. Collective: every rank calls `after_step`.
+    """
 
     def __init__(self, run: Run, progress: Any) -> None:
         cfg, accelerator = run.cfg, run.accelerator
@@ -260,7 +270,8 @@ class Sampler:
         if not self.enabled:
             return
         if self.ema is not None and cfg.adapter.method.value != "none" and not text_encoders.enabled(cfg):
-            # A LoRA's EMA holds the adapters only; sampling with it would need the frozen base gathered too.
+            # A LoRA's EMA holds the adapters only; sampling with it would need the frozen base
+            # gathered too.
             log.warning("samples: adapter=%s samples with the trained adapters, not their EMA (the EMA LoRA is "
                         "exported to <run>/lora_ema)", cfg.adapter.method.value)
             self.ema = None
@@ -272,7 +283,8 @@ class Sampler:
         self._check_ranks_agree()
 
     def _check_ranks_agree(self) -> None:
-        """Ranks that would run different forwards under ZeRO-3 hang in a gather: fail now instead."""
+        """Ranks that would run different forwards under ZeRO-3 hang in a gather: fail now instead.
+        """
         from accelerate.utils import gather_object
 
         s = self.cfg.samples
@@ -286,7 +298,8 @@ class Sampler:
                                 + "); launch every rank with the same overrides")
 
     def after_step(self, step: int, stopping: bool) -> None:
-        """Sample if `step` is due (every rank decides the same); not when a stop request cut the run short."""
+        """Sample if `step` is due (every rank decides the same); not when a stop request cut the
+        run short."""
         if not samples.due(self.cfg, step) or (stopping and step < int(self.cfg.train.max_steps)):
             return
         if self.progress is not None:
@@ -313,9 +326,9 @@ class Sampler:
             self.progress.refresh()
 
     def _generate_share(self) -> list[tuple[int, int, Any]]:
-        """This rank's images: units rank, rank + world, ...; every rank makes the same number of calls. Under
-        parallel.context a context group makes its units together (its ranks' sequence parts meet in the
-        attention), the group's first rank keeping them."""
+        """This rank's images: units rank, rank + world, ...; every rank makes the same number of
+        calls. Under parallel.context a context group makes its units together (its ranks' sequence
+        parts meet in the attention), the group's first rank keeping them."""
         mesh = self.mesh
         rank, world = mesh.data_rank, mesh.data_world
         calls = math.ceil(len(self.units) / world)
@@ -334,10 +347,11 @@ class Sampler:
 
     @contextlib.contextmanager
     def _sampling_model(self) -> Iterator[tuple[Any, dict[str, Any]]]:
-        """The UNet to sample with and the trained text encoders (none when they are frozen), in eval mode (their
-        modes are restored afterwards). The casts are no-ops where dtypes already agree (a float32 UNet on the CPU);
-        on a GPU the text encoders are bf16. With trained encoders the EMA's values are put into the trained module
-        for the time of the samples (`EMA.applied`: UNet and encoders together, cast to the module's dtype)."""
+        """The UNet to sample with and the trained text encoders (none when they are frozen), in
+        eval mode (their modes are restored afterwards). The casts are no-ops where dtypes already
+        agree (a float32 UNet on the CPU); on a GPU the text encoders are bf16. With trained
+        encoders the EMA's values are put into the trained module for the time of the samples
+        (`EMA.applied`: UNet and encoders together, cast to the module's dtype)."""
         module = self.accelerator.unwrap_model(self.model)
         weights: list[contextlib.AbstractContextManager] = []
         if isinstance(module, text_encoders.Denoiser):
@@ -363,7 +377,8 @@ class Sampler:
 
     @contextlib.contextmanager
     def _frozen_on(self, device: torch.device) -> Iterator[None]:
-        """The frozen encoders on the sampling device (training may have moved them to the CPU after caching)."""
+        """The frozen encoders on the sampling device (training may have moved them to the CPU after
+        caching)."""
         parts = self.frozen.modules()
         before = [next(p.parameters()).device for p in parts]
         for part in parts:
