@@ -326,7 +326,8 @@ class SourceImages:
                 size = sizes[item.key] = sizes.get(item.key) or buckets.source_size(item.read)
             crop = buckets.crop_of(size, target, self.center, self.flip, rng)
             identity = f"{item.key}|{item.stat}|{size}|{item.caption}"
-            if (window := self.windows[index]) is not None:  # a clip's window (its frames at its rate)
+            window = self.windows[index]  # a clip's window (its frames at the model's rate)
+            if window is not None:
                 identity += f"|window {window.name()}"
             if self.masked:  # the mask is cached with the latents: its own cache file
                 identity += f"|mask {item.mask_stat}"
