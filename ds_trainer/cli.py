@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
@@ -22,6 +23,7 @@ from ds_trainer.config import (
     ds_config,
     optimizers,
     overrides,
+    phases,
     portability,
     rundir,
     runlock,
@@ -47,21 +49,17 @@ except ImportError:
 rundir.register_resolvers()
 
 
-def prepare(cfg: DictConfig, run_dir: Path) -> tuple[DictConfig, dict | None]:
+def prepare(cfg: DictConfig, run_dir: Path, resumes: bool = True) -> tuple[DictConfig, dict | None]:
     """Check `cfg` and take the run folder (its lock); raises ConfigError with the report on a user
-    mistake. Nothing is written into the folder before `write_files`."""
+    mistake. Nothing is written into the folder before `write_files`. `resumes`: whether the run
+    resumes itself (a run in phases does not: each phase does, in its own folder)."""
     report = checks.check(cfg)
     if not report.ok:
         raise ConfigError(report.render())
     cfg = report.cfg
-    # A resume under another optimizer or architecture is refused here, before anything starts;
-    # and so is one that would train nothing.
-    resumed = checkpoint.find_resume(cfg, run_dir, say=False)
-    problems, carried = portability.check(cfg, resumed)
-    if problems:
-        raise ConfigError(Report(cfg, problems).render())
-    if (nothing := _nothing_left(cfg, resumed, run_dir)) is not None:
-        raise ConfigError(Report(cfg, [nothing]).render())
+    carried: list[str] = []
+    if resumes:
+        carried = _resumable(cfg, run_dir)
     cfg.resolved.warnings = [*report.warnings, *carried]  # recorded in config.yaml
     for warning in cfg.resolved.warnings:
         log.warning("%s", warning)
@@ -70,6 +68,18 @@ def prepare(cfg: DictConfig, run_dir: Path) -> tuple[DictConfig, dict | None]:
     if not cfg.dry_run:
         _lock(run_dir)  # before any run file is written: a second run must leave the first untouched
     return cfg, ds
+
+
+def _resumable(cfg: DictConfig, run_dir: Path) -> list[str]:
+    """A resume under another optimizer or architecture is refused here, before anything starts;
+    and so is one that would train nothing. What a resume carries over, as warnings."""
+    resumed = checkpoint.find_resume(cfg, run_dir, say=False)
+    problems, carried = portability.check(cfg, resumed)
+    if problems:
+        raise ConfigError(Report(cfg, problems).render())
+    if (nothing := _nothing_left(cfg, resumed, run_dir)) is not None:
+        raise ConfigError(Report(cfg, [nothing]).render())
+    return list(carried)
 
 
 def write_files(cfg: DictConfig, ds: dict | None, run_dir: Path, composed: str) -> None:
@@ -127,7 +137,10 @@ def _lock(run_dir: Path) -> None:
 def run(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> None:
     """One run: check, write the run files, then train unless it is a dry run."""
     composed = OmegaConf.to_yaml(cfg)  # as Hydra composed it: .hydra/config.yaml
-    cfg, ds = prepare(cfg, run_dir)
+    phased, given = phases.of(cfg), copy.deepcopy(cfg)  # a phase's config starts from the composed
+    cfg, ds = prepare(cfg, run_dir, resumes=not phased)
+    if phased:
+        log.info("%s", phases.describe(cfg, phased, run_dir))
     startup.mark("validate")
     if cfg.dry_run:
         write_files(cfg, ds, run_dir, composed)
@@ -152,8 +165,58 @@ def run(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> None:
     if problems:
         raise ConfigError(Report(cfg, problems).render())
     write_files(cfg, ds, run_dir, composed)
-
+    if phased:
+        _run_phases(given, run_dir, overrides, composed)
+        return
     recipe.run(cfg, ds, run_dir, metrics.run_name(overrides), memory_plan=plan.log_for_run)
+
+
+def _run_phases(cfg: DictConfig, run_dir: Path, given: list[str], composed: str) -> None:
+    """A run in phases (config/phases.py): each checked, written and trained in its folder, in
+    order, in this process (one done by an earlier launch of this command is not trained again);
+    then rank 0 joins their exports in the run's folder and writes its summary.json, however they
+    ended."""
+    from ds_trainer.tools import plan
+    from ds_trainer.train import recipe
+    from ds_trainer.train.export import joined
+    from ds_trainer.train.observe import metrics
+
+    phased = phases.of(cfg)
+    configs = [phases.config(cfg, p, run_dir, _phase_resume(cfg, phased, k))
+               for k, p in enumerate(phased)]
+    todo = [k for k, p in enumerate(phased) if not phases.done(configs[k], run_dir / p.folder)]
+    try:
+        for k, phase in enumerate(phased):
+            folder = run_dir / phase.folder
+            if k not in todo:
+                log.info("phase %s: done in %s by an earlier launch", phase.name, folder)
+                continue
+            log.info("phase %s of %d: %s in %s", phase.name, len(phased),
+                     " ".join(phases.overrides(phase, run_dir)), folder)
+            phase_cfg, ds = prepare(configs[k], folder)
+            write_files(phase_cfg, ds, folder, composed)
+            if distributed.is_main():
+                phases.write_overrides(folder, given, phase, run_dir)
+            with console.also_to(folder / "ds_trainer.log", distributed.is_main()):
+                recipe.run(phase_cfg, ds, folder, f"{metrics.run_name(given)}-{phase.name}",
+                           memory_plan=plan.log_for_run, last=k == todo[-1])
+    finally:
+        if distributed.is_main():
+            joined.finish(cfg, run_dir, phased)
+
+
+def _phase_resume(cfg: DictConfig, phased: list[phases.Phase], k: int) -> str | None:
+    """What phase `k` continues from: `resume` as given (its own folder; latest), or with a
+    checkpoint of a phase, that checkpoint for it, the newest intact checkpoint of the same run's
+    folder for each phase before it (what trained them), nothing for those after it."""
+    if cfg.resume in (None, "latest"):
+        return None if cfg.resume is None else "latest"
+    at, source = phases.located(phased, Path(str(cfg.resume))) or (k, Path())
+    if k >= at:
+        return str(cfg.resume) if k == at else None
+    saved = [path for _, path in checkpoint.checkpoints(source / phased[k].folder)]
+    found = checkpoint.newest_intact(saved, say=False)
+    return None if found is None else str(found)
 
 
 def main(argv: list[str] | None = None) -> None:

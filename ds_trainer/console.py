@@ -29,6 +29,7 @@ import re
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 OURS = "ds_trainer"
 
@@ -198,6 +199,26 @@ def for_tool(level: int = logging.INFO) -> None:
 def flush() -> None:
     """Write the known messages kept from before the run's log file existed (called once it does)."""
     _flush(_FILTER.early)
+
+
+@contextlib.contextmanager
+def also_to(path: Path, main: bool = True) -> Iterator[None]:
+    """Inside, the run's log lines also go to `path` (a phase of a run: its own folder's log file),
+    as the run's log file takes them; on the main process only (`main`)."""
+    root = logging.getLogger()
+    files = [h for h in root.handlers if isinstance(h, logging.FileHandler)]
+    if not main or not files:
+        yield
+        return
+    handler = logging.FileHandler(path)
+    handler.setLevel(files[0].level)
+    handler.setFormatter(files[0].formatter)
+    root.addHandler(handler)
+    try:
+        yield
+    finally:
+        root.removeHandler(handler)
+        handler.close()
 
 
 @contextlib.contextmanager

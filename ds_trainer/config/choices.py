@@ -173,6 +173,9 @@ class Expert(str, Enum):
     # the high-noise expert (the pipeline's transformer): timesteps at or above the boundary
     high = "high"
     low = "low"  # the low-noise expert (the pipeline's transformer_2): timesteps below it
+    # each on its own timesteps, one after the other in one command (the high-noise expert's phase,
+    # then the low-noise one's beside it): the family's spec says the phases (config/phases.py)
+    both = "both"
 
 
 class FrameExtraction(str, Enum):

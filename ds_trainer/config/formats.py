@@ -17,6 +17,9 @@ class Format:
     methods: tuple[str, ...] = ()  # the adapter methods it holds (LoRA formats)
     # why it cannot hold a method, by method (a LoRA format); the fix names a format that can
     cannot: dict[str, str] = field(default_factory=dict)
+    # A later run reads it back as a frozen part (a run in phases: the low-noise phase's other
+    # expert, the high-noise phase's export): diffusers' from_pretrained, load_lora_adapter
+    read_back: bool = False
 
 
 LORA: dict[str, Format] = {
@@ -26,6 +29,7 @@ LORA: dict[str, Format] = {
             "diffusers",
             "diffusers' load_lora_weights",
             methods=("lora", "dora"),
+            read_back=True,
             cannot={
                 m: (
                     f"diffusers' load_lora_weights loads LoRA and DoRA files only; a {m} file "
@@ -56,6 +60,7 @@ MODEL: dict[str, Format] = {
         Format(
             "diffusers",
             "diffusers' from_pretrained",
+            read_back=True,
         ),
         Format(
             "single_file",

@@ -96,9 +96,15 @@ class VideoModelConfig:
     condition: VideoCondition = VideoCondition.none
     # A model of two experts (Wan 2.2 A14B): the share of the 1000 timesteps above which the
     # high-noise expert denoises (the pipeline's boundary_ratio: 0.875 T2V, 0.9 I2V), and which
-    # expert trains (its timesteps alone are drawn); null for one transformer.
+    # expert trains (its timesteps alone are drawn; both: the high-noise one, then the low-noise
+    # one, each in a phase of its own, <run>/experts/high and low); null for one transformer.
     boundary: float | None = None
     expert: Expert = Expert.high
+    # The expert that does not train, in the samples and the exported pipeline: null, the source's;
+    # a diffusers transformer folder (a full fine-tune's <run>/transformer), or a diffusers-layout
+    # LoRA folder (<run>/lora) on the source's expert. expert=both's low-noise phase sets it to
+    # the high-noise phase's.
+    other_expert: str | None = None
 
 
 @dataclass

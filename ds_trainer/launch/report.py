@@ -114,9 +114,11 @@ def _count(n: int) -> str:
 
 
 def cells(sweep_dir: Path) -> list[Path]:
-    """Cell folders of a sweep: those Hydra made (`.hydra/`) or that hold a run's files."""
+    """Cell folders of a sweep: those Hydra made (`.hydra/`) or that hold a run's files; not the
+    phases of a run in phases (config/phases.py: runs of their own inside the cell's folder)."""
     found = {p.parent for p in sweep_dir.rglob(".hydra")} | {p.parent for p in sweep_dir.rglob("summary.json")}
     found = {c for c in found if ".submitit" not in c.parts}
+    found = {c for c in found if not any(parent in found for parent in c.parents)}
     return sorted(found, key=lambda c: [int(p) if p.isdigit() else p for p in c.relative_to(sweep_dir).parts])
 
 

@@ -73,8 +73,9 @@ class Outcome:
             metrics.print_summary(summary, run_dir)
         return summary
 
-    def leave(self, accelerator: Any) -> None:
-        """Leave as the ending says: return after a clean shutdown, or raise (see the module's docstring)."""
+    def leave(self, accelerator: Any, last: bool = True) -> None:
+        """Leave as the ending says: return after a clean shutdown, or raise (see the module's
+        docstring). `last`: no later run trains in this process (see `shutdown`)."""
         failure = self.failure
         if self.status == "interrupted":
             log.warning("%s", self.message)
@@ -82,7 +83,7 @@ class Outcome:
                 failure.stop.forward()  # under submitit, SIGUSR2 requeues the job (and exits) from here
             raise Stopped(self.message or "", stop.exit_status(stop.received())) from None
         if failure is None:
-            shutdown(accelerator)
+            shutdown(accelerator, last)
         elif isinstance(failure, TrainingError):
             raise failure.with_traceback(None) from None  # its class says the exit status (InputError: 2)
         elif self.status in ("oom", "lost"):
@@ -126,7 +127,27 @@ def _stopped_message(signum: int, tracker: Any, run_dir: Path) -> str:
     return f"stopped by {stop.name(signum)} after step {done} (the steps are done; what followed them was not){tail}"
 
 
-def shutdown(accelerator: Any) -> None:
-    """Finish the trackers and destroy the process group (gloo threads left alive abort the exit)."""
+def shutdown(accelerator: Any, last: bool = True) -> None:
+    """Finish the trackers and destroy the process group (gloo threads left alive abort the exit).
+    Before a later run in this process (`last` false: a run's next phase) the group stays, for that
+    run's Accelerator to take as it is (no second rendezvous); the rest goes: the engine and the
+    prepared objects, and Accelerate's state of this run (its DeepSpeed or FSDP plugin, the
+    accumulation), which the next run's Accelerator sets up anew."""
     accelerator.wait_for_everyone()
-    accelerator.end_training()
+    if last:
+        accelerator.end_training()
+        return
+    import gc
+
+    import torch
+    from accelerate.state import AcceleratorState, GradientState
+
+    for tracker in accelerator.trackers:
+        tracker.finish()
+    accelerator.free_memory()  # DeepSpeed's engine destroyed, the prepared objects let go
+    # Accelerate's own way between two runs in one process (its tests')
+    AcceleratorState._reset_state(reset_partial_state=False)  # noqa: SLF001
+    GradientState._reset_state()  # noqa: SLF001
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

@@ -51,18 +51,19 @@ MemoryPlan = Callable[[DictConfig, Any, int], None]
 
 
 def run(cfg: DictConfig, ds: dict[str, Any] | None, run_dir: Path, name: str = "default",
-        memory_plan: MemoryPlan | None = None) -> dict[str, Any]:
+        memory_plan: MemoryPlan | None = None, last: bool = True) -> dict[str, Any]:
     """Train as `cfg` says (DeepSpeed from its JSON `ds`, else FSDP2 or DDP); returns the summary, also written to
-    `summary.json` whatever happens (train/outcome.py)."""
+    `summary.json` whatever happens (train/outcome.py). `last`: no later run (a run's next
+    phase) trains in this process, which then leaves its process group."""
     single_process_env()
     backend = backends.of(cfg, ds)
     backend.start_process()
     with stop.Immediate():  # Ctrl-C outside the training loop stops at once (recorded, no traceback)
-        return _run(cfg, backend, ds, run_dir, name, memory_plan)
+        return _run(cfg, backend, ds, run_dir, name, memory_plan, last)
 
 
 def _run(cfg: DictConfig, backend: backends.Backend, ds: dict[str, Any] | None, run_dir: Path, name: str,
-         memory_plan: MemoryPlan | None) -> dict[str, Any]:
+         memory_plan: MemoryPlan | None, last: bool) -> dict[str, Any]:
     stop_watching_ops = op_builds.watch()  # says when DeepSpeed compiles an op; clears a dead process's lock
     nodes = rendezvous.check(cfg, run_dir)  # several nodes: all reach the master and see one run directory
     info = hardware.confirm_with_torch(hardware.detect(cfg.resolved.platform))
@@ -94,7 +95,7 @@ def _run(cfg: DictConfig, backend: backends.Backend, ds: dict[str, Any] | None, 
         if tracker is not None:
             tracker.close()
     summary = outcome.summarize(cfg, accelerator, tracker, nodes, run_dir)
-    outcome.leave(accelerator)
+    outcome.leave(accelerator, last)
     return summary
 
 

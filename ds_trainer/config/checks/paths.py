@@ -10,7 +10,15 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from ds_trainer.config import families, inputs, schema, source_kinds, source_repeats, weights_file
+from ds_trainer.config import (
+    families,
+    inputs,
+    phases,
+    schema,
+    source_kinds,
+    source_repeats,
+    weights_file,
+)
 from ds_trainer.config.checks import reference
 from ds_trainer.config.problems import Problem
 
@@ -45,6 +53,14 @@ def problems(cfg: DictConfig) -> list[Problem]:
     if resume not in (None, "latest") and not Path(resume).is_dir():
         out.append(Problem("resume", resume, "is neither `latest` nor a checkpoint folder",
                            "resume=latest (or resume=<run dir>/checkpoints/step_N)"))
+    elif resume not in (None, "latest") and (phased := phases.of(cfg)):
+        if phases.located(phased, Path(resume)) is None:
+            folders = ", ".join(p.folder for p in phased)
+            out.append(Problem("resume", resume, f"model={cfg.model.name} trains in phases, "
+                               f"each in a folder of its run's ({folders}): this checkpoint "
+                               "is in none", f"resume=<run>/{phased[-1].folder}/checkpoints/"
+                               "step_N (the phase it continues; those before it carry on from "
+                               "that run's), or resume=latest"))
     return out
 
 

@@ -33,6 +33,19 @@ class TransformerFile:
 
 
 @dataclass(frozen=True)
+class Phase:
+    """One phase of a run in phases (Wan 2.2 A14B's `model.video.expert=both`): a run of its own
+    in `folder` under the run's, in order, the config's `overrides` set (a value's `{run}` is the
+    run's folder: where an earlier phase left its export); its trained module fills the pipeline's
+    `slot` in the run's joined export."""
+
+    name: str  # in the log, summary.json, and the joined LoRA and single-file folders
+    folder: str  # relative to the run's folder
+    overrides: dict[str, Any]  # dotted config key -> value
+    slot: str  # the pipeline component its trained module is (transformer, transformer_2)
+
+
+@dataclass(frozen=True)
 class FamilySpec:
     name: str  # model.family
     label: str  # what a message calls the family ("Flux.1")
@@ -92,6 +105,9 @@ class FamilySpec:
     # The family's own rules before a run (its conditioning against its architecture): the composed
     # config to its problems (config.problems.Problem), asked by config/checks/model.py
     rules: Callable[[Any], list[Any]] = field(default=lambda cfg: [])  # noqa: ARG005 - none
+    # A run that trains in phases, one after the other in one command (each a run of its own in a
+    # subfolder, config/phases.py): the composed config to its phases; [] for one run
+    phases: Callable[[Any], list[Phase]] = field(default=lambda cfg: [])  # noqa: ARG005 - one
 
     @property
     def module_label(self) -> str:

@@ -9,7 +9,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ds_trainer.config.families.spec import FamilySpec, TransformerFile, blocks_mismatch
+from ds_trainer.config import formats
+from ds_trainer.config.families.spec import FamilySpec, Phase, TransformerFile, blocks_mismatch
 from ds_trainer.config.problems import Problem
 
 # The caption tokens WanImageToVideoPipeline's attention takes the image tokens after (its processor
@@ -53,7 +54,14 @@ def _rules(cfg: Any) -> list[Problem]:
     transformer, vae = _config(cfg, "transformer"), _config(cfg, "vae")
     if cfg.model.video is None or transformer is None or vae is None:
         return []
-    return _condition(cfg, transformer, int(vae.get("z_dim", 16))) + _experts(cfg)
+    both = _value(cfg.model.video.expert) == "both"
+    return [*_condition(cfg, transformer, int(vae.get("z_dim", 16))), *_experts(cfg),
+            *(_both(cfg) if both else []), *_other_expert(cfg)]
+
+
+def _value(choice: Any) -> str:
+    """A choice's name, from its enum or as given."""
+    return str(getattr(choice, "value", choice))
 
 
 def _condition(cfg: Any, transformer: dict[str, Any], z: int) -> list[Problem]:
@@ -103,6 +111,88 @@ def _experts(cfg: Any) -> list[Problem]:
     return []
 
 
+def _both(cfg: Any) -> list[Problem]:
+    """expert=both: two experts to train, from the pipeline's folder, and what the low-noise phase
+    reads of the high-noise one's export (its transformer folder, or its diffusers LoRA file)."""
+    out, method = [], _value(cfg.adapter.method)
+    if cfg.model.video.boundary is None:
+        return [Problem("model.video.expert", "both", f"model={cfg.model.name} has one "
+                        "transformer: there is one expert to train",
+                        "model.video.expert=high (a one-transformer model ignores it)")]
+    if cfg.model.get("transformer"):
+        out.append(Problem("model.transformer", cfg.model.transformer, "is one expert's file; "
+                           "model.video.expert=both trains both from model.pretrained's folders",
+                           "model.transformer=null, or model.video.expert=high|low (the file's)"))
+    if cfg.model.video.get("other_expert"):
+        out.append(Problem("model.video.other_expert", cfg.model.video.other_expert,
+                           "model.video.expert=both trains both: the low-noise phase's other "
+                           "expert is the high-noise phase's own", "model.video.other_expert=null"))
+    if not cfg.train.export:
+        out.append(Problem("train.export", False, "model.video.expert=both: the low-noise phase "
+                           "samples and exports beside the high-noise phase's export",
+                           "train.export=true"))
+    return out + _read_back(cfg, method)
+
+
+def _read_back(cfg: Any, method: str) -> list[Problem]:
+    """The low-noise phase reads the high-noise phase's export back (formats.py's `read_back`
+    records): a format of it among the run's, holding the adapter's method."""
+    key = "adapter" if method != "none" else "export"
+    readable = [f for f in (formats.LORA if key == "adapter" else formats.MODEL).values()
+                if f.read_back]
+    given = formats.names(cfg[key].formats)
+    if key == "adapter" and not any(method in f.methods for f in readable):
+        held = sorted({m for f in readable for m in f.methods})
+        return [Problem("adapter.method", method, "model.video.expert=both: the low-noise phase "
+                        "reads the high-noise phase's adapter back with "
+                        f"{', '.join(f.readers for f in readable)}, which holds {', '.join(held)}",
+                        f"adapter={held[0]}, or model.video.expert=high, then low, in runs of "
+                        "their own")]
+    if not any(f.name in given for f in readable):
+        wanted = [*given, *(f.name for f in readable)]
+        return [Problem(f"{key}.formats", given, "model.video.expert=both: the low-noise phase "
+                        "reads the high-noise phase's export back from "
+                        f"{' or '.join(f.name for f in readable)} files",
+                        f"{key}.formats=[{','.join(wanted)}]")]
+    return []
+
+
+def _other_expert(cfg: Any) -> list[Problem]:
+    """model.video.other_expert: a model of two experts, and a transformer or LoRA folder."""
+    given = cfg.model.video.get("other_expert")
+    if not given:
+        return []
+    if cfg.model.video.boundary is None:
+        return [Problem("model.video.other_expert", given, f"model={cfg.model.name} has one "
+                        "transformer: there is no other expert", "model.video.other_expert=null")]
+    path = Path(str(given))
+    readable = (path / "config.json", path / "pytorch_lora_weights.safetensors")
+    if any(p.is_file() for p in readable) or (path.is_file() and path.suffix == ".safetensors"):
+        return []
+    return [Problem("model.video.other_expert", given, "is neither a diffusers transformer folder "
+                    "(its config.json) nor a diffusers-layout LoRA (pytorch_lora_weights"
+                    ".safetensors)", "model.video.other_expert=<run>/transformer (a full "
+                    "fine-tune's) or <run>/lora, or null (the source's)")]
+
+
+def _phases(cfg: Any) -> list[Phase]:
+    """expert=both: the high-noise expert's run on its timesteps, then the low-noise one's on its,
+    beside the first phase's export (what its pipeline holds: the EMA where one trained, the LoRA
+    on the source's), so that the low-noise phase's samples and export hold both trained."""
+    video = cfg.model.get("video")
+    if video is None or video.boundary is None or _value(video.expert) != "both":
+        return []
+    trained = "transformer"
+    if _value(cfg.adapter.method) != "none":
+        trained = "lora"
+    elif cfg.train.ema:
+        trained = "transformer_ema"
+    low = {"model.video.expert": "low",
+           "model.video.other_expert": f"{{run}}/experts/high/{trained}"}
+    return [Phase("high", "experts/high", {"model.video.expert": "high"}, "transformer"),
+            Phase("low", "experts/low", low, "transformer_2")]
+
+
 def _text_tokens(cfg: Any) -> int:
     """UMT5's caption tokens: the pipeline pads every caption to max_sequence_length with zeros."""
     return int(cfg.model.flow.text_max_length)
@@ -147,4 +237,5 @@ SPEC = FamilySpec(
     temporal_factor=4,
     rules=_rules,
     context_lengths=_context_lengths,
+    phases=_phases,
 )

@@ -40,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"ds_trainer plan: {cfg.model.name} {size}, micro batch "
           f"{cfg.train.micro_batch_size}, {cfg.precision.name.value}, gradient checkpointing "
           f"{'on' if cfg.train.gradient_checkpointing else 'off'}, {world} rank(s); GiB per rank")
+    _phases(cfg)
     frozen, trained = lora.encoders(cfg, architecture(cfg))
     if frozen + trained:  # the trained module is the UNet and the encoders
         act = lora.encoder_activations(cfg, architecture(cfg), 4 if cfg.precision.name.value == "fp32" else 2)
@@ -69,6 +70,17 @@ def main(argv: list[str] | None = None) -> int:
     print(f"recommended for {budget_gib:.0f} GiB: zero={best.zero} offload={best.offload} "
           f"(about {best.gpu / GIB:.1f} GiB per rank)")
     return 0
+
+
+def _phases(cfg: DictConfig) -> None:
+    """The header's line of a run in phases (config/phases.py): their peaks do not add up."""
+    from ds_trainer.config import families, phases
+
+    phased = phases.of(cfg)
+    if phased:
+        print(f"{len(phased)} phases, one after the other ({', '.join(p.name for p in phased)}): "
+              f"each trains one {families.of(cfg).module_label} of this size, freed before the "
+              "next starts: the peak per rank is one phase's (below), not their sum")
 
 
 def _quantized(cfg: DictConfig) -> None:

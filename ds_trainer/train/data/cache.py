@@ -62,6 +62,9 @@ class LatentCache:
         # encoders run on (the torch-free guess in resolved.platform says "cuda" where a CPU-only torch sees none).
         model["encoders_dtype"] = common.frozen_dtype_name(cfg, kind)
         model.pop("about", None)  # what the model is called and licensed as: not what a latent is
+        # Which expert trains beside which: not what a latent is (expert=both's phases share one)
+        for key in ("expert", "other_expert"):
+            (model.get("video") or {}).pop(key, None)
         if family.spec.cache_key_without_family:  # SDXL's keys as before families
             model.pop("family", None)
             model.pop("flow", None)

@@ -60,6 +60,7 @@ def _what_trained(cfg: DictConfig, lora: bool) -> list[str]:
                f"{', '.join(f'`{t}`' for t in a.targets)}{since}"]
     else:
         out = [f"- {component}: every weight (a full fine-tune)"]
+    out += _experts(cfg)
     te = cfg.text_encoders
     mode = metadata.value_of(te.mode)
     if mode == "lora":
@@ -69,6 +70,22 @@ def _what_trained(cfg: DictConfig, lora: bool) -> list[str]:
     else:
         out.append("- text encoders: frozen")
     return out
+
+
+def _experts(cfg: DictConfig) -> list[str]:
+    """A model of two experts (Wan 2.2 A14B): which trained, on which timesteps."""
+    video = cfg.model.get("video")
+    if video is None or video.get("boundary") is None:
+        return []
+    expert, boundary = metadata.value_of(video.expert), video.boundary
+    if expert == "both":
+        return [f"- experts: both (`model.video.expert=both`), one after the other, each "
+                f"{cfg.train.max_steps} steps on its own timesteps: the high-noise one (sigma "
+                f"at or above {boundary}, `experts/high`), then the low-noise one beside it "
+                "(`experts/low`)"]
+    other = video.get("other_expert") or "the base model's"
+    return [f"- experts: the {expert}-noise one (`model.video.expert={expert}`, boundary "
+            f"{boundary}); the other is {other}, as it was"]
 
 
 def _training(cfg: DictConfig, facts: dict[str, Any]) -> list[str]:
@@ -165,12 +182,27 @@ def _files(spec: FamilySpec, run_dir: Path, method: str = "lora", scale: float =
         "unet": "diffusers' `UNet2DConditionModel.from_pretrained`", "unet_ema": "the EMA weights, as unet/",
         "transformer": "diffusers' `from_pretrained` of the transformer", "transformer_ema": "the EMA weights, as "
                                                                                               "transformer/",
+        "transformer_2": "diffusers' `from_pretrained` of the pipeline's second transformer",
+        "transformer_2_ema": "the EMA weights, as transformer_2/",
         "text_encoder": "transformers' `from_pretrained`", "text_encoder_2": "transformers' `from_pretrained`",
         "pipeline": "diffusers' `DiffusionPipeline.from_pretrained`",
     }
     out = ["| file | opens in |", "|---|---|"]
-    out += [f"| `{name}` | {what} |" for name, what in where.items() if (run_dir / name).exists()]
+    for name, what in where.items():
+        out += [f"| `{found}` | {what} |" for found in _found(run_dir, name)]
     return out
+
+
+def _found(run_dir: Path, name: str) -> list[str]:
+    """`name` where the run holds it, or under each phase's name in a run in phases
+    (`lora/high/kohya.safetensors`)."""
+    if (run_dir / name).exists():
+        return [name]
+    folder, _, file = name.partition("/")
+    if not file or not (run_dir / folder).is_dir():
+        return []
+    return [f"{folder}/{sub.name}/{file}" for sub in sorted((run_dir / folder).iterdir())
+            if (sub / file).exists()]
 
 
 def text(cfg: DictConfig, run_dir: Path, facts: dict[str, Any],

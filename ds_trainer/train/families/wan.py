@@ -16,8 +16,10 @@ What conditions it beside the caption (`model.video.condition`, as the pipelines
 
 A two-expert model (Wan 2.2 A14B, `model.video.boundary`): the expert `model.video.expert` trains,
 on the timesteps it serves alone (the schedule's table cut at the boundary: high, sigma >= boundary;
-low, below); the other expert is the source's, frozen, and joins it in the pipeline that samples and
-is exported (the trained one in its slot: the low-noise expert is the pipeline's transformer_2).
+low, below); the other expert, frozen, joins it in the pipeline that samples and is exported (the
+trained one in its slot: the low-noise expert is the pipeline's transformer_2): the source's, or
+`model.video.other_expert` (a trained transformer, or a LoRA merged into the source's). `both`
+trains them one after the other, each in a run of its own (the spec's phases: config/phases.py).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import logging
 from collections.abc import Callable, Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
@@ -147,10 +150,11 @@ class Wan(FlowFamily):
 
         if self.boundary is not None:
             side = "at or above" if self.expert == "high" else "below"
+            other = cfg.model.video.get("other_expert") or "the source's"
             log.info("%s trains its %s-noise expert (the pipeline's %s) on the timesteps whose "
-                     "sigma is %s %g; the other expert is the source's, frozen, in the samples and "
-                     "the exported pipeline", cfg.model.name, self.expert, self._trained_folder(),
-                     side, self.boundary)
+                     "sigma is %s %g; the other expert is %s, frozen, in the samples and the "
+                     "exported pipeline", cfg.model.name, self.expert, self._trained_folder(),
+                     side, self.boundary, other)
         return common.trained_module(  # type: ignore[no-any-return]
             cfg, WanTransformer3DModel, self._trained_folder(), cfg.model.get("transformer")
         )
@@ -236,7 +240,7 @@ class Wan(FlowFamily):
         expert's sigmas at or above the boundary, the low-noise one's below), so draws and
         validation stay in its range."""
         whole = flow.Schedule.of(cfg)
-        if self.boundary is None:
+        if self.boundary is None or self.expert == "both":  # both: each phase its own
             return whole
         high = whole.sigmas >= self.boundary
         kept = whole.sigmas[high] if self.expert == "high" else whole.sigmas[~high]
@@ -292,9 +296,10 @@ class Wan(FlowFamily):
             trained["transformer"] if "transformer" in trained else self.load_trained(cfg).eval()
         )
         slots = {"transformer": model}
-        if self.boundary is not None:  # the other expert as the source has it
+        if self.boundary is not None:  # the other expert (a base pipeline's: the source's)
             other = "transformer" if self._trained_folder() == "transformer_2" else "transformer_2"
-            slots = {self._trained_folder(): model, other: self.other_expert(cfg, other)}
+            partner = self.other_expert(cfg, other, given="transformer" in trained)
+            slots = {self._trained_folder(): model, other: _inputs_in_its_dtype(partner)}
         parts = {
             "vae": frozen.vae,
             "text_encoder": frozen.text_encoder,
@@ -310,18 +315,31 @@ class Wan(FlowFamily):
             parts.update(image_encoder=frozen.image_encoder, image_processor=frozen.image_processor)
         return self._pipeline_class()(**parts)
 
-    def other_expert(self, cfg: DictConfig, folder: str) -> Any:
+    def other_expert(self, cfg: DictConfig, folder: str, given: bool = True) -> Any:
+        """The expert in the pipeline's `folder` that does not train, frozen: with `given`,
+        `model.video.other_expert` (a trained transformer folder, or a LoRA merged into the
+        source's expert), else the source's (a base pipeline's, which a LoRA file loads into)."""
         from diffusers import WanTransformer3DModel
 
         path, kwargs = common.source(cfg)
+        other = cfg.model.video.get("other_expert") if given else None
+        if other and (Path(other) / "config.json").is_file():
+            return WanTransformer3DModel.from_pretrained(other, torch_dtype=torch.float32).eval()
         if cfg.model.pretrained:
-            return WanTransformer3DModel.from_pretrained(path, subfolder=folder, **kwargs).eval()
-        torch.manual_seed(
-            int(cfg.train.seed) + 1
-        )  # a tiny model's other expert: random, fixed by the seed
-        return WanTransformer3DModel.from_config(
-            WanTransformer3DModel.load_config(path, subfolder=folder)
-        ).eval()
+            model = WanTransformer3DModel.from_pretrained(path, subfolder=folder, **kwargs)
+        else:  # a tiny model's experts: random, fixed by the seed, as `load_trained` builds them
+            torch.manual_seed(int(cfg.train.seed))
+            model = WanTransformer3DModel.from_config(
+                WanTransformer3DModel.load_config(path, subfolder=folder)
+            )
+        if other:  # a LoRA of this expert (its diffusers-layout file), merged into the source's
+            file = Path(other)
+            if file.is_dir():
+                file = file / "pytorch_lora_weights.safetensors"
+            model.load_lora_adapter(str(file), prefix="transformer", adapter_name="other_expert")
+            model.fuse_lora(adapter_names=["other_expert"])
+            model.unload_lora()
+        return model.eval()
 
     def _pipeline_class(self) -> Any:
         """WanImageToVideoPipeline for a model given the first frame, else WanPipeline."""
@@ -380,6 +398,23 @@ class Wan(FlowFamily):
         """musubi-tuner's names (`lora_unet_blocks_0_self_attn_q`), the original modules', which
         ComfyUI reads."""
         return wan_layout.parts(shapes)
+
+
+def _inputs_in_its_dtype(model: Any) -> Any:
+    """A frozen expert that takes its inputs in its own dtype: WanPipeline hands both experts the
+    first one's (a 16-bit trained high-noise expert's, as DeepSpeed samples it); the timestep as
+    given."""
+    dtype = model.patch_embedding.weight.dtype
+
+    def cast(value: Any) -> Any:
+        return value.to(dtype) if torch.is_tensor(value) and value.is_floating_point() else value
+
+    def before(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:  # noqa: ARG001
+        given = {k: v if k == "timestep" else cast(v) for k, v in kwargs.items()}
+        return tuple(cast(a) if i != 1 else a for i, a in enumerate(args)), given
+
+    model.register_forward_pre_hook(before, with_kwargs=True)
+    return model
 
 
 def _on_vae(vae: Any, pixels: torch.Tensor) -> torch.Tensor:

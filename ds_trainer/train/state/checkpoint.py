@@ -37,7 +37,11 @@ def fingerprint(cfg: DictConfig) -> str:
 
     ZeRO stage, offload, world size and step counts may differ between a run and its resume.
     """
-    keys = {k: OmegaConf.to_container(cfg[k], resolve=True) for k in ("model", "data", "resolution")}
+    keys: dict[str, Any] = {k: OmegaConf.to_container(cfg[k], resolve=True)
+                            for k in ("model", "data", "resolution")}
+    # The frozen expert beside the trained one (expert=both's second phase: the first's, in its
+    # own run folder) is not what trains: the same experiment whichever run trained it.
+    (keys["model"].get("video") or {}).pop("other_expert", None)
     keys["seed"] = int(cfg.train.seed)
     if cfg.adapter.method.value != "none":  # a LoRA never resumes from a full fine-tune's checkpoint, or another rank's
         a = cfg.adapter
@@ -100,7 +104,9 @@ def find_resume(cfg: DictConfig, run_dir: Path, say: bool = True) -> Path | None
         return own
     mine = fingerprint(cfg)
     candidates = []
-    for marker in Path(cfg.paths.outputs).glob("runs/*/*/checkpoints/step_*/" + MARKER):
+    outputs = Path(cfg.paths.outputs)  # a run's; a run in phases' (<run>/experts/high/checkpoints)
+    for marker in [*outputs.glob(f"runs/*/*/checkpoints/step_*/{MARKER}"),
+                   *outputs.glob(f"runs/*/*/*/*/checkpoints/step_*/{MARKER}")]:
         state = complete(marker.parent)
         if state is not None and state.get("fingerprint") == mine:
             candidates.append((marker.stat().st_mtime, int(state["step"]), marker.parent))
