@@ -245,7 +245,11 @@ def test_a_budget_that_cannot_run_one_trial_or_a_search_without_an_end_is_refuse
     err = _refused(tmp_path, capsys, "tune.objective=quality", *AXES, "tune.sampler=grid")
     assert "- optimizer.lr=tag(log,interval(1e-3,3e-1))" in err and "every combination of choices" in err
     err = _refused(tmp_path, capsys, "tune.objective=quality", "tune.trials=3", "train.micro_batch_size=1,3")
-    assert "- train.micro_batch_size=3" in err and "do not divide the first rung's 2 images" in err
+    assert "- train.micro_batch_size=3" in err and "do not divide the 2 images between validations" in err
+    # the first rung (8 steps / 2**3) before the first validation (every 2 steps)
+    err = _refused(tmp_path, capsys, "tune.objective=quality", *AXES, "tune.trials=3", "tune.rungs=3")
+    assert "- tune.rungs=3" in err and "comes before the first validation" in err
+    assert "fix: validation.every=1, or tune.rungs=2" in err
     # a sweep in a speed tune says which tune takes it
     err = _refused(tmp_path, capsys, "adapter.rank=1,4")
     assert "- adapter.rank=1,4" in err and "fix: tune.objective=quality" in err
@@ -270,8 +274,9 @@ def test_a_trial_the_checks_or_the_planner_refuse_is_never_started(tmp_path: Pat
     assert "validation.every=2" in job.overrides and "train.final_checkpoint=false" in job.overrides
     assert isinstance(refused, str) and "adamw8bit's state has no bf16 form" in refused
     assert isinstance(over, str) and over.startswith("planner:") and "> budget 0.01 GiB" in over
-    # a step's images count the data groups: four ranks in context pairs are two groups of micro batches
-    assert quality.images_per_step(make_cfg("train.micro_batch_size=2", "parallel.context=2"), 4) == 4
+    # a step's images count the data groups: four ranks in context pairs are two groups
+    context = make_cfg("train.micro_batch_size=2", "parallel.context=2")
+    assert quality.images_per_step(context, 4) == 4
     assert quality.images_per_step(make_cfg("train.micro_batch_size=2"), 4) == 8
 
 
@@ -307,6 +312,35 @@ def test_a_running_trial_whose_worker_is_gone_is_failed_and_run_again_once(tmp_p
 
     with pytest.raises(BadInput, match="searched with another a"):
         shared.open_study(t, tmp_path, {"a": 2}, [], 1, 9)
+
+
+def test_a_step_budget_is_never_passed(tmp_path: Path) -> None:
+    """Through a real journal: a trial starts only if its steps fit beside those spent and those the
+    running trials may still take; a worker waits on a running trial that may be pruned short of its end,
+    and the search ends when no trial fits."""
+    import optuna
+    from omegaconf import OmegaConf
+
+    from ds_trainer.tools.tune import study as shared
+
+    t = OmegaConf.merge(make_cfg().tune, {"sampler": "random", "pruner": "none", "name": "b"})
+    study = shared.open_study(t, tmp_path, {"a": 1}, [], 1, 10)
+    dist = {"x": optuna.distributions.FloatDistribution(0, 1)}
+    for steps in (20, 3):  # one trial done at its end, one running at its third step
+        trial = study.ask(dist)
+        for key, value in (("worker", shared.me()), ("max_steps", 10), ("steps", steps)):
+            trial.set_user_attr(key, value)
+    shared.tell(study, 0, 1.0)
+    limit = shared.Budget(None, 39, None)
+    # 23 spent, 7 more the running trial may take: a trial of 10 waits (40 > 39), the search goes on
+    assert shared.waits(study, limit, 10) and shared.over(study, limit, 10) is None
+    shared.tell(study, 1, state=optuna.trial.TrialState.PRUNED)  # stopped at its third step
+    assert not shared.waits(study, limit, 10) and shared.over(study, limit, 10) is None
+    trial = study.ask(dist)
+    for key, value in (("worker", shared.me()), ("max_steps", 10), ("steps", 10)):
+        trial.set_user_attr(key, value)
+    shared.tell(study, trial, 0.5)
+    assert shared.over(study, limit, 10) == "budget spent: 33 of 39 steps (a trial takes up to 10)"
 
 
 def test_a_run_s_rows_are_read_whole_lines_only(tmp_path: Path) -> None:

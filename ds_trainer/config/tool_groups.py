@@ -98,8 +98,16 @@ class TuneConfig:
     workers: int = 1
     sampler: Sampler = Sampler.tpe
     pruner: Pruner = Pruner.halving
-    # quality: rungs at validation.every x this**k steps; at each the best 1/reduction go on.
+    # quality: the pruner's rungs are a trial's steps / this**k (k = rungs .. 1); at each the best
+    # 1/reduction of the trials go on.
     reduction: int = 3
+    # quality: the rungs before a trial's end; the first at train.max_steps / reduction**rungs
+    # (down to a multiple of validation.every). 1: judged once, at a third of the run: a high
+    # learning rate's first steps overshoot, and a rung in them prunes the rate that ends best.
+    rungs: int = 1
+    # quality: TPE's trials drawn at random before it models the losses; None: a third of the
+    # full trials the budget affords (at least 2), at most 3 an axis and 10.
+    startup: int | None = None
     # quality: the sampler's seed (each trial's training seeds are train.seed, recorded).
     seed: int = 0
     # quality: the study's storage: None: a journal file in tune.dir (Optuna's JournalFileBackend,

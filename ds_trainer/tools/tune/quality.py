@@ -3,7 +3,8 @@ loss in a budget.
 
 1. The axes are the overrides given as sweeps (axes.py); the rest are the training's. Each trial
    trains `train.max_steps` steps and validates every `validation.every` (at the training's own
-   batch: a trial of another batch runs the same images, so its steps differ).
+   batch: a trial of another batch runs the same images, so its steps differ). The rungs are
+   `tune.rungs` before its end, the first at `train.max_steps / tune.reduction**tune.rungs`.
 2. Workers (`tune.workers` here, and any other process running the same command on the same
    storage) ask the shared study (study.py) for a trial, check it as a run is checked (a refused
    combination, or one the planner predicts above the GPU, is failed with the reason, never
@@ -18,6 +19,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,6 +38,7 @@ WORKER_ENV = "DS_TRAINER_TUNE_WORKER"  # set on the workers a tune starts: they 
 TRIAL_KEYS = (*MEASURE_KEYS, "validation.every", "train.checkpoint_every_minutes")
 BATCH_KEYS = ("train.micro_batch_size", "train.gradient_accumulation_steps")
 IDLE_LIMIT = 50  # trials in a row that started nothing (refused, repeats): the space is used up
+WAIT_S = 2.0  # how often a worker waiting on the running trials' steps looks again
 
 
 @dataclass
@@ -47,6 +50,7 @@ class Setup:
     axes: list[Axis]
     rung: int  # images seen at the first rung
     last: int  # images seen at a trial's end
+    every: int  # images seen between validations
     ranks: int
     limit: shared.Budget
     tune_dir: Path
@@ -58,11 +62,26 @@ class Setup:
     def distributions(self) -> dict[str, Any]:
         return {a.key: a.distribution for a in self.axes}
 
+    @property
+    def trial_steps(self) -> int:
+        """A trial's steps at the training's own batch (what the budget counts one trial as)."""
+        return int(self.cfg.train.max_steps)
+
+    def startup(self) -> int:
+        """TPE's trials drawn at random before it models the losses: tune.startup, else a third
+        of the full trials the budget affords (at least 2), at most 3 an axis and 10 (TPE's own
+        default): a budget of a few trials is mostly spent by the model, not by chance."""
+        if self.cfg.tune.startup is not None:
+            return int(self.cfg.tune.startup)
+        cap = min(10, 3 * len(self.axes))
+        afforded = self.limit.afforded(self.trial_steps)
+        return cap if afforded is None else max(2, min(cap, afforded // 3))
+
     def identity(self) -> dict[str, Any]:
         """What makes a study this study (a continued one must match it)."""
         t = self.cfg.tune
         return {"overrides": self.base, "axes": {a.key: a.given for a in self.axes},
-                "rung_images": self.rung, "trial_images": self.last,
+                "rung_images": self.rung, "trial_images": self.last, "every_images": self.every,
                 "sampler": t.sampler.value, "pruner": t.pruner.value, "reduction": int(t.reduction)}
 
 
@@ -79,6 +98,14 @@ def images_per_step(cfg: DictConfig, ranks: int) -> int:
     return int(cfg.train.micro_batch_size) * int(cfg.train.gradient_accumulation_steps) * groups
 
 
+def first_rung(cfg: DictConfig) -> int:
+    """The first rung's steps: train.max_steps / tune.reduction**tune.rungs, down to a multiple
+    of validation.every (0: before the first validation)."""
+    every = max(1, int(cfg.validation.every))
+    share = int(cfg.train.max_steps) // int(cfg.tune.reduction) ** max(0, int(cfg.tune.rungs))
+    return share // every * every
+
+
 def _problems(cfg: DictConfig, found: list[Axis], limit: shared.Budget) -> list[Problem]:
     """The settings a quality tune cannot start with."""
     t, out = cfg.tune, []
@@ -86,10 +113,18 @@ def _problems(cfg: DictConfig, found: list[Axis], limit: shared.Budget) -> list[
         out.append(Problem("the axes", "(none)", "a quality tune searches the overrides given as "
                            "sweeps", "e.g. 'optimizer.lr=tag(log,interval(1e-5,1e-3))' "
                            "adapter.rank=4,8,16"))
+    steps, fraction = int(cfg.train.max_steps), int(t.reduction) ** max(0, int(t.rungs))
     if int(cfg.validation.every) <= 0:
-        out.append(Problem("validation.every", cfg.validation.every, "trials are compared at "
-                           "rungs, the first every validation.every steps", "validation.every="
-                           f"{max(1, int(cfg.train.max_steps) // 9)} (train.max_steps / 9)"))
+        out.append(Problem("validation.every", cfg.validation.every, "trials are compared by "
+                           "their validations at rungs", f"validation.every="
+                           f"{max(1, steps // fraction)} (the first rung: train.max_steps / "
+                           "tune.reduction**tune.rungs)"))
+    elif int(t.rungs) >= 1 and first_rung(cfg) == 0:
+        out.append(Problem("tune.rungs", t.rungs, f"the first rung (train.max_steps / "
+                           f"tune.reduction**tune.rungs = {steps / fraction:g} steps) comes "
+                           f"before the first validation (validation.every="
+                           f"{cfg.validation.every})", f"validation.every="
+                           f"{max(1, steps // fraction)}, or tune.rungs={int(t.rungs) - 1}"))
     if limit.seconds is None and limit.steps is None and limit.trials is None \
             and t.sampler.value != "grid":
         out.append(Problem("tune.budget", None, "a search needs an end", "tune.budget=8h, "
@@ -98,7 +133,8 @@ def _problems(cfg: DictConfig, found: list[Axis], limit: shared.Budget) -> list[
         out.append(Problem("tune.budget", t.budget, f"cannot run one trial to its end "
                            f"(train.max_steps={cfg.train.max_steps})",
                            f"tune.budget={int(cfg.train.max_steps) * 10}steps"))
-    for key, low, value in (("tune.workers", 1, t.workers), ("tune.reduction", 2, t.reduction)):
+    for key, low, value in (("tune.workers", 1, t.workers), ("tune.reduction", 2, t.reduction),
+                            ("tune.rungs", 1, t.rungs)):
         if int(value) < low:
             out.append(Problem(key, value, f"must be at least {low}", f"{key}={low + 1}"))
     if t.sampler.value == "grid":
@@ -108,8 +144,9 @@ def _problems(cfg: DictConfig, found: list[Axis], limit: shared.Budget) -> list[
     return out
 
 
-def _axis_problems(base: list[str], found: list[Axis], rung: int, ranks: int) -> list[Problem]:
-    """Each axis value composes, and a batch axis's batches divide the rung."""
+def _axis_problems(base: list[str], found: list[Axis], every: int, ranks: int) -> list[Problem]:
+    """Each axis value composes, and a batch axis's batches divide the images between
+    validations."""
     from ds_trainer.config import overrides
 
     out = []
@@ -127,10 +164,10 @@ def _axis_problems(base: list[str], found: list[Axis], rung: int, ranks: int) ->
                 out.append(problem or Problem(a.key, value, str(exc).splitlines()[0], a.given))
                 break
             images = images_per_step(cfg, ranks)
-            if rung % images:
+            if every % images:
                 out.append(Problem(a.key, value, f"{images} images a step do not divide the "
-                                   f"first rung's {rung} images (validation.every x the "
-                                   "training's batch)", "batches that divide it"))
+                                   f"{every} images between validations (validation.every x "
+                                   "the training's batch)", "batches that divide it"))
     return out
 
 
@@ -151,15 +188,16 @@ def prepare(base: list[str], found: list[Axis]) -> Setup:
     limit, problems = shared.budget(cfg.tune)
     ranks, info = resolve.world_size_of(cfg), hardware.detect(cfg.platform.value)
     per_step = images_per_step(cfg, ranks)
-    rung, last = int(cfg.validation.every) * per_step, int(cfg.train.max_steps) * per_step
+    rung, last = first_rung(cfg) * per_step, int(cfg.train.max_steps) * per_step
+    every = int(cfg.validation.every) * per_step
     problems += _problems(cfg, found, limit)
     if not problems:
-        problems += _axis_problems(given, found, rung, ranks)
+        problems += _axis_problems(given, found, every, ranks)
     if problems:
         raise BadInput(problems)
     vram = space.vram_budget(cfg.tune, info)
     factor = calibration.for_config(cfg, info).factor
-    return Setup(cfg, given, found, rung, last, ranks, limit,
+    return Setup(cfg, given, found, rung, last, every, ranks, limit,
                  Path(str(cfg.tune.dir)).absolute(), vram, factor, info)
 
 
@@ -175,9 +213,9 @@ def plan(setup: Setup, params: dict[str, Any]) -> trials.Plan | str:
         problem = overrides.explain(exc, [*setup.base, *chosen], False)
         return problem.render().strip() if problem else str(exc).splitlines()[0]
     per_step = images_per_step(cfg, setup.ranks)
-    if setup.rung % per_step or setup.last % per_step:
-        return f"{per_step} images a step do not divide the rung's {setup.rung} images"
-    steps, every = setup.last // per_step, setup.rung // per_step
+    if setup.every % per_step or setup.last % per_step:
+        return f"{per_step} images a step do not divide the {setup.every} between validations"
+    steps, every = setup.last // per_step, setup.every // per_step
     wandb = cfg.logger.name.value == "wandb"
     logger = [f"logger.group=tune-{setup.cfg.tune.name}"] if wandb else []
     line = [*setup.base, *chosen, f"train.max_steps={steps}", f"validation.every={every}",
@@ -226,7 +264,7 @@ def _run(study: Any, trial: Any, job: trials.Plan, setup: Setup, label: str) -> 
     from optuna.trial import TrialState
 
     t = setup.cfg.tune
-    attrs: dict[str, Any] = {"worker": shared.me(), "seeds": job.seeds,
+    attrs: dict[str, Any] = {"worker": shared.me(), "seeds": job.seeds, "max_steps": job.max_steps,
                              "overrides": job.overrides, "images_per_step": job.images_per_step}
     for key, value in attrs.items():
         trial.set_user_attr(key, value)
@@ -262,12 +300,15 @@ def work(study: Any, setup: Setup, label: str) -> None:
         cell.raise_if_stopped()
         for line in shared.fail_lost(study, float(setup.cfg.tune.heartbeat_s)):
             _say(f"{label}: {line}")
-        why = shared.over(study, setup.limit)
+        why = shared.over(study, setup.limit, setup.trial_steps)
         if why is None and idle >= IDLE_LIMIT:
             why = f"{IDLE_LIMIT} trials in a row had a result or were refused: the space is used up"
         if why is not None:
             _say(f"{label}: {why}; done")
             return
+        if shared.waits(study, setup.limit, setup.trial_steps):
+            time.sleep(WAIT_S)  # the running trials may end early (pruned): then one more fits
+            continue
         trial = study.ask(setup.distributions)
         if _repeat(study, trial):
             idle += 1
@@ -310,13 +351,15 @@ def tune(argv: list[str], base: list[str], found: list[Axis]) -> int:
 
     setup = prepare(base, found)
     t = setup.cfg.tune
-    study = shared.open_study(t, setup.tune_dir, setup.identity(), found, setup.rung, setup.last)
+    study = shared.open_study(t, setup.tune_dir, setup.identity(), found, setup.rung, setup.last,
+                              startup=setup.startup())
     worker = os.environ.get(WORKER_ENV)
     if worker is not None:
         work(study, setup, f"worker {worker}")
         return 0
     _say(f"quality search of {', '.join(a.key for a in found)} in {setup.limit.describe()}: "
-         f"rungs every {setup.rung} images, a trial {setup.last}; study {setup.tune_dir}")
+         f"the first rung at {setup.rung} images, a trial {setup.last}, "
+         f"{setup.startup()} trials drawn at random first; study {setup.tune_dir}")
     others = _workers(argv, int(t.workers))
     try:
         work(study, setup, "worker 0")

@@ -39,6 +39,12 @@ class Budget:
                  (self.steps, f"{self.steps} steps"), (self.trials, f"{self.trials} trials")]
         return ", ".join(text for amount, text in parts if amount) or "the whole grid"
 
+    def afforded(self, trial_steps: int) -> int | None:
+        """The full trials the budget holds (None: a budget of time alone, or none)."""
+        counts = [self.trials, None if self.steps is None else self.steps // trial_steps]
+        known = [n for n in counts if n is not None]
+        return min(known) if known else None
+
 
 _UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "steps": None}
 
@@ -77,8 +83,10 @@ def storage(t: DictConfig, tune_dir: Path) -> Any:
     return JournalStorage(JournalFileBackend(str(tune_dir / "study.journal")))
 
 
-def sampler(t: DictConfig, axes: list[Any]) -> Any:
-    """tune.sampler, seeded with tune.seed."""
+def sampler(t: DictConfig, axes: list[Any], startup: int) -> Any:
+    """tune.sampler, seeded with tune.seed; TPE draws `startup` trials at random, then models
+    all the axes together (multivariate; a running trial counts as the worst so far: constant
+    liar, so workers side by side do not draw the same point)."""
     import optuna
 
     seed = int(t.seed)
@@ -88,7 +96,7 @@ def sampler(t: DictConfig, axes: list[Any]) -> Any:
         space = {a.key: list(a.distribution.choices) for a in axes}
         return optuna.samplers.GridSampler(space, seed=seed)
     return optuna.samplers.TPESampler(seed=seed, multivariate=True, constant_liar=True,
-                                      n_startup_trials=max(2, min(10, len(axes) * 3)))
+                                      n_startup_trials=startup)
 
 
 def pruner(t: DictConfig, rung: int, last: int) -> Any:
@@ -107,13 +115,13 @@ def pruner(t: DictConfig, rung: int, last: int) -> Any:
 
 
 def open_study(t: DictConfig, tune_dir: Path, identity: dict[str, Any], axes: list[Any],
-               rung: int, last: int) -> Any:
+               rung: int, last: int, startup: int = 10) -> Any:
     """Create the study, or join the one the same command made (refused if it searched
     something else: another tune.name is another study)."""
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    study = optuna.create_study(storage=storage(t, tune_dir), sampler=sampler(t, axes),
+    study = optuna.create_study(storage=storage(t, tune_dir), sampler=sampler(t, axes, startup),
                                 pruner=pruner(t, rung, last), study_name=str(t.name),
                                 direction="minimize", load_if_exists=True)
     earlier = study.user_attrs.get("identity")
@@ -216,14 +224,33 @@ def started(trials: list[Any]) -> int:
     return sum(1 for t in trials if "worker" in t.user_attrs)
 
 
-def over(study: Any, limit: Budget) -> str | None:
-    """Why no further trial starts, or None."""
+def held(trials: list[Any]) -> int:
+    """The steps the running trials may still take: each to its end."""
+    running = [t for t in trials if t.state.name == "RUNNING" and "max_steps" in t.user_attrs]
+    return sum(max(0, int(t.user_attrs["max_steps"]) - int(t.user_attrs.get("steps", 0)))
+               for t in running)
+
+
+def waits(study: Any, limit: Budget, trial_steps: int) -> bool:
+    """Whether a trial of `trial_steps` fits a step budget only once a running trial ends short
+    of its end (pruned): then a worker waits for it rather than start."""
+    if limit.steps is None:
+        return False
+    trials = study.get_trials(deepcopy=False)
+    return spent(trials)[1] + held(trials) + trial_steps > limit.steps
+
+
+def over(study: Any, limit: Budget, trial_steps: int = 0) -> str | None:
+    """Why no further trial starts, or None. A step budget is never passed: a trial starts only
+    if its `trial_steps` fit beside what was spent (a time budget: a trial started before it is
+    spent runs on)."""
     trials = study.get_trials(deepcopy=False)
     seconds, steps = spent(trials)
     if limit.seconds is not None and seconds >= limit.seconds:
         return f"budget spent: {seconds / 3600:.3g} of {limit.seconds / 3600:g} device-hours"
-    if limit.steps is not None and steps >= limit.steps:
-        return f"budget spent: {steps} of {limit.steps} steps"
+    if limit.steps is not None and steps + max(1, trial_steps) > limit.steps:
+        return (f"budget spent: {steps} of {limit.steps} steps (a trial takes up to "
+                f"{trial_steps})")
     if limit.trials is not None and started(trials) >= limit.trials:
         return f"{limit.trials} trials run"
     sampler = study.sampler
