@@ -404,10 +404,12 @@ def test_an_fp8_base_keeps_no_16_bit_copy_of_its_weights_for_backward() -> None:
     """Review 3's A3: torchao's F.linear for its float8 weight is `matmul(x, W.dequantize())` above
     autograd, which kept each layer's bf16 copy until backward (3 bytes a weight at the backward peak
     where the planner counts 1). The fp8 layer dequantizes again in backward: a LoRA forward keeps
-    what it keeps on a bf16 base, and the gradients are the dequantized weight's."""
+    at most what it keeps on a bf16 base, and the gradients are the dequantized weight's."""
     from ds_trainer.train.adapters import quantize
 
-    assert _saved_by_a_lora_forward("fp8") == _saved_by_a_lora_forward("none")
+    # at most (CI's machine kept ~0.4 MiB more on the bf16 base once, beside other tests in its worker):
+    # the 16-bit copies, kept, would put the fp8 base above the bf16 one
+    assert _saved_by_a_lora_forward("fp8") <= _saved_by_a_lora_forward("none")
     torch.manual_seed(0)
     layer = torch.nn.Sequential(torch.nn.Linear(64, 48)).to(torch.bfloat16)
     quantize.apply(layer, "fp8", torch.bfloat16, torch.device("cpu"))
