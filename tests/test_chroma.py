@@ -7,7 +7,6 @@ trained under FSDP2 loads into ChromaPipeline and its kohya file is the same LoR
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -194,23 +193,12 @@ def test_a_chroma_transformer_at_its_width_reads_from_its_makers_file(tmp_path: 
 @pytest.mark.multiproc
 def test_trains_under_zero3_on_two_ranks_and_samples_what_the_exported_pipeline_makes(
         runs: Callable[[str], Path]) -> None:
-    from ds_trainer.train.data import cache as latent_cache
     from ds_trainer.train.export import single_file
 
     run_dir = runs("zero3_x2")
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["status"] == "ok" and summary["world_size"] == 2
-    vals = chain.validation(run_dir)
-    assert sorted(vals) == [4, 8] and vals[8] < vals[4]
-    cached = [latent_cache.read(folder) for folder in (run_dir.parents[2] / "cache").glob(f"{MODEL}-*")]
-    assert len(cached) == 2  # training's and validation's
-    item = cached[0]["00000000"]
-    assert {k: tuple(v.shape) for k, v in item.items() if k in ("prompt_embeds", "prompt_mask", "latents")} == {
-        "prompt_embeds": (32, 64), "prompt_mask": (32,), "latents": (4, 8, 8)}
-    assert item["prompt_embeds"].dtype == torch.bfloat16 and "pooled" not in item
-    assert json.loads((run_dir / "pipeline" / "model_index.json").read_text())["_class_name"] == "ChromaPipeline"
-    exported = chain.weights(run_dir / "transformer")
-    assert numerics.mean_abs_difference(exported, chain.weights(run_dir / "pipeline" / "transformer")) == 0
+    item = chain.assert_zero3_run(run_dir, MODEL, "ChromaPipeline", {
+        "prompt_embeds": (32, 64), "prompt_mask": (32,), "latents": (4, 8, 8)})
+    assert "pooled" not in item
     # the single file: the exported transformer in its makers' layout (bf16, export.dtype)
     from diffusers import ChromaTransformer2DModel
     from safetensors.torch import load_file
@@ -227,10 +215,7 @@ def test_trains_under_zero3_on_two_ranks_and_samples_what_the_exported_pipeline_
 @pytest.mark.parametrize("layout", chain.RESUMED)
 def test_a_zero3_checkpoint_resumes_under_ddp_and_fsdp_within_noise(runs: Callable[[str], Path],
                                                                    layout: str) -> None:
-    run_dir = runs(layout)
-    chain.assert_resumed_within_noise(runs("zero3_x2"), run_dir)
-    if layout == "ddp_resumed":  # it sampled with the EMA: the exported pipeline (on transformer_ema) makes it
-        chain.assert_sample_is_the_pipelines(run_dir, bf16=False, max_sequence_length=32)
+    chain.assert_resumed(runs, layout, max_sequence_length=32)
 
 
 @pytest.mark.slow

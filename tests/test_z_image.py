@@ -8,7 +8,6 @@ loader (the makers' layout ComfyUI loads), the kohya LoRA by ComfyUI's rule; the
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -122,21 +121,9 @@ def test_trains_under_zero3_on_two_ranks_and_samples_what_the_exported_pipeline_
         runs: Callable[[str], Path]) -> None:
     from safetensors.torch import load_file
 
-    from ds_trainer.train.data import cache as latent_cache
-
     run_dir = runs("zero3_x2")
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["status"] == "ok" and summary["world_size"] == 2
-    vals = chain.validation(run_dir)
-    assert sorted(vals) == [4, 8] and vals[8] < vals[4]
-    cached = [latent_cache.read(folder) for folder in (run_dir.parents[2] / "cache").glob(f"{MODEL}-*")]
-    item = cached[0]["00000000"]
-    assert {k: tuple(item[k].shape) for k in ("prompt_embeds", "prompt_mask", "latents")} == {
-        "prompt_embeds": (32, 32), "prompt_mask": (32,), "latents": (4, 8, 8)}
-    assert item["prompt_embeds"].dtype == torch.bfloat16
-    assert json.loads((run_dir / "pipeline" / "model_index.json").read_text())["_class_name"] == "ZImagePipeline"
-    exported = chain.weights(run_dir / "transformer")
-    assert numerics.mean_abs_difference(exported, chain.weights(run_dir / "pipeline" / "transformer")) == 0
+    chain.assert_zero3_run(run_dir, MODEL, "ZImagePipeline", {
+        "prompt_embeds": (32, 32), "prompt_mask": (32,), "latents": (4, 8, 8)})
     file = load_file(run_dir / "single_file" / "model.safetensors")
     assert "layers.1.attention.qkv.weight" in file and file["x_embedder.weight"].dtype == torch.bfloat16
     chain.assert_sample_is_the_pipelines(run_dir, bf16=True, max_sequence_length=32)
@@ -147,10 +134,7 @@ def test_trains_under_zero3_on_two_ranks_and_samples_what_the_exported_pipeline_
 @pytest.mark.parametrize("layout", chain.RESUMED)
 def test_a_zero3_checkpoint_resumes_under_ddp_and_fsdp_within_noise(runs: Callable[[str], Path],
                                                                    layout: str) -> None:
-    run_dir = runs(layout)
-    chain.assert_resumed_within_noise(runs("zero3_x2"), run_dir)
-    if layout == "ddp_resumed":  # it sampled with the EMA: the exported pipeline (on transformer_ema) makes it
-        chain.assert_sample_is_the_pipelines(run_dir, bf16=False, max_sequence_length=32)
+    chain.assert_resumed(runs, layout, max_sequence_length=32)
 
 
 @pytest.mark.slow

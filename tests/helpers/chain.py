@@ -127,6 +127,39 @@ def assert_resumed_within_noise(reference: Path, run_dir: Path, rel: float = 2e-
     assert numerics.mean_abs_difference(final, trained) < 0.25 * moved
 
 
+def assert_resumed(runs: Callable[[str], Path], layout: str, max_sequence_length: int) -> None:
+    """A chain's `layout` run (chain.RESUMED) resumed from the ZeRO-3 run within noise; the DDP one sampled
+    with the EMA, and the exported pipeline (on transformer_ema) makes that sample."""
+    run_dir = runs(layout)
+    assert_resumed_within_noise(runs("zero3_x2"), run_dir)
+    if layout == "ddp_resumed":
+        assert_sample_is_the_pipelines(run_dir, bf16=False, max_sequence_length=max_sequence_length)
+
+
+def assert_zero3_run(run_dir: Path, model: str, pipeline: str, cached: dict[str, tuple[int, ...]]) -> Any:
+    """The chain's two-rank ZeRO-3 run: it ended ok, validated at steps 4 and 8 (lower at 8), cached bf16
+    captions and the latents of the shapes `cached` (its first item, returned), and exported a `pipeline`
+    holding the exported transformer."""
+    import torch
+
+    from ds_trainer.train.data import cache as latent_cache
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "ok" and summary["world_size"] == 2
+    vals = validation(run_dir)
+    assert sorted(vals) == [4, 8] and vals[8] < vals[4]
+    folders = sorted((run_dir.parents[2] / "cache").glob(f"{model}-*"))
+    assert len(folders) == 2  # training's and validation's
+    item = latent_cache.read(folders[0])["00000000"]
+    assert {k: tuple(item[k].shape) for k in cached} == cached
+    assert item["prompt_embeds"].dtype == torch.bfloat16
+    index = json.loads((run_dir / "pipeline" / "model_index.json").read_text())
+    assert index["_class_name"] == pipeline
+    exported = weights(run_dir / "transformer")
+    assert numerics.mean_abs_difference(exported, weights(run_dir / "pipeline" / "transformer")) == 0
+    return item
+
+
 def comfy_merge(weights: dict[str, Any], kohya: dict[str, Any]) -> dict[str, Any]:
     """ComfyUI's reading of a LoRA on a model file in its makers' layout (comfy/lora.py `model_lora_keys_unet`:
     `lora_unet_<the file's key with _ for .>`; comfy/weight_adapter/lora.py: W + alpha / rank * up @ down)."""
