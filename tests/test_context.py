@@ -3,7 +3,8 @@ all-to-all on the CPU) gives the one-rank run's training: for each transformer f
 FLUX.2, Qwen-Image and Wan through diffusers' plans, SD3 through ds_trainer's joint attention) at
 tiny size, under FSDP2 and under ZeRO-3, LoRA and full, the loss and the gradient's norm at every
 step and the weights at the end agree with a one-rank run of the same data to float noise (fp32:
-1e-5 here); a ZeRO-2 run at context 2 resumes into a context-1 DDP run and continues as it would
+1e-5 here; the default run pairs each family, backend and method once, make test-long runs the rest
+of the product); a ZeRO-2 run at context 2 resumes into a context-1 DDP run and continues as it would
 have; what cannot split is refused before the first step with its reason. Slow tests share the runs
 (the module's `runs`)."""
 
@@ -28,10 +29,17 @@ COMMON = ["logger=none", "train.max_steps=4", "data.num_samples=4", "resolution.
 # (model, the context-2 run's backend and adapter); each against a one-rank DDP run of the same
 # adapter. SD3's caption is CLIP's 77 tokens and T5's: 33 of T5's make 110, which two ranks split.
 SD3 = "model=sd3_tiny model.flow.t5_max_length=33"
-CELLS = {"wan_z3": ("model=wan_tiny", "stage3", "none"), "wan_fsdp_lora": ("model=wan_tiny", "fsdp_full_shard", "lora"),
-         "flux_fsdp": ("model=flux_tiny", "fsdp_full_shard", "none"),
-         "qwen_z3_lora": ("model=qwen_image_tiny", "stage3", "lora"), "sd3_fsdp": (SD3, "fsdp_full_shard", "none"),
-         "flux2_z3_lora": ("model=flux2_tiny", "stage3", "lora")}
+FAMILIES = {"wan": "model=wan_tiny", "flux": "model=flux_tiny", "qwen": "model=qwen_image_tiny", "sd3": SD3,
+            "flux2": "model=flux2_tiny"}
+BACKENDS = {"z3": "stage3", "fsdp": "fsdp_full_shard"}
+# Every family under both backends, LoRA and full; the default run's cells pair each family, backend
+# and method once, the rest run in make test-long.
+EVERY = {f"{family}_{backend}{'_lora' * (method == 'lora')}": (model, zero, method)
+         for family, model in FAMILIES.items() for backend, zero in BACKENDS.items()
+         for method in ("none", "lora")}
+CELLS = {name: EVERY[name] for name in ("wan_z3", "wan_fsdp_lora", "flux_fsdp", "qwen_z3_lora", "sd3_fsdp",
+                                        "flux2_z3_lora")}
+LONG = {name: cell for name, cell in EVERY.items() if name not in CELLS}
 
 
 def _train(cwd: Path, ranks: int, *overrides: str) -> Path:
@@ -45,8 +53,12 @@ def runs(module_tmp: Callable[[str], Path]) -> Callable[[str], Path]:
     def get(name: str) -> Path:
         if name not in done:
             if name.startswith("one_"):  # a one-rank reference: the model and adapter of a cell, DDP
-                model, _, method = CELLS[name.removeprefix("one_")]
-                done[name] = _train(root / name, 1, *model.split(), "zero=ddp", f"adapter={method}")
+                model, _, method = EVERY[name.removeprefix("one_")]
+                family = next(f for f, m in FAMILIES.items() if m == model)
+                shared = f"one_{family}_{method}"  # one reference a model and adapter, whichever backend
+                if shared not in done:
+                    done[shared] = _train(root / shared, 1, *model.split(), "zero=ddp", f"adapter={method}")
+                done[name] = done[shared]
             elif name == "split_z2":  # context 2 under ZeRO-2, a checkpoint at step 2
                 done[name] = _train(root / name, 2, "model=wan_tiny", "zero=stage2", "parallel.context=2",
                                     "train.checkpoint_every=2")
@@ -54,7 +66,7 @@ def runs(module_tmp: Callable[[str], Path]) -> Callable[[str], Path]:
                 start = get("split_z2") / "checkpoints" / "step_00000002"
                 done[name] = _train(root / name, 1, "model=wan_tiny", "zero=ddp", f"resume={start}")
             else:
-                model, zero, method = CELLS[name]
+                model, zero, method = EVERY[name]
                 done[name] = _train(root / name, 2, *model.split(), f"zero={zero}", f"adapter={method}",
                                     "parallel.context=2")
         return done[name]
@@ -75,7 +87,7 @@ def _trained(run_dir: Path) -> dict[str, torch.Tensor]:
 
 @pytest.mark.slow
 @pytest.mark.multiproc
-@pytest.mark.parametrize("cell", sorted(CELLS))
+@pytest.mark.parametrize("cell", [*sorted(CELLS), *(pytest.param(c, marks=pytest.mark.long) for c in sorted(LONG))])
 def test_a_sequence_split_over_two_ranks_trains_as_one_rank_does(runs: Callable[[str], Path], cell: str) -> None:
     split, one = runs(cell), runs(f"one_{cell}")
     log = (split / "ds_trainer.log").read_text()
