@@ -363,8 +363,10 @@ def _trained(cell: dict[str, str], run_dir: Path, steps: int) -> None:
     assert card.startswith("---\n") and "## What trained" in card and "| file | opens in |" in card, card[:2000]
     if cell["samples"] == "on":
         assert list((run_dir / "samples").rglob("*.png")), "no samples written"
-        images = [line.split("](")[1].rstrip(")") for line in card.splitlines() if line.startswith("![")]
-        assert images and all((run_dir / image).is_file() for image in images), card
+        # an image shown (![...](...png)), a video linked ([... (video)](...mp4))
+        shown = [line for line in card.splitlines() if line.startswith("![") or "(video)](" in line]
+        files = [line.split("](")[1].rstrip(")") for line in shown]
+        assert files and all((run_dir / file).is_file() for file in files), card
     if cell["validation"] == "on":
         assert math.isfinite(summary["val_loss"]), summary
         assert f"- final: {summary['val_loss']:.5f} at step" in card, card

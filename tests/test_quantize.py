@@ -423,3 +423,18 @@ def test_an_fp8_base_keeps_no_16_bit_copy_of_its_weights_for_backward() -> None:
     (out * torch.arange(48)).sum().backward()
     (expected * torch.arange(48)).sum().backward()
     assert torch.equal(x.grad, reference.grad) and torch.equal(layer[0].bias.grad, bias.grad)
+
+
+@pytest.mark.parametrize("kind", ["int8", "nf4"])
+def test_a_quantized_layer_under_autocast_returns_autocasts_dtype_with_or_without_autograd(kind: str) -> None:
+    """As nn.Linear does: validation (no autograd) on an int8 base returned float32 from the time embedding,
+    which a bf16 GroupNorm then refused on the CPU ("mixed dtype (CPU)": DDP, bf16, validation on)."""
+    from ds_trainer.train.adapters import quantize
+
+    layer = torch.nn.Sequential(torch.nn.Linear(64, 64, bias=True)).to(torch.bfloat16)
+    quantize.apply(layer, kind, torch.bfloat16, torch.device("cpu"))
+    x = torch.randn(2, 64)  # float32, as DDP's training hands the time embedding
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert layer(x).dtype == torch.bfloat16
+        with torch.no_grad():  # validation's: the module in eval mode, no autograd
+            assert layer.eval()(x).dtype == torch.bfloat16

@@ -96,6 +96,7 @@ def apply(module: torch.nn.Module, kind: str, compute_dtype: torch.dtype, device
                                             threshold=threshold, device="meta")
             quantized.weight = bnb.nn.Int8Params(weight.to(compute_dtype), requires_grad=False,
                                                  has_fp16_weights=False)
+            quantized.register_forward_hook(_as_autocast)
         else:
             raise ValueError(f"quantize={kind}: not one of {sorted(KINDS)}")
         if bias is not None:
@@ -194,8 +195,8 @@ class _Float8Matmul(torch.autograd.Function):
 
 
 def _as_autocast(_module: torch.nn.Module, _args: object, output: torch.Tensor) -> torch.Tensor:
-    """A Linear4bit (and a Float8Tensor's matmul) returns its input's dtype; under autocast (DDP's 16-bit training)
-    nn.Linear returns autocast's.
+    """A Linear4bit (and a Float8Tensor's matmul, and a Linear8bitLt without autograd: validation) returns its
+    input's dtype; under autocast (DDP's 16-bit training) nn.Linear returns autocast's.
     An fp32 output there (the time embedding's projection, added to a ResNet block's bf16 activations) reaches a
     GroupNorm whose parameters are bf16, which the CPU refuses ("mixed dtype (CPU): expect parameter to have scalar
     type of Float") and a GPU computes in fp32: the output is cast as autocast casts nn.Linear's."""
