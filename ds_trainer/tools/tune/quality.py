@@ -351,9 +351,9 @@ def tune(argv: list[str], base: list[str], found: list[Axis]) -> int:
 
     setup = prepare(base, found)
     t = setup.cfg.tune
-    study = shared.open_study(t, setup.tune_dir, setup.identity(), found, setup.rung, setup.last,
-                              startup=setup.startup())
     worker = os.environ.get(WORKER_ENV)
+    study = shared.open_study(t, setup.tune_dir, setup.identity(), found, setup.rung, setup.last,
+                              startup=setup.startup(), worker=int(worker or 0))
     if worker is not None:
         work(study, setup, f"worker {worker}")
         return 0

@@ -83,13 +83,14 @@ def storage(t: DictConfig, tune_dir: Path) -> Any:
     return JournalStorage(JournalFileBackend(str(tune_dir / "study.journal")))
 
 
-def sampler(t: DictConfig, axes: list[Any], startup: int) -> Any:
-    """tune.sampler, seeded with tune.seed; TPE draws `startup` trials at random, then models
-    all the axes together (multivariate; a running trial counts as the worst so far: constant
-    liar, so workers side by side do not draw the same point)."""
+def sampler(t: DictConfig, axes: list[Any], startup: int, worker: int = 0) -> Any:
+    """tune.sampler, seeded with tune.seed + the worker's index (workers side by side with one
+    seed drew the same random trials); TPE draws `startup` trials at random, then models all the
+    axes together (multivariate; a running trial counts as the worst so far: constant liar, so
+    workers side by side do not draw the same point)."""
     import optuna
 
-    seed = int(t.seed)
+    seed = int(t.seed) + worker
     if t.sampler.value == "random":
         return optuna.samplers.RandomSampler(seed=seed)
     if t.sampler.value == "grid":
@@ -114,14 +115,16 @@ def pruner(t: DictConfig, rung: int, last: int) -> Any:
     return optuna.pruners.NopPruner()
 
 
-def open_study(t: DictConfig, tune_dir: Path, identity: dict[str, Any], axes: list[Any],
-               rung: int, last: int, startup: int = 10) -> Any:
+def open_study(  # noqa: PLR0913 - the study's facts, one argument each
+        t: DictConfig, tune_dir: Path, identity: dict[str, Any], axes: list[Any],
+        rung: int, last: int, startup: int = 10, worker: int = 0) -> Any:
     """Create the study, or join the one the same command made (refused if it searched
-    something else: another tune.name is another study)."""
+    something else: another tune.name is another study); `worker` seeds this worker's sampler."""
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    study = optuna.create_study(storage=storage(t, tune_dir), sampler=sampler(t, axes, startup),
+    chosen = sampler(t, axes, startup, worker)
+    study = optuna.create_study(storage=storage(t, tune_dir), sampler=chosen,
                                 pruner=pruner(t, rung, last), study_name=str(t.name),
                                 direction="minimize", load_if_exists=True)
     earlier = study.user_attrs.get("identity")
