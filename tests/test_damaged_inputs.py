@@ -293,6 +293,13 @@ def _videos(tmp_path: Path) -> int:
     _, data = _dataset(tmp_path / "large", [{"path": str(folder)}], *wan, "data.max_image_pixels=5000")
     assert data.skipped_names[(0, "too large (96x64 a frame, above data.max_image_pixels=5000)")] == [
         "folder/walk.mp4"]
+    # a low limit skips the data's large files, not Pillow's opening of others (a sample, 128 x 128)
+    from PIL import Image
+
+    picture = tmp_path / "sample.png"
+    Image.new("RGB", (128, 128)).save(picture)
+    with Image.open(picture) as image:
+        image.load()
     return n + 2
 
 

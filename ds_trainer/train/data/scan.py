@@ -98,7 +98,9 @@ def listed_and_checked(cfg: DictConfig, found: list[sources.Source], accelerator
     """The sources' items by key, each one's check (`check_items`) and how many were decoded now."""
     items = {item.key: item for source in found for item in readers.items(source)}
     limit = int(cfg.data.max_image_pixels)
-    Image.MAX_IMAGE_PIXELS = limit  # Pillow's own guard at twice it; `problem` says so first
+    # Pillow's own guard (an error at twice it) raised for a limit above its default, never lowered:
+    # the scan skips what is above a lower limit, and our own files (samples) open as before
+    Image.MAX_IMAGE_PIXELS = max(limit, inputs.PILLOW_PIXELS // 2)
     wanted = {"mask": bool(cfg.data.masked_loss),
               "control": bool(cfg.model.get("reference_images"))}
     parts = tuple(part for part, used in wanted.items() if used)
