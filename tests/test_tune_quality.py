@@ -30,10 +30,11 @@ TRAINING = ["model=sdxl_tiny", "resolution.width=32", "resolution.height=32", "l
             "validation=on", "validation.split=2", "validation.timesteps=2", "adapter=lora", "scheduler=constant",
             "train.max_steps=8", "validation.every=2"]
 AXES = ["optimizer.lr=tag(log,interval(1e-3,3e-1))", "adapter.rank=1,4"]
-# two rungs (steps 2 and 4, then the end at 8): six trials, two of them killed, leave enough to prune at
-# the first (with one rung, at 4, whether one is pruned depends on which trials reach it first)
+# Two rungs (steps 2 and 4, then the end at 8) and every trial drawn at random: of six trials, two are
+# killed and run again with their values, so four are drawn; TPE modelling after two of them (the
+# budget's default startup) draws the rest beside the best so far, and then none need be pruned.
 SEARCH = ["tune.objective=quality", "tune.trials=6", "tune.workers=2", "tune.heartbeat_s=5", "tune.reduction=2",
-          "tune.rungs=2"]
+          "tune.rungs=2", "tune.startup=6"]
 
 
 def command(root: Path, *extra: str) -> list[str]:
