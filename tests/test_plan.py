@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+from helpers import autograd
 from helpers.cfg import make_cfg
 
 from ds_trainer.tools import plan
@@ -225,21 +226,7 @@ def _saved_by_a_real_forward(cfg: object) -> int:
 
     model = families.of(cfg).load_trained(cfg).to(torch.bfloat16)
     attention.restrict(model, cfg.train.attention.value)  # type: ignore[attr-defined]
-    params, seen, total = {id(p) for p in model.parameters()}, set[int](), [0]
-    keep: list[torch.Tensor] = []
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        base = t if t._base is None else t._base
-        if id(base) not in seen and id(base) not in params:
-            seen.add(id(base))
-            keep.append(base)
-            total[0] += base.numel() * base.element_size()
-        return t
-
-    forward = forward_of(model, 1, 256, 256, torch.bfloat16, "cpu")
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        forward()
-    return total[0]
+    return autograd.saved_bytes(forward_of(model, 1, 256, 256, torch.bfloat16, "cpu"), model.parameters())
 
 
 def test_the_planner_counts_the_attention_probabilities_the_math_kernel_saves() -> None:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import autograd
 from helpers.cfg import make_cfg
 from helpers.cli import run_cli, run_dirs
 from helpers.ranks import torchrun
@@ -384,20 +385,8 @@ def _saved_by_a_lora_forward(kind: str) -> int:
 
     cfg = make_cfg("adapter=lora", f"quantize={kind}", "zero=ddp", "precision=bf16")
     model = adapter.build(cfg, families.of(cfg).load_trained(cfg), None, (torch.device("cpu"), Whole())).module
-    held, seen, total = {id(t) for t in [*model.parameters(), *model.buffers()]}, set[int](), [0]
-    keep: list[Any] = []
-
-    def pack(t: Any) -> Any:
-        base = t if t._base is None else t._base
-        if id(base) not in seen and id(base) not in held:
-            seen.add(id(base))
-            keep.append(base)
-            total[0] += base.numel() * base.element_size()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        forward_of(model, 1, 128, 128, torch.bfloat16, "cpu")()
-    return total[0]
+    return autograd.saved_bytes(forward_of(model, 1, 128, 128, torch.bfloat16, "cpu"),
+                                [*model.parameters(), *model.buffers()])
 
 
 def test_an_fp8_base_keeps_no_16_bit_copy_of_its_weights_for_backward() -> None:
