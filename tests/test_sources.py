@@ -87,6 +87,7 @@ def test_two_sources_with_repeats_1_and_3_are_seen_1_to_3_and_captions_drop_at_t
 
 
 def test_a_parquet_files_images_are_read_when_used_not_held_in_memory(tmp_path: Path) -> None:
+    import gc
     import random
     import tracemalloc
 
@@ -101,14 +102,17 @@ def test_a_parquet_files_images_are_read_when_used_not_held_in_memory(tmp_path: 
     pq.write_table(pa.table({"image": [{"bytes": b, "path": f"{i}.png"} for i, b in enumerate(pngs)],
                              "caption": [f"image {i}" for i in range(48)]}), table, row_group_size=8)
     (source,) = sources.of(make_cfg("data=sources", f"data.sources=[{{path: '{table}'}}]"))
+    gc.collect()
     before = pa.total_allocated_bytes()
     tracemalloc.start()
     try:
         items = readers.items(source)
+        gc.collect()  # what is held, not garbage awaiting a collection
         held = tracemalloc.get_traced_memory()[0]  # Python's objects the listing keeps (bytes, rows)
     finally:
         tracemalloc.stop()
     total = sum(map(len, pngs))
+    # pyarrow's threaded reads left 4 groups' worth allocated after a first listing (CI, and here with more threads)
     assert held < total / 4 and pa.total_allocated_bytes() - before < total / 4  # listed without keeping the bytes
     assert [item.caption for item in items] == [f"image {i}" for i in range(48)]
     for i in (0, 7, 8, 47, 3):  # across row groups, and back

@@ -147,8 +147,13 @@ def test_trials_compare_at_rungs_of_images_seen_and_the_worse_are_pruned(tuned: 
     reported = [t for t in study.trials if t.intermediate_values]
     # every trial reported at the same images seen (1 image a step here): its validations every 2 steps
     assert all(set(t.intermediate_values) <= {2, 4, 6, 8} for t in reported)
-    pruned = [t for t in study.trials if t.state.name == "PRUNED"]
+    pruned = [t for t in study.trials if t.state.name == "PRUNED" and "repeat_of" not in t.user_attrs]
     assert pruned, [(t.number, t.state.name) for t in study.trials]
+    for t in study.trials:  # a trial drawn again is told its first run's result at no cost, run nowhere
+        if "repeat_of" in t.user_attrs:
+            first = study.trials[t.user_attrs["repeat_of"]]
+            assert (t.state, t.value, t.intermediate_values) == (first.state, first.value, first.intermediate_values)
+            assert "run_dir" not in t.user_attrs and t.params == first.params
     for t in pruned:  # stopped after the rung that pruned it: never to the end, its checkpoint gone
         assert max(t.intermediate_values) in (2, 4) and t.user_attrs["steps"] < 8
         assert not (Path(t.user_attrs["run_dir"]) / "checkpoints").exists()

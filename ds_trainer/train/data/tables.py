@@ -126,7 +126,7 @@ def _parquet_rows(path: Path) -> tuple[Rows, list[str]]:
         n = 0
         for index in range(group.file.num_row_groups):
             try:
-                table = group.file.read_row_group(index, columns=wanted)
+                table = group.file.read_row_group(index, columns=wanted, use_threads=False)
             except (pa.ArrowException, OSError) as exc:
                 why = str(exc).splitlines()[0][:200]
                 raise DataError(f"data.sources: {path}: its row group {index} cannot be read "
@@ -152,7 +152,8 @@ class _RowGroups:
 
         import pyarrow.parquet as pq
 
-        # pre_buffer=False: pre-buffering keeps a read group's pages alive
+        # pre_buffer=False: pre-buffering keeps a read group's pages alive; each group is read with
+        # use_threads=False: one column at a time, its pages decoded and freed in the calling thread
         self.file = pq.ParquetFile(path, pre_buffer=False)
         self._lock = threading.Lock()
         self._kept: tuple[tuple[int, str], Any] | None = None
@@ -161,7 +162,8 @@ class _RowGroups:
         def read() -> BinaryIO:
             with self._lock:
                 if self._kept is None or self._kept[0] != (index, column):
-                    group = self.file.read_row_group(index, columns=[column]).column(0)
+                    group = self.file.read_row_group(index, columns=[column],
+                                                       use_threads=False).column(0)
                     self._kept = ((index, column), group)
                 value = self._kept[1][offset].as_py()
             return io.BytesIO(value["bytes"])
