@@ -252,6 +252,34 @@ def _repeat(study: Any, trial: Any) -> bool:
     return False
 
 
+def _gate(study: Any, number: int) -> Any:
+    """Whether trial `number`, at a rung of tune.pruner=halving, waits for the trials running
+    short of it: until tune.reduction trials have reached that rung or none is on its way (see
+    trial.Watch; the others' losses there are what the pruner compares it with)."""
+    from optuna.trial import TrialState
+
+    from ds_trainer.tools.tune.halving import ReachedHalving
+
+    pruner, counted = study.pruner, (TrialState.RUNNING, TrialState.COMPLETE, TrialState.PRUNED)
+    if not isinstance(pruner, ReachedHalving):
+        return None
+
+    def short_of(images: int) -> bool:
+        if not pruner.is_rung(images):
+            return False
+        there = coming = 0
+        for other in study.get_trials(deepcopy=False, states=counted):
+            if other.number == number or "repeat_of" in other.user_attrs:
+                continue
+            if images in other.intermediate_values:
+                there += 1
+            elif other.state == TrialState.RUNNING and "worker" in other.user_attrs:
+                coming += 1
+        return coming > 0 and there + 1 < pruner.reduction
+
+    return short_of
+
+
 def _threads(setup: Setup) -> int | None:
     """Local workers share the cores: each trial gets its share (None: the run decides)."""
     workers = int(setup.cfg.tune.workers)
@@ -274,7 +302,7 @@ def _run(study: Any, trial: Any, job: trials.Plan, setup: Setup, label: str) -> 
     folder = setup.tune_dir / "trials" / f"{trial.number:04d}"
     try:
         out = trials.run(trial, job, folder, t.launcher, t.trial_limit_s, float(t.heartbeat_s),
-                         _threads(setup))
+                         _threads(setup), _gate(study, trial.number))
     except BaseException:
         shared.abandon(study, trial, "its worker was stopped")
         raise

@@ -106,7 +106,9 @@ def pruner(t: DictConfig, rung: int, last: int) -> Any:
 
     name, factor = t.pruner.value, int(t.reduction)
     if name == "halving":
-        return optuna.pruners.SuccessiveHalvingPruner(min_resource=rung, reduction_factor=factor)
+        from ds_trainer.tools.tune.halving import ReachedHalving
+
+        return ReachedHalving(rung, factor)
     if name == "hyperband":
         return optuna.pruners.HyperbandPruner(min_resource=rung, max_resource=last,
                                               reduction_factor=factor)

@@ -3,7 +3,8 @@
 The run (`python -m ds_trainer`, or a one-run multirun through `tune.launcher`, as a speed cell)
 validates at every rung; each validation loss is reported to the study at the images the run has
 seen (its step x images a step), so trials compare at the same images, and for one batch at the
-same steps. When the pruner says so the run is stopped cleanly (SIGTERM, or Ctrl-C to a launcher:
+same steps. At a rung that trials running beside it have not reached yet, the ruling waits for them
+(Watch). When the pruner says so the run is stopped cleanly (SIGTERM, or Ctrl-C to a launcher:
 it finishes its step and writes `summary.json`), its checkpoint removed, and the trial is pruned.
 The run dies with its worker (the kernel sends it SIGTERM when the worker's process ends), so a
 killed worker leaves no training behind.
@@ -19,6 +20,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -112,33 +114,57 @@ def _env(threads: int | None) -> dict[str, str]:
 
 
 class Watch:
-    """The trial's side of the study while its run goes: reports, the heartbeat, what it spent."""
+    """The trial's side of the study while its run goes: reports, the heartbeat, what it spent.
 
-    def __init__(self, trial: Any, plan: Plan, heartbeat_s: float) -> None:
-        self.trial, self.plan, self.heartbeat_s = trial, plan, heartbeat_s
+    `gate(images)`: whether trials still short of that rung run beside this one. The pruner rules
+    at a rung on the trials that reached it; the first to get there has none to compare with and
+    would go on however it did. So while the gate says so the ruling waits (the run trains on, its
+    later validations held back), for at most as many steps again as it took to reach the rung."""
+
+    def __init__(self, trial: Any, plan: Plan, heartbeat_s: float,
+                 gate: Callable[[int], bool] | None = None) -> None:
+        self.trial, self.plan, self.heartbeat_s, self.gate = trial, plan, heartbeat_s, gate
         self.start = time.time()
         self.beat = 0.0
         self.curve: list[list[float]] = []
         self.pruned_at: int | None = None  # the rung (images) the pruner stopped it at
+        self.queue: list[dict[str, Any]] = []  # validations read, not yet ruled on
+        self.told: set[int] = set()  # the images reported
 
     def progress(self, follower: Follower, final: bool = False) -> bool:
         """Report the new validations (and the heartbeat when due); True when the pruner stops
         the trial (never after its last step, nor once the run has ended)."""
         new = follower.read()
-        prune = False
         for row in new:
-            images = int(row["step"]) * self.plan.images_per_step
-            value = float(row["val_loss"])
-            self.curve.append([images, round(time.time() - self.start, 2), value])
-            if self.pruned_at is not None:  # validated on its way out: drawn, not reported
-                continue
-            self.trial.report(value, images)
-            if not final and not prune and int(row["step"]) < self.plan.max_steps:
+            self.curve.append([int(row["step"]) * self.plan.images_per_step,
+                               round(time.time() - self.start, 2), float(row["val_loss"])])
+        if self.pruned_at is None:  # a pruned run's validations on its way out: drawn, not reported
+            self.queue += new
+        prune = False
+        while self.queue and not prune:
+            row = self.queue[0]
+            images, ruled = int(row["step"]) * self.plan.images_per_step, not final
+            if images not in self.told:
+                self.told.add(images)
+                self.trial.report(float(row["val_loss"]), images)
+            ruled = ruled and int(row["step"]) < self.plan.max_steps
+            if ruled and self._held(images, follower.step):
+                break
+            self.queue.pop(0)
+            if ruled:
                 prune = self.trial.should_prune()
                 self.pruned_at = images if prune else None
+        if prune:
+            self.queue.clear()  # validated past the rung while held: drawn, never reported
         if new or final or time.time() - self.beat >= self.heartbeat_s:
             self.say(follower)
         return prune
+
+    def _held(self, images: int, step: int) -> bool:
+        """Whether the ruling at `images` waits for the trials still short of it: while the run
+        has trained fewer steps past the rung than it took to reach it."""
+        rung_step = images // self.plan.images_per_step
+        return self.gate is not None and step - rung_step < rung_step and self.gate(images)
 
     def say(self, follower: Follower) -> None:
         """The heartbeat: alive now, the steps and device seconds spent, the curve so far."""
@@ -150,14 +176,16 @@ class Watch:
             self.trial.set_user_attr(key, value)
 
 
-def run(trial: Any, plan: Plan, trial_dir: Path, launcher: str | None, limit_s: float | None,
-        heartbeat_s: float, threads: int | None = None) -> Outcome:
-    """Run the trial to its end, its pruning or its time limit."""
+def run(  # noqa: PLR0913 - the trial, its run and how it is followed, one argument each
+        trial: Any, plan: Plan, trial_dir: Path, launcher: str | None, limit_s: float | None,
+        heartbeat_s: float, threads: int | None = None,
+        gate: Callable[[int], bool] | None = None) -> Outcome:
+    """Run the trial to its end, its pruning or its time limit (`gate`: see Watch)."""
     cmd, run_dir = cell.command(plan.overrides, trial_dir, launcher)
     if trial_dir.exists():
         shutil.rmtree(trial_dir)  # a trial number is used once; a folder left is a lost run's
     trial_dir.mkdir(parents=True)
-    watch = Watch(trial, plan, heartbeat_s)
+    watch = Watch(trial, plan, heartbeat_s, gate)
     watch.say(Follower(run_dir / "metrics.jsonl"))
     follower = Follower(run_dir / "metrics.jsonl")
     death = signal.SIGINT if launcher is not None else signal.SIGTERM
