@@ -391,7 +391,7 @@ def test_a_trial_at_a_rung_is_ruled_on_beside_the_trials_running_with_it(tmp_pat
     validations held back, until the other reaches the rung. The second, worse, is compared with the first (by
     Optuna's halving: with none, as the first is not yet ruled on) and pruned; the first then goes on. The worse
     of two, pruned after its wait, reports nothing past the rung. A trial waits at most as many steps again as it
-    took to reach the rung, and a run that ends is never pruned."""
+    took to reach the rung, and a run that has trained its last step is never pruned."""
     import optuna
     from omegaconf import OmegaConf
 
@@ -434,6 +434,9 @@ def test_a_trial_at_a_rung_is_ruled_on_beside_the_trials_running_with_it(tmp_pat
     assert not validate(better, 4, 0.5) and validate(worse)  # pruned at the rung it waited at
     assert not validate(worse, 8, 0.7, final=True) and reported(worse) == {4: 0.9}  # past the rung: not reported
     assert [point[0] for point in worse[1].curve] == [4, 6, 8]  # but drawn
+    _, (late, other) = side_by_side("end", 2)
+    assert not validate(late, 4, 0.9) and not validate(other, 4, 0.5)
+    assert not validate(late, 16, 0.8) and reported(late) == {4: 0.9, 16: 0.8}  # trained to its end: not pruned
     own = optuna.create_study(pruner=optuna.pruners.SuccessiveHalvingPruner(min_resource=2, reduction_factor=2))
     alone = own.ask(dist)
     alone.report(0.9, 2)

@@ -147,7 +147,8 @@ class Watch:
             if images not in self.told:
                 self.told.add(images)
                 self.trial.report(float(row["val_loss"]), images)
-            ruled = ruled and int(row["step"]) < self.plan.max_steps
+            # never once the run has trained its last step: it ended as it would have, not pruned
+            ruled = ruled and follower.step < self.plan.max_steps
             if ruled and self._held(images, follower.step):
                 break
             self.queue.pop(0)
