@@ -50,12 +50,16 @@ def test_compiled_blocks_train_as_the_eager_run_and_their_time_is_reported_apart
     assert all("compile_s" not in r for r in rows_eager)
     assert "compile_s" not in json.loads((run_eager / "summary.json").read_text())
     first = rows_compiled[0]
-    # The first step compiled the blocks' forward and backward: had those seconds been counted in its s/it, the step
-    # would read at least as long as them (no ratio of two timings on a loaded machine: CI read 2.1 s against 6.0)
-    assert first["compile_s"] > 1.0 and first["s_per_it"] < first["compile_s"], first
+    # The first step compiled the blocks' forward and backward (Dynamo's and the lazy backward's callbacks), and
+    # those seconds are its compile_s. That they are out of its s/it is step.py's subtraction; comparing the two
+    # timings is not a test of it on a loaded machine: CI read s/it 2.1 s against compile 6.0 once, and 12.4 s
+    # against 5.5 once (the first step's other work under load), so no timing is compared here.
+    assert first["compile_s"] > 1.0 and all("compile_s" not in r for r in rows_compiled[1:]), rows_compiled
+    per_step = [r["images_per_s"] * r["s_per_it"] for r in rows_compiled]  # images/s from s/it, the first's too
+    assert per_step == pytest.approx([per_step[-1]] * len(per_step)), rows_compiled
     summary = json.loads((run_compiled / "summary.json").read_text())
     assert summary["compile_s"] == pytest.approx(sum(r.get("compile_s", 0.0) for r in rows_compiled), abs=0.01)
-    assert summary["compilations"] >= 2 and summary["median_s_per_it"] < first["compile_s"], summary
+    assert summary["compilations"] >= 2, summary
     assert f"torch.compile: {summary['compile_s']:.1f} s in {summary['compilations']} compilations (not in s/it)" \
         in compiled.stderr
 
