@@ -36,9 +36,26 @@ class ReachedHalving(optuna.pruners.BasePruner):
 
     def bar(self, study: optuna.study.Study, images: int, number: int, value: float) -> float:
         """The value a trial at this rung must reach to go on."""
-        counted = (TrialState.RUNNING, TrialState.COMPLETE, TrialState.PRUNED)
-        values = sorted([value, *(t.intermediate_values[images]
-                                  for t in study.get_trials(deepcopy=False, states=counted)
-                                  if t.number != number and images in t.intermediate_values
-                                  and "repeat_of" not in t.user_attrs)])
+        reached = [t for t in _others(study, number) if images in t.intermediate_values]
+        values = sorted([value, *(t.intermediate_values[images] for t in reached)])
         return values[max(0, len(values) // self.reduction - 1)]
+
+    def waits(self, study: optuna.study.Study, images: int, number: int) -> bool:
+        """Whether trial `number` at `images` waits for the trials running short of it: a rung
+        that fewer than `reduction` have reached while another is on its way (trial.Watch)."""
+        if not self.is_rung(images):
+            return False
+        there = coming = 0
+        for other in _others(study, number):
+            if images in other.intermediate_values:
+                there += 1
+            elif other.state == TrialState.RUNNING and "worker" in other.user_attrs:
+                coming += 1
+        return coming > 0 and there + 1 < self.reduction
+
+
+def _others(study: optuna.study.Study, number: int) -> list[FrozenTrial]:
+    """The trials a rung counts beside trial `number`: running, ended or pruned, not repeats."""
+    counted = (TrialState.RUNNING, TrialState.COMPLETE, TrialState.PRUNED)
+    return [t for t in study.get_trials(deepcopy=False, states=counted)
+            if t.number != number and "repeat_of" not in t.user_attrs]

@@ -254,30 +254,13 @@ def _repeat(study: Any, trial: Any) -> bool:
 
 def _gate(study: Any, number: int) -> Any:
     """Whether trial `number`, at a rung of tune.pruner=halving, waits for the trials running
-    short of it: until tune.reduction trials have reached that rung or none is on its way (see
-    trial.Watch; the others' losses there are what the pruner compares it with)."""
-    from optuna.trial import TrialState
-
+    short of it (halving.ReachedHalving.waits; see trial.Watch); None for the other pruners."""
     from ds_trainer.tools.tune.halving import ReachedHalving
 
-    pruner, counted = study.pruner, (TrialState.RUNNING, TrialState.COMPLETE, TrialState.PRUNED)
+    pruner = study.pruner
     if not isinstance(pruner, ReachedHalving):
         return None
-
-    def short_of(images: int) -> bool:
-        if not pruner.is_rung(images):
-            return False
-        there = coming = 0
-        for other in study.get_trials(deepcopy=False, states=counted):
-            if other.number == number or "repeat_of" in other.user_attrs:
-                continue
-            if images in other.intermediate_values:
-                there += 1
-            elif other.state == TrialState.RUNNING and "worker" in other.user_attrs:
-                coming += 1
-        return coming > 0 and there + 1 < pruner.reduction
-
-    return short_of
+    return lambda images: pruner.waits(study, images, number)
 
 
 def _threads(setup: Setup) -> int | None:

@@ -141,14 +141,14 @@ class Watch:
         if self.pruned_at is None:  # a pruned run's validations on its way out: drawn, not reported
             self.queue += new
         prune = False
+        # never once the run has trained its last step: it ended as it would have, not pruned
+        ruled = not final and follower.step < self.plan.max_steps
         while self.queue and not prune:
             row = self.queue[0]
-            images, ruled = int(row["step"]) * self.plan.images_per_step, not final
+            images = int(row["step"]) * self.plan.images_per_step
             if images not in self.told:
                 self.told.add(images)
                 self.trial.report(float(row["val_loss"]), images)
-            # never once the run has trained its last step: it ended as it would have, not pruned
-            ruled = ruled and follower.step < self.plan.max_steps
             if ruled and self._held(images, follower.step):
                 break
             self.queue.pop(0)
