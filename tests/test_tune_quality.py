@@ -353,6 +353,46 @@ def test_a_step_budget_is_never_passed(tmp_path: Path) -> None:
     assert shared.over(study, limit, 10) == "budget spent: 33 of 39 steps (a trial takes up to 10)"
 
 
+def test_workers_check_the_budget_and_ask_one_at_a_time(tmp_path: Path) -> None:
+    """Two workers that checked the budget at once each saw room for the last trial and both ran
+    it (a budget of 323 steps passed by 34, two workers, rungs at steps 4 and 12). A worker checks
+    and asks under the tune's start lock, and a trial asked but not yet planned holds a whole
+    trial's steps: here the other worker holds the lock, asks the last trial that fits, and ours,
+    let in after, waits on it; once that trial is pruned short, ours gets one."""
+    import threading
+    from types import SimpleNamespace
+
+    import optuna
+    from omegaconf import OmegaConf
+
+    from ds_trainer.tools.tune import quality
+    from ds_trainer.tools.tune import study as shared
+
+    t = OmegaConf.merge(make_cfg().tune, {"sampler": "random", "pruner": "none", "name": "lock"})
+    study = shared.open_study(t, tmp_path, {"a": 1}, [], 1, 10)
+    dist = {"x": optuna.distributions.FloatDistribution(0, 1)}
+    setup = SimpleNamespace(tune_dir=tmp_path, limit=shared.Budget(None, 25, None), trial_steps=10,
+                            distributions=dist)
+    done = study.ask(dist)
+    for key, value in (("worker", shared.me()), ("max_steps", 10), ("steps", 10)):
+        done.set_user_attr(key, value)
+    shared.tell(study, done, 1.0)
+    got: list[tuple[Any, Any]] = []
+    with shared.starting(tmp_path):  # the other worker checks: room for one trial (10 + 10 <= 25)
+        ours = threading.Thread(target=lambda: got.append(quality.claim(study, setup, 0)))
+        ours.start()
+        ours.join(1.0)
+        assert ours.is_alive() and not got  # ours waits for the lock
+        other = study.ask(dist)  # the other's trial, asked, its plan not yet made
+    ours.join(30)
+    assert got == [(None, None)]  # 10 spent + 10 the other may take + 10 > 25: ours waits
+    other.set_user_attr("steps", 2)
+    shared.tell(study, other, state=optuna.trial.TrialState.PRUNED)
+    why, trial = quality.claim(study, setup, 0)  # 12 spent: room again
+    assert why is None and trial is not None and trial.number == 2
+    assert not (tmp_path / "starting.lock").exists()  # the lock is let go
+
+
 def test_workers_side_by_side_draw_other_random_trials(tmp_path: Path) -> None:
     """Each worker seeds its sampler with tune.seed + its index: two workers of one study drew
     the same first random trial (one seed), twice the steps for one result."""

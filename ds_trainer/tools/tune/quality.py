@@ -302,6 +302,18 @@ def _run(study: Any, trial: Any, job: trials.Plan, setup: Setup, label: str) -> 
          + (f" ({out.message})" if out.message else ""))
 
 
+def claim(study: Any, setup: Setup, idle: int) -> tuple[str | None, Any]:
+    """(why no trial starts, or None; the trial asked, or None: wait for the running ones to end
+    short), the budget checked and the trial asked under the tune's start lock."""
+    with shared.starting(setup.tune_dir):
+        why = shared.over(study, setup.limit, setup.trial_steps)
+        if why is None and idle >= IDLE_LIMIT:
+            why = f"{IDLE_LIMIT} trials in a row had a result or were refused: the space is used up"
+        if why is not None or shared.waits(study, setup.limit, setup.trial_steps):
+            return why, None
+        return None, study.ask(setup.distributions)
+
+
 def work(study: Any, setup: Setup, label: str) -> None:
     """Ask, check and run trials until the budget is spent."""
     from optuna.trial import TrialState
@@ -311,16 +323,13 @@ def work(study: Any, setup: Setup, label: str) -> None:
         cell.raise_if_stopped()
         for line in shared.fail_lost(study, float(setup.cfg.tune.heartbeat_s)):
             _say(f"{label}: {line}")
-        why = shared.over(study, setup.limit, setup.trial_steps)
-        if why is None and idle >= IDLE_LIMIT:
-            why = f"{IDLE_LIMIT} trials in a row had a result or were refused: the space is used up"
+        why, trial = claim(study, setup, idle)
         if why is not None:
             _say(f"{label}: {why}; done")
             return
-        if shared.waits(study, setup.limit, setup.trial_steps):
+        if trial is None:
             time.sleep(WAIT_S)  # the running trials may end early (pruned): then one more fits
             continue
-        trial = study.ask(setup.distributions)
         if _repeat(study, trial):
             idle += 1
             continue

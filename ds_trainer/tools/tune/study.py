@@ -15,6 +15,8 @@ from __future__ import annotations
 import os
 import socket
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -229,11 +231,12 @@ def started(trials: list[Any]) -> int:
     return sum(1 for t in trials if "worker" in t.user_attrs)
 
 
-def held(trials: list[Any]) -> int:
-    """The steps the running trials may still take: each to its end."""
-    running = [t for t in trials if t.state.name == "RUNNING" and "max_steps" in t.user_attrs]
-    return sum(max(0, int(t.user_attrs["max_steps"]) - int(t.user_attrs.get("steps", 0)))
-               for t in running)
+def held(trials: list[Any], trial_steps: int) -> int:
+    """The steps the running trials may still take: each to its end (one asked and not yet
+    planned, a whole trial's)."""
+    running = [t for t in trials if t.state.name == "RUNNING"]
+    return sum(max(0, int(t.user_attrs.get("max_steps", trial_steps))
+                   - int(t.user_attrs.get("steps", 0))) for t in running)
 
 
 def waits(study: Any, limit: Budget, trial_steps: int) -> bool:
@@ -242,7 +245,22 @@ def waits(study: Any, limit: Budget, trial_steps: int) -> bool:
     if limit.steps is None:
         return False
     trials = study.get_trials(deepcopy=False)
-    return spent(trials)[1] + held(trials) + trial_steps > limit.steps
+    return spent(trials)[1] + held(trials, trial_steps) + trial_steps > limit.steps
+
+
+@contextmanager
+def starting(tune_dir: Path) -> Iterator[None]:
+    """One worker at a time checks the budget and asks for its trial (a lock file in the tune
+    folder, Optuna's, safe on NFS; one left by a killed worker is broken after 30 s): two at once
+    each saw room for the last trial and both ran it, a step budget passed by a trial."""
+    from optuna.storages.journal import JournalFileOpenLock
+
+    lock = JournalFileOpenLock(str(tune_dir / "starting"), grace_period=30)
+    lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def over(study: Any, limit: Budget, trial_steps: int = 0) -> str | None:
