@@ -391,6 +391,12 @@ def test_workers_check_the_budget_and_ask_one_at_a_time(tmp_path: Path) -> None:
     why, trial = quality.claim(study, setup, 0)  # 12 spent: room again
     assert why is None and trial is not None and trial.number == 2
     assert not (tmp_path / "starting.lock").exists()  # the lock is let go
+    # a study in a database (tune.storage): its tune folder is not made before the first trial
+    rdb = OmegaConf.merge(t, {"storage": f"sqlite:///{tmp_path / 'study.db'}", "name": "rdb"})
+    folder = tmp_path / "rdb"
+    setup.tune_dir = folder
+    why, trial = quality.claim(shared.open_study(rdb, folder, {"a": 1}, [], 1, 10), setup, 0)
+    assert why is None and trial.number == 0 and not (folder / "starting.lock").exists()
 
 
 def test_workers_side_by_side_draw_other_random_trials(tmp_path: Path) -> None:

@@ -255,6 +255,7 @@ def starting(tune_dir: Path) -> Iterator[None]:
     each saw room for the last trial and both ran it, a step budget passed by a trial."""
     from optuna.storages.journal import JournalFileOpenLock
 
+    tune_dir.mkdir(parents=True, exist_ok=True)  # an RDB study's folder is made by its first trial
     lock = JournalFileOpenLock(str(tune_dir / "starting"), grace_period=30)
     lock.acquire()
     try:
