@@ -16,8 +16,9 @@ ends within the noise of the full grid's best cell, on one worker and on two.
   x 1.03) at the rung and at its end. `--read` rebuilds planted.csv from tune folders.
 - The search is the product's own parts: tools/tune/study.py's sampler (TPE, multivariate, constant
   liar, a seed per worker) and step budget (a trial starts only if its steps fit beside those spent
-  and held), tools/tune/halving.py's pruner with the wait at a rung of trial.Watch. Each trial runs
-  one step a tick beside the others; its rung is ruled on the step after (the run's next read).
+  and held), its random trials first (quality.startup_trials), tools/tune/halving.py's pruner, and
+  trial.Watch following each run (its reports, its wait at a rung, its pruning). Each trial runs
+  one step a tick beside the others; a validation is read after the next step (the tune's reads).
 - Out: replay.md, for each budget (a share of the grid's 972 steps) and each number of workers:
   the share of seeds whose chosen trial is within twice the noise of the grid's best (its true,
   noise-free loss), the median of that loss, the trials and steps a search ran.
@@ -29,7 +30,8 @@ import argparse
 import csv
 import math
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -123,21 +125,24 @@ def search(land: Landscape, seed: int, workers: int, budget: int, rungs: int,  #
     import optuna
     from optuna.trial import TrialState
 
+    from ds_trainer.tools.tune import quality
     from ds_trainer.tools.tune import study as shared
+    from ds_trainer.tools.tune import trial as trials
     from ds_trainer.tools.tune.halving import ReachedHalving
 
     noise = np.random.default_rng(seed * 1009 + workers)
     storage = optuna.storages.InMemoryStorage()
     at = [MAX_STEPS // 3**k for k in range(rungs, 0, -1)]  # the rungs' steps
-    startup = max(2, min(6, budget // MAX_STEPS // 3))  # the tune's: Setup.startup
+    space = {"optimizer.lr": optuna.distributions.FloatDistribution(1e-4, 1, log=True),
+             "adapter.rank": optuna.distributions.CategoricalDistribution(list(RANKS))}
+    limit = shared.Budget(None, budget, None)
+    startup = quality.startup_trials(None, len(space), limit.afforded(MAX_STEPS))
     studies = [optuna.create_study(study_name="replay", storage=storage, load_if_exists=True,
                                    sampler=shared.sampler(tune_cfg(seed, sampler), [], startup, w),
                                    pruner=ReachedHalving(at[0] * IMAGES_PER_STEP, 3))
                for w in range(workers)]
-    space = {"optimizer.lr": optuna.distributions.FloatDistribution(1e-4, 1, log=True),
-             "adapter.rank": optuna.distributions.CategoricalDistribution(list(RANKS))}
-    limit = shared.Budget(None, budget, None)
-    running: list[dict[str, Any] | None] = [None] * workers
+    plan = trials.Plan([], IMAGES_PER_STEP, MAX_STEPS, at[0], 1)
+    running: list[Run | None] = [None] * workers
     ended = [False] * workers
     while not all(ended):
         for w, study in enumerate(studies):
@@ -150,14 +155,15 @@ def search(land: Landscape, seed: int, workers: int, budget: int, rungs: int,  #
                 for key, value in (("worker", w), ("max_steps", MAX_STEPS), ("steps", 0)):
                     trial.set_user_attr(key, value)
                 rank, lr = trial.params["adapter.rank"], trial.params["optimizer.lr"]
-                running[w] = {"trial": trial, "step": 0, "queue": [], "told": set(), "losses": {
-                    step: land.loss(rank, lr, step) + noise.normal(0, NOISE / 2)
-                    for step in (*at, MAX_STEPS)}}
+                losses = {step: land.loss(rank, lr, step) + noise.normal(0, NOISE / 2)
+                          for step in (*at, MAX_STEPS)}
+                gate = partial(study.pruner.waits, study, number=trial.number)  # quality._gate's
+                running[w] = Run(trials.Watch(trial, plan, float("inf"), gate), losses)
         if all(r is None for r in running):
             break  # the rest wait on nothing: the budget is spent
         for w, study in enumerate(studies):
             r = running[w]
-            if r is not None and _step(study, r):
+            if r is not None and r.advance(study):
                 running[w] = None
     trials = storage.get_all_trials(studies[0]._study_id)
     chosen = min((t for t in trials if t.state == TrialState.COMPLETE), key=lambda t: t.value)
@@ -166,34 +172,37 @@ def search(land: Landscape, seed: int, workers: int, budget: int, rungs: int,  #
             "steps": sum(int(t.user_attrs["steps"]) for t in trials)}
 
 
-def _step(study: Any, r: dict[str, Any]) -> bool:
-    """One training step of a running trial, and what trial.Watch does on its next read: report
-    the validations in order, each ruled on a step later unless held for the trials beside it
-    (for at most as many steps again as its rung's); True when the trial ended or was pruned."""
-    from optuna.trial import TrialState
+@dataclass
+class Run:
+    """A replayed trial's run, followed by the product's trial.Watch (its reports, its wait at a
+    rung, its pruning) as the tune follows metrics.jsonl: `read` and `step` are a Follower's, and
+    a validation written at a step is read after the next one, as the tune's reads come between
+    steps."""
 
-    trial, r["step"] = r["trial"], r["step"] + 1
-    step = r["step"]
-    trial.set_user_attr("steps", step)
-    if step == MAX_STEPS:
-        study.tell(trial, r["losses"][MAX_STEPS])
-        return True
-    if step in r["losses"]:
-        r["queue"].append(step)
-    while r["queue"]:
-        rung = r["queue"][0]
-        if rung not in r["told"]:
-            r["told"].add(rung)
-            trial.report(r["losses"][rung], rung * IMAGES_PER_STEP)
-        if step == rung:
-            return False  # read on the next step
-        if step - rung < rung and study.pruner.waits(study, rung * IMAGES_PER_STEP, trial.number):
-            return False
-        r["queue"].pop(0)
-        if trial.should_prune():
+    watch: Any
+    losses: dict[int, float]  # step: validation loss, the end's included
+    step: int = 0
+    rows: list[dict[str, Any]] = field(default_factory=list)  # written, not yet read
+
+    def read(self) -> list[dict[str, Any]]:
+        rows, self.rows = self.rows, []
+        return rows
+
+    def advance(self, study: Any) -> bool:
+        """One step and a read; True when the trial ended (told) or was pruned."""
+        from optuna.trial import TrialState
+
+        trial, self.step = self.watch.trial, self.step + 1
+        trial.set_user_attr("steps", self.step)
+        if self.step == MAX_STEPS:
+            study.tell(trial, self.losses[MAX_STEPS])
+            return True
+        if self.watch.progress(self):
             study.tell(trial, state=TrialState.PRUNED)
             return True
-    return False
+        if self.step in self.losses:
+            self.rows.append({"step": self.step, "val_loss": self.losses[self.step]})
+        return False
 
 
 def main() -> None:

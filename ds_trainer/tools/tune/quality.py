@@ -68,14 +68,9 @@ class Setup:
         return int(self.cfg.train.max_steps)
 
     def startup(self) -> int:
-        """TPE's trials drawn at random before it models the losses: tune.startup, else a third
-        of the full trials the budget affords (at least 2), at most 3 an axis and 10 (TPE's own
-        default): a budget of a few trials is mostly spent by the model, not by chance."""
-        if self.cfg.tune.startup is not None:
-            return int(self.cfg.tune.startup)
-        cap = min(10, 3 * len(self.axes))
-        afforded = self.limit.afforded(self.trial_steps)
-        return cap if afforded is None else max(2, min(cap, afforded // 3))
+        """TPE's trials drawn at random before it models the losses (startup_trials)."""
+        return startup_trials(self.cfg.tune.startup, len(self.axes),
+                              self.limit.afforded(self.trial_steps))
 
     def identity(self) -> dict[str, Any]:
         """What makes a study this study (a continued one must match it)."""
@@ -83,6 +78,16 @@ class Setup:
         return {"overrides": self.base, "axes": {a.key: a.given for a in self.axes},
                 "rung_images": self.rung, "trial_images": self.last, "every_images": self.every,
                 "sampler": t.sampler.value, "pruner": t.pruner.value, "reduction": int(t.reduction)}
+
+
+def startup_trials(given: int | None, axes: int, afforded: int | None) -> int:
+    """TPE's trials drawn at random first: tune.startup (`given`), else a third of the full trials
+    the budget affords (at least 2), at most 3 an axis and 10 (TPE's own default): a budget of a
+    few trials is mostly spent by the model, not by chance."""
+    if given is not None:
+        return int(given)
+    cap = min(10, 3 * axes)
+    return cap if afforded is None else max(2, min(cap, afforded // 3))
 
 
 def _compose(overrides: list[str]) -> DictConfig:
